@@ -21,3 +21,13 @@ def pytest_collection_modifyitems(config, items):
 def seeded():
     """A fresh generator per test: random inputs, never zeros, reproducible on failure."""
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread for tiny-model tests: on a busy 2-core machine OpenMP's spin-waiting makes
+    small ops 50x slower with two threads. Use with pytestmark = pytest.mark.usefixtures("single_thread")."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -51,6 +51,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+# Bump when any packed order below changes; saved checkpoints record it (futx.quant.gptq).
+LAYOUT_VERSION = 1
+
 # ---- mma.sync.m16n8k16 B fragment -------------------------------------------------------------
 MMA_K = 16
 MMA_N = 8
@@ -122,6 +125,13 @@ def _weight_block_index() -> tuple[np.ndarray, np.ndarray]:
     return src, shifts
 
 
+def weight_block_source() -> np.ndarray:
+    """[32 lanes, 4 words, 8 nibbles] -> flat index n*block_k + k inside a 16x64 block (read-only)."""
+    src = _weight_block_index()[0].view()
+    src.flags.writeable = False
+    return src
+
+
 def pack_int4_weight(q_unsigned: torch.Tensor) -> torch.Tensor:
     """Pack unsigned nibbles q+8 of shape [N, K] (uint8/int values 0..15) into int32 [N/16, K/64, 32, 4]."""
     lay = INT4_WEIGHT
@@ -134,8 +144,9 @@ def pack_int4_weight(q_unsigned: torch.Tensor) -> torch.Tensor:
     src, shifts = _weight_block_index()
     nb, kb = n // lay.block_n, k // lay.block_k
     blocks = q.reshape(nb, lay.block_n, kb, lay.block_k).permute(0, 2, 1, 3).reshape(nb, kb, -1)
-    gathered = blocks[:, :, torch.from_numpy(src).reshape(-1)].reshape(nb, kb, WARP, lay.words_per_lane, -1)
-    words = (gathered << torch.from_numpy(shifts)).sum(dim=-1)  # disjoint bits: sum == or
+    index = torch.from_numpy(src).reshape(-1).to(q.device)
+    gathered = blocks[:, :, index].reshape(nb, kb, WARP, lay.words_per_lane, -1)
+    words = (gathered << torch.from_numpy(shifts).to(q.device)).sum(dim=-1)  # disjoint bits: sum == or
     return (words - ((words >> 31) << 32)).to(torch.int32)  # reinterpret as signed 32-bit
 
 
@@ -147,7 +158,7 @@ def unpack_int4_weight(packed: torch.Tensor) -> torch.Tensor:
     nb, kb = packed.shape[:2]
     src, shifts = _weight_block_index()
     words = packed.to(torch.int64) & 0xFFFFFFFF
-    nibs = (words.unsqueeze(-1) >> torch.from_numpy(shifts)) & 0xF
+    nibs = (words.unsqueeze(-1) >> torch.from_numpy(shifts).to(packed.device)) & 0xF
     out = torch.empty(nb, kb, lay.block_n * lay.block_k, dtype=torch.uint8, device=packed.device)
     out[:, :, torch.from_numpy(src).reshape(-1).to(packed.device)] = nibs.reshape(nb, kb, -1).to(torch.uint8)
     return out.reshape(nb, kb, lay.block_n, lay.block_k).permute(0, 2, 1, 3).reshape(nb * lay.block_n,

@@ -1,0 +1,583 @@
+"""GQA decode attention over the BF16 cache or its INT4 / E4M3 mirror, with the cache write fused in.
+
+One CTA per (split, KV head, sequence); its warps stream disjoint 32- (or 16-) token tiles of that
+sequence's cache range through their own cp.async rings (keys, values and per-token scales of a tile
+travel together) and run the two products on tensor cores (see attn_plan.py for the formulation):
+  * INT4 keys arrive in mma.sync B-fragment byte order: each lane loads its own contiguous segment and
+    turns every byte into one f16x2 operand register through a 256-entry shared-memory table; values
+    stay in natural order and are regrouped from shared memory (two tokens' bytes -> nibble pairs ->
+    the same table). The K scale multiplies the finished q.k dot product, the V scale the probability.
+  * E4M3 uses cvt.e4m3x2 instead of the table, BF16 the raw registers and ldmatrix.trans for V.
+The CTA owning the last split of a sequence writes the new K/V row first (BF16 main copy, and for the
+mirrors the Hadamard rotation + quantization + packing), so no separate quantization kernel runs.
+The query is rotated once per CTA, the output once per (sequence, head) by whoever finishes it. Split-KV
+partials are merged by the last CTA of a (sequence, KV head) to arrive (self-resetting counter).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+import cutlass.memory as cmem
+
+from decode import attn_ptx as ptx
+from decode import hadamard_warp as hw
+from decode.attn_plan import (E4M3_PAIR_SELECTORS, MAX_GROUP, QMAX, AttnPlan, default_plan, int4_key_pair_slot,
+                              int4_value_pairs)
+from decode.splitkv_combine import merge_splits, merge_warps
+
+LOG2E = math.log2(math.e)
+XOR8 = 0x88888888  # signed nibbles -> offset binary (n + 8), for the arithmetic dequantization
+
+
+def _row_addr(t: cute.Tensor, slot, kvh, elem_bytes: int):
+    """64-bit byte address of t[slot, kvh, 0, ...] (the first two modes index slot and KV head)."""
+    st = t.layout.stride
+    return t.iterator.toint() + (Int64(slot) * Int64(st[0]) + Int64(kvh) * Int64(st[1])) * elem_bytes
+
+
+def _warp_max(x):
+    for s in (16, 8, 4, 2, 1):
+        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=s))
+    return x
+
+
+class DecodeAttention:
+    def __init__(self, plan: AttnPlan):
+        plan.check_maps()
+        self.p = plan
+
+    # ---- host side ----------------------------------------------------------------------------------
+    @cute.jit
+    def launch(self, mQ, mKn, mVn, mPos, mSlot, mKc, mVc, mKq, mKs, mVq, mVs, mLut, mOut, mWsO, mWsML,
+               mCnt, softmax_scale: Float32, stream):
+        splits = mWsO.shape[2]
+        self.kernel(mQ, mKn, mVn, mPos, mSlot, mKc, mVc, mKq, mKs, mVq, mVs, mLut, mOut, mWsO, mWsML, mCnt,
+                    softmax_scale * Float32(LOG2E)).launch(
+            grid=(splits, mKn.shape[1], mQ.shape[0]), block=(32 * self.p.warps, 1, 1), stream=stream)
+
+    # ---- device side --------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mKn: cute.Tensor, mVn: cute.Tensor, mPos: cute.Tensor,
+               mSlot: cute.Tensor, mKc: cute.Tensor, mVc: cute.Tensor, mKq: cute.Tensor, mKs: cute.Tensor,
+               mVq: cute.Tensor, mVs: cute.Tensor, mLut: cute.Tensor, mOut: cute.Tensor, mWsO: cute.Tensor,
+               mWsML: cute.Tensor, mCnt: cute.Tensor, scale_log2: Float32):
+        p = self.p
+        D, n, TT, NW = p.head_dim, p.per_lane, p.tile_tokens, p.warps
+        tidx, _, _ = cute.arch.thread_idx()
+        split, kvh, b = cute.arch.block_idx()
+        nsplit, _, _ = cute.arch.grid_dim()
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        group = mQ.shape[1] // mKn.shape[1]
+        cap = mKc.shape[2]
+        pos = mPos[b]
+        slot = mSlot[b]
+        # Out-of-range positions or slots never touch the cache: the rows come out as NaN (the op
+        # validates on the host; this guards graph replays with bad device-side inputs).
+        bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
+        ctx = cutlass.select_(bad, 1, pos + 1)
+        tiles = (ctx + TT - 1) // TT
+        per_split = (tiles + nsplit - 1) // nsplit
+        n_active = cutlass.select_(bad, 0, (tiles + per_split - 1) // per_split)
+
+        smem = cmem.SmemAllocator()
+        base = smem.allocate(p.smem_bytes, byte_alignment=1024).toint()
+        s_lut = base
+        s_q = base + p.lut_bytes
+        s_ring = s_q + p.q_bytes
+        s_flag = s_ring + p.ring_bytes
+
+        if bad:
+            if split == 0:
+                for idx in range(tidx, group * D, 32 * NW):
+                    mOut[b, kvh * group + idx // D, idx % D] = BFloat16(float("nan"))
+
+        if split < n_active:
+            if split == n_active - 1:  # this CTA's range holds position `pos`: write the new row first
+                if warp == 0:
+                    self.write_row(mKn, mKc, mKq, mKs, b, kvh, slot, pos, lane, True)
+                if warp == 1:
+                    self.write_row(mVn, mVc, mVq, mVs, b, kvh, slot, pos, lane, False)
+            if cutlass.const_expr(p.uses_lut):
+                self.fill_lut(mLut, s_lut, tidx, lane)
+            for j in range(warp, MAX_GROUP, NW):
+                self.stage_query(mQ, s_q, b, kvh, group, j, lane, scale_log2)
+            cute.arch.sync_threads()  # new row in global memory, table and query in shared memory
+
+            t_begin = split * per_split
+            t_end = cutlass.min(tiles, t_begin + per_split)
+            self.attend(mKc, mVc, mKq, mKs, mVq, mVs, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end,
+                        warp, lane, scale_log2)
+            cute.arch.sync_threads()  # scratch (the ring) holds every warp's partial
+
+            for h in range(warp, group, NW):
+                big, lsum, outs = merge_warps(s_ring, NW, MAX_GROUP, D, h, lane)
+                if n_active == 1:
+                    self.finish_row(mOut, b, kvh * group + h, lane, outs, lsum)
+                else:
+                    for i in cutlass.range_constexpr(n):
+                        mWsO[b, kvh, split, h, lane * n + i] = outs[i]
+                    if lane == 0:
+                        mWsML[b, kvh, split, h, 0] = big
+                        mWsML[b, kvh, split, h, 1] = lsum
+
+            if n_active > 1:
+                cute.arch.fence_acq_rel_gpu()  # publish this thread's partials before the count
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    cnt_addr = mCnt.iterator.toint() + Int64(cute.crd2idx((b, kvh), mCnt.layout)) * 4
+                    arrived = ptx.atomic_add_acq_rel_gpu(cnt_addr, 1)
+                    last = Int32(0)
+                    if arrived == n_active - 1:
+                        last = Int32(1)
+                        mCnt[b, kvh] = Int32(0)  # every split has arrived: ready for the next launch
+                    ptx.sts32(s_flag, Uint32(last))
+                cute.arch.sync_threads()
+                if ptx.lds32(s_flag) != Uint32(0):
+                    cute.arch.fence_acq_rel_gpu()
+                    res = cute.make_rmem_tensor((n + 1,), Float32)
+                    for h in range(warp, group, NW):
+                        merge_splits(mWsO, mWsML, b, kvh, h, lane, n_active, res, D)
+                        self.finish_row(mOut, b, kvh * group + h, lane, [res[i] for i in range(n)], res[n])
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    @cute.jit
+    def write_row(self, mNew, mMain, mMir, mScale, b, kvh, slot, pos, lane, is_key: bool):
+        """One warp: copy the new BF16 row into the main cache; for a mirror also rotate, quantize
+        (scale = amax / qmax, IEEE division, round half to even) and store it in its packed order."""
+        p = self.p
+        n = p.per_lane
+        c0 = lane * n
+        raw = [mNew[b, kvh, c0 + i] for i in range(n)]
+        for i in cutlass.range_constexpr(n):
+            mMain[slot, kvh, pos, c0 + i] = raw[i]
+        if cutlass.const_expr(p.quantized):
+            x = [v.to(Float32) for v in raw]
+            if cutlass.const_expr(p.rotate):
+                x = hw.rotate(x, lane, p.block)
+            amax = Float32(0.0)
+            for v in x:
+                amax = cute.arch.fmax(amax, cute.math.absf(v))
+            amax = _warp_max(amax)
+            scale = ptx.div_rn(amax, Float32(QMAX[p.fmt]))
+            live = scale > Float32(0.0)
+            if cutlass.const_expr(p.fmt == "int4"):
+                q = []
+                for v in x:
+                    r = ptx.rint_s32(ptx.div_rn(v, cutlass.select_(live, scale, Float32(1.0))))
+                    r = cutlass.max(cutlass.min(r, Int32(7)), Int32(-7))
+                    q.append(cutlass.select_(live, r, Int32(0)))
+                for e in cutlass.range_constexpr(n // 2):
+                    byte = Uint8((q[2 * e] & 0xF) | ((q[2 * e + 1] & 0xF) << 4))
+                    if cutlass.const_expr(is_key):
+                        t, sb = int4_key_pair_slot(c0 + 2 * e)
+                        mMir[slot, kvh, pos // 8, 4 * (pos % 8) + t, sb] = byte
+                    else:
+                        mMir[slot, kvh, pos, c0 // 2 + e] = byte
+            else:
+                y = [cutlass.select_(live, ptx.div_rn(v, cutlass.select_(live, scale, Float32(1.0))),
+                                     Float32(0.0)) for v in x]
+                y = y + [Float32(0.0)] * (4 - n)
+                word = ptx.f32x4_to_e4m3x4(y[0], y[1], y[2], y[3])
+                for i in cutlass.range_constexpr(n):
+                    mMir[slot, kvh, pos, c0 + i] = Uint8((word >> (8 * i)) & 0xFF)
+            if lane == 0:
+                mScale[slot, kvh, pos] = scale
+
+    @cute.jit
+    def fill_lut(self, mLut, s_lut, tidx, lane):
+        """Copy the 256-entry byte -> f16x2 table into shared memory, 32 copies interleaved so that
+        lane l reads entry e at word 32 e + l: every lookup of a warp hits 32 different banks."""
+        nthreads = 32 * self.p.warps
+        for e in range(tidx, 256, nthreads):
+            v = Uint32(mLut[e])
+            for k in cutlass.range_constexpr(8):
+                chunk = (lane + k) % 8  # spread the warp's stores over the banks
+                ptx.sts128(s_lut + e * 128 + chunk * 16, v, v, v, v)
+
+    def stage_query(self, mQ, s_q, b, kvh, group, j, lane, scale_log2):
+        """One warp: query head j of this KV head's group (rotated and pre-scaled for the mirrors) into
+        shared memory as f16 (mirrors) or bf16 (main cache); rows j >= group are zeros."""
+        p = self.p
+        n = p.per_lane
+        c0 = lane * n
+        live = j < group
+        head = kvh * group + cutlass.min(j, group - 1)
+        x = [cutlass.select_(live, mQ[b, head, c0 + i].to(Float32), Float32(0.0)) for i in range(n)]
+        row = s_q + (j * p.head_dim + c0) * 2
+        if cutlass.const_expr(p.quantized):
+            if cutlass.const_expr(p.rotate):
+                x = hw.rotate(x, lane, p.block)
+            x = [v * scale_log2 for v in x]  # log2(e) / sqrt(d) folded in: scores come out in log2 units
+            for e in range(n // 2):
+                ptx.sts32(row + 4 * e, ptx.pack_f16x2(x[2 * e], x[2 * e + 1]))
+        else:
+            for e in range(n // 2):
+                ptx.sts32(row + 4 * e, ptx.pack_bf16x2(x[2 * e], x[2 * e + 1]))
+
+    # ---- main loop ------------------------------------------------------------------------------------
+    @cute.jit
+    def attend(self, mKc, mVc, mKq, mKs, mVq, mVs, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp,
+               lane, scale_log2):
+        """This warp's tiles first + warp, first + warp + NW, ... of [t_begin, t_end) through a
+        `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch)."""
+        p = self.p
+        D, TT, NS, NW, SB = p.head_dim, p.tile_tokens, p.stages, p.warps, p.stage_bytes
+        qa = self.query_fragments(s_q, lane)
+        self.consts = {k: ptx.const_u32(v) for k, v in ptx.ALU_CONSTANTS.items()}
+        if cutlass.const_expr(p.fmt == "bf16"):
+            k_glob = _row_addr(mKc, slot, kvh, 2)
+            v_glob = _row_addr(mVc, slot, kvh, 2)
+        else:
+            k_glob = _row_addr(mKq, slot, kvh, 1)
+            v_glob = _row_addr(mVq, slot, kvh, 1)
+        ks_glob = _row_addr(mKs, slot, kvh, 4)
+        vs_glob = _row_addr(mVs, slot, kvh, 4)
+
+        ring = s_ring + warp * (NS * SB)
+        first = t_begin + warp
+        left = t_end - first
+        n_my = cutlass.select_(left > 0, (left + NW - 1) // NW, 0)
+        for i in cutlass.range_constexpr(NS - 1):
+            if i < n_my:
+                self.issue(ring + i * SB, (first + i * NW) * TT, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+            cute.arch.cp_async_commit_group()
+
+        # running max and sum of the two heads 2t, 2t+1 whose O^T columns this lane accumulates
+        m0 = Float32(float("-inf"))
+        m1 = Float32(float("-inf"))
+        l0 = Float32(0.0)
+        l1 = Float32(0.0)
+        acc = cute.make_rmem_tensor((p.ktiles * 4,), Float32)
+        for i in cutlass.range_constexpr(p.ktiles * 4):
+            acc[i] = Float32(0.0)
+        for it in range(n_my):
+            ahead = it + NS - 1
+            if ahead < n_my:  # refill the stage consumed in the previous iteration
+                self.issue(ring + (ahead % NS) * SB, (first + ahead * NW) * TT, ctx, lane, k_glob, v_glob,
+                           ks_glob, vs_glob)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(NS - 1)
+            cute.arch.sync_warp()  # every lane's copies of this tile are visible to the warp
+            sb = ring + (it % NS) * SB
+            m_new, l_new, alpha, pfrag = self.softmax_step(sb, (first + it * NW) * TT, ctx, lane, qa,
+                                                           (m0, m1), (l0, l1), s_lut, scale_log2)
+            if cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))):
+                self.rescale(acc, alpha)  # the running max moved for some head
+            self.accumulate_pv(sb, lane, pfrag, acc, s_lut)
+            m0, m1 = m_new
+            l0, l1 = l_new
+            cute.arch.sync_warp()  # all lanes are done with this stage before it is refilled
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # the ring becomes merge scratch
+        self.store_partial(s_ring, warp, lane, acc, (m0, m1), (l0, l1))
+
+    @cute.jit
+    def issue(self, sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
+        """cp.async one tile (keys, values, scales) into stage `sb`; rows at or past `ctx` are zero-filled
+        (their source address is clamped to the row start, which is always valid)."""
+        p = self.p
+        R = p.k_row_bytes
+        for i in cutlass.range_constexpr(p.chunks_per_lane(p.k_region)):
+            off = (lane + 32 * i) * 16
+            row = off // R
+            live = tok0 + row < ctx
+            dst = sb + off  # INT4: fragment-order blocks land as they are
+            if cutlass.const_expr(p.fmt != "int4"):
+                dst = sb + p.k_smem_offset(row, (off % R) // 16)
+            src = cutlass.select_(live, k_glob + Int64(tok0 * R + off), k_glob)
+            ptx.cp_async_16(dst, src, cutlass.select_(live, 16, 0))
+        for i in cutlass.range_constexpr(p.chunks_per_lane(p.tile_tokens * R)):
+            off = (lane + 32 * i) * 16
+            row = off // R
+            live = tok0 + row < ctx
+            dst = sb + p.v_offset + row * p.v_stride + off % R
+            src = cutlass.select_(live, v_glob + Int64(tok0 * R + off), v_glob)
+            ptx.cp_async_16(dst, src, cutlass.select_(live, 16, 0))
+        if cutlass.const_expr(p.quantized):
+            q4 = p.tile_tokens // 4  # 16-byte chunks of one scale vector
+            if lane < 2 * q4:
+                j = lane % q4
+                is_v = lane >= q4
+                tok = tok0 + 4 * j
+                valid = cutlass.max(cutlass.min(ctx - tok, 4), 0)
+                src = cutlass.select_(is_v, vs_glob, ks_glob)
+                src = cutlass.select_(valid > 0, src + Int64(tok * 4), src)
+                dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
+                ptx.cp_async_16(dst, src, valid * 4)
+
+    def query_fragments(self, s_q, lane):
+        """B registers of Q^T per k16 tile: column g = head g, k pairs 2t and 2t + 8 (channels from the
+        plan's map, which matches how the key bytes feed the A operand)."""
+        p = self.p
+        g, t = lane // 4, lane % 4
+        qa = []
+        for tile in range(p.ktiles):
+            regs = []
+            for r in range(2):
+                base, step = p.q_channel_parts(tile, r)
+                regs.append(ptx.lds32(s_q + (g * p.head_dim + base + step * t) * 2))
+            qa.append(regs)
+        return qa
+
+    def softmax_step(self, sb, tok0, ctx, lane, qa, m_run, l_run, s_lut, scale_log2):
+        """Scores of one tile and the online-softmax update for this lane's heads 2t, 2t+1.
+
+        S^T = K Q^T per 16-token step: A = keys (two 8-token blocks: their B fragments are exactly the A
+        fragment of 16 tokens), B = the query (8 heads), so no MMA row is padding. Lane (g, t) gets
+        tokens g and g+8 of the step for heads 2t and 2t+1. Returns (m_new, l_new, alpha, P^T B
+        fragments with the V scale applied), the pairs indexed by head 2t + h."""
+        p = self.p
+        TT = p.tile_tokens
+        steps = TT // 16
+        g, t = lane // 4, lane % 4
+        lane4 = Uint32(lane * 4)
+        kind = "bf16" if p.fmt == "bf16" else "f16"
+        blocks = [self.key_fragments(sb, kb, g, t, lane, lane4, s_lut) for kb in range(TT // 8)]
+        # two partial accumulators per step (even / odd k16 tiles): shorter dependent MMA chains
+        part = [[[Float32(0.0)] * 4 for _ in range(2)] for _ in range(steps)]
+        for tile in range(p.ktiles):
+            for st in range(steps):
+                lo, hi = blocks[2 * st](tile), blocks[2 * st + 1](tile)
+                part[st][tile % 2] = ptx.mma_16816((lo[0], hi[0], lo[1], hi[1]), (qa[tile][0], qa[tile][1]),
+                                                   part[st][tile % 2], kind)
+        # s[h][j]: head 2t + h, token j-th of this lane (step st, row g then g + 8)
+        s = [[], []]
+        toks = []
+        for st in range(steps):
+            c = [part[st][0][k] + part[st][1][k] for k in range(4)]
+            for row in range(2):
+                r = 16 * st + 8 * row + g
+                toks.append(r)
+                live = tok0 + r < ctx
+                if p.quantized:  # K scale on the finished dot product
+                    f = ptx.lds_f32(sb + p.ks_offset + r * 4)
+                else:
+                    f = scale_log2
+                for h in range(2):
+                    s[h].append(cutlass.select_(live, c[2 * row + h] * f, Float32(float("-inf"))))
+
+        m_new, l_new, alpha, pr = [], [], [], [[], []]
+        for h in range(2):  # reduce over the 8 lanes g of the same t
+            mx = s[h][0]
+            for v in s[h][1:]:
+                mx = cute.arch.fmax(mx, v)
+            for off in (4, 8, 16):
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
+            mn = cute.arch.fmax(m_run[h], mx)
+            pr[h] = [ptx.ex2(v - mn) for v in s[h]]
+            psum = pr[h][0]
+            for v in pr[h][1:]:
+                psum = psum + v
+            m_new.append(mn)
+            alpha.append(ptx.ex2(m_run[h] - mn))
+            l_new.append(l_run[h] * alpha[h] + psum)
+        if p.quantized:  # V scale on the probability, before the P.V product
+            for j, r in enumerate(toks):
+                f = ptx.lds_f32(sb + p.vs_offset + r * 4)
+                pr[0][j] = pr[0][j] * f
+                pr[1][j] = pr[1][j] * f
+        pack = ptx.pack_bf16x2 if p.fmt == "bf16" else ptx.pack_f16x2
+        # (token g, heads 2t, 2t+1) is one 8x8 fragment of P^T; its transpose is the B fragment
+        # (head g, tokens 2t, 2t+1) that O^T = V^T P^T needs
+        mats = [ptx.movmatrix_trans(pack(pr[0][j], pr[1][j])) for j in range(2 * steps)]
+        pfrag = [(mats[2 * st], mats[2 * st + 1]) for st in range(steps)]
+        return m_new, l_new, alpha, pfrag
+
+    def rescale(self, acc, alpha):
+        """O^T columns are this lane's heads 2t, 2t+1."""
+        for mt in range(self.p.ktiles):
+            for k in range(4):
+                acc[4 * mt + k] = acc[4 * mt + k] * alpha[k & 1]
+
+    def accumulate_pv(self, sb, lane, pfrag, acc, s_lut):
+        """O^T += V^T P^T over the tile's 16-token steps."""
+        p = self.p
+        g, t = lane // 4, lane % 4
+        lane4 = Uint32(lane * 4)
+        kind = "bf16" if p.fmt == "bf16" else "f16"
+        for ks in range(p.tile_tokens // 16):
+            vfr = self.value_fragments(sb, ks, g, t, lane, lane4, s_lut)
+            for mt in range(p.ktiles):
+                r = ptx.mma_16816(vfr[mt], pfrag[ks],
+                                  (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3]), kind)
+                for k in range(4):
+                    acc[4 * mt + k] = r[k]
+
+    def store_partial(self, s_ring, warp, lane, acc, m_run, l_run):
+        """This warp's (m, l, O) into the merge scratch: O [warp][head][channel], m and l [warp][head]."""
+        p = self.p
+        D = p.head_dim
+        g, t = lane // 4, lane % 4
+        m_base = s_ring + p.warps * MAX_GROUP * D * 4
+        l_base = m_base + p.warps * MAX_GROUP * 4
+        for h in range(2):
+            l = l_run[h]
+            for off in (4, 8, 16):  # partial sums of the 8 lanes that share head 2t + h
+                l = l + cute.arch.shuffle_sync_bfly(l, offset=off)
+            # every lane of the column holds the same (m, l); the 8 writes of a value coincide
+            ptx.sts_f32(m_base + (warp * MAX_GROUP + 2 * t + h) * 4, m_run[h])
+            ptx.sts_f32(l_base + (warp * MAX_GROUP + 2 * t + h) * 4, l)
+        for mt in range(p.ktiles):
+            for k in range(4):
+                base, step = p.out_channel_parts(mt, k >> 1)
+                head = 2 * t + (k & 1)
+                ptx.sts_f32(s_ring + ((warp * MAX_GROUP + head) * D + base + step * g) * 4, acc[4 * mt + k])
+
+    # ---- operand fragments ----------------------------------------------------------------------------
+    def _lut(self, word, byte: int, lane4, s_lut):
+        """Table lookup of byte `byte` of `word`: entry e of lane l sits at s_lut + 128 e + 4 l."""
+        return ptx.lds32(ptx.lut_offset(word, byte, lane4) + s_lut)
+
+    def key_fragments(self, sb, kb, g, t, lane, lane4, s_lut):
+        """Load key block kb (8 tokens) of the stage; return tile -> (reg0, reg1), this lane's B-fragment
+        registers of k16 tile `tile` (two blocks' registers make up the A fragment of S^T = K Q^T),
+        produced on first use so that their conversions interleave with the MMAs that consume them."""
+        p = self.p
+        D = p.head_dim
+        made = {}
+        if p.fmt == "int4":
+            seg = sb + kb * 4 * D + lane * (D // 8)
+            words = ptx.lds128(seg) if D // 8 == 16 else ptx.lds64(seg)
+            if p.k_dequant == "alu":
+                words = [w ^ XOR8 for w in words]
+            where = {frag: b for b, frag in enumerate(p.int4_key_frag)}
+
+            def reg(tile, r):
+                b = where[(tile, r)]
+                if p.k_dequant == "alu":
+                    return ptx.int4_byte_to_f16x2_alu(words[b // 4], b % 4, self.consts)
+                return self._lut(words[b // 4], b % 4, lane4, s_lut)
+        else:
+            chunks = [ptx.lds128(sb + p.k_smem_offset(kb * 8 + g, t + 4 * i)) for i in range(p.key_chunks())]
+            regs_per_word = 2 if p.fmt == "e4m3" else 1
+            where = {p.key_frag(i, j): (i, j) for i in range(p.key_chunks()) for j in range(4 * regs_per_word)}
+
+            def reg(tile, r):
+                i, j = where[(tile, r)]
+                w = chunks[i][j // regs_per_word]
+                if p.fmt == "bf16":
+                    return w
+                if (i, j // 2) not in made:
+                    made[(i, j // 2)] = ptx.e4m3x4_to_f16x2x2(w)
+                return made[(i, j // 2)][j % 2]
+
+        return lambda tile: (reg(tile, 0), reg(tile, 1))
+
+    def value_fragments(self, sb, ks, g, t, lane, lane4, s_lut):
+        """A registers (4 per m16 channel tile) of V^T for tokens 16ks..16ks+15 of the stage."""
+        p = self.p
+        VS = p.v_stride
+        rows = sb + p.v_offset + (16 * ks) * VS
+        out = [None] * p.ktiles
+        if cutlass.const_expr(p.fmt == "bf16"):
+            r = (lane % 8) + 8 * (lane // 16)
+            col = 16 * ((lane // 8) % 2)
+            for mt in range(p.ktiles):
+                out[mt] = ptx.ldmatrix_x4_trans(rows + r * VS + col + 32 * mt)
+            return out
+        for cc in range(p.value_passes()):
+            w = [ptx.lds32(rows + tk * VS + 4 * p.value_word(g, cc)) for tk in p.value_tokens(t)]
+            if p.fmt == "int4" and p.v_dequant == "alu":
+                wx = [x ^ XOR8 for x in w]
+                for i in range(4):
+                    e01, o01 = ptx.int4_token_pair_to_f16x2_alu(wx[0], wx[1], i, self.consts)
+                    e23, o23 = ptx.int4_token_pair_to_f16x2_alu(wx[2], wx[3], i, self.consts)
+                    out[4 * cc + i] = (e01, o01, e23, o23)
+            elif p.fmt == "int4":
+                lo01, hi01 = int4_value_pairs(w[0], w[1])  # tokens 2t, 2t+1
+                lo23, hi23 = int4_value_pairs(w[2], w[3])  # tokens 2t+8, 2t+9
+                for i in range(4):
+                    out[4 * cc + i] = (self._lut(lo01, i, lane4, s_lut), self._lut(hi01, i, lane4, s_lut),
+                                       self._lut(lo23, i, lane4, s_lut), self._lut(hi23, i, lane4, s_lut))
+            else:
+                for e, sel in enumerate(E4M3_PAIR_SELECTORS):
+                    a0, a1 = ptx.e4m3x4_to_f16x2x2(ptx.prmt(w[0], w[1], sel))
+                    a2, a3 = ptx.e4m3x4_to_f16x2x2(ptx.prmt(w[2], w[3], sel))
+                    out[2 * cc + e] = (a0, a1, a2, a3)
+        return out
+
+    # ---- output ----------------------------------------------------------------------------------------
+    def finish_row(self, mOut, b, head, lane, outs, lsum):
+        """O / l, rotated back to the model basis for a rotated mirror, stored as bf16."""
+        p = self.p
+        n = p.per_lane
+        inv = Float32(1.0) / lsum
+        y = [v * inv for v in outs]
+        if cutlass.const_expr(p.rotate):
+            y = hw.rotate(y, lane, p.block)
+        for i in range(n):
+            mOut[b, head, lane * n + i] = y[i].to(BFloat16)
+
+
+# ---- compile entry points (one jit signature per cache format) ------------------------------------------
+def make_entry(plan: AttnPlan):
+    kern = DecodeAttention(plan)
+    if plan.fmt == "bf16":
+        @cute.jit
+        def decode_attention_bf16(q: cute.Tensor, k_new: cute.Tensor, v_new: cute.Tensor, positions: cute.Tensor,
+                                  slots: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, out: cute.Tensor,
+                                  ws_o: cute.Tensor, ws_ml: cute.Tensor, counters: cute.Tensor,
+                                  softmax_scale: Float32, stream):
+            kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_cache, ws_ml, k_cache, ws_ml,
+                        counters, out, ws_o, ws_ml, counters, softmax_scale, stream)
+        return decode_attention_bf16
+    if plan.fmt == "int4":
+        @cute.jit
+        def decode_attention_int4(q: cute.Tensor, k_new: cute.Tensor, v_new: cute.Tensor, positions: cute.Tensor,
+                                  slots: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor,
+                                  k_mirror: cute.Tensor, k_scale: cute.Tensor, v_mirror: cute.Tensor,
+                                  v_scale: cute.Tensor, lut: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor,
+                                  ws_ml: cute.Tensor, counters: cute.Tensor, softmax_scale: Float32, stream):
+            kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror,
+                        v_scale, lut, out, ws_o, ws_ml, counters, softmax_scale, stream)
+        return decode_attention_int4
+
+    @cute.jit
+    def decode_attention_e4m3(q: cute.Tensor, k_new: cute.Tensor, v_new: cute.Tensor, positions: cute.Tensor,
+                              slots: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor,
+                              k_mirror: cute.Tensor, k_scale: cute.Tensor, v_mirror: cute.Tensor,
+                              v_scale: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor, ws_ml: cute.Tensor,
+                              counters: cute.Tensor, softmax_scale: Float32, stream):
+        kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+                    counters, out, ws_o, ws_ml, counters, softmax_scale, stream)
+    return decode_attention_e4m3
+
+
+def fake_args(plan: AttnPlan):
+    """Fake tensors in the argument order of make_entry(plan) (row-major, dynamic batch/heads/slots/
+    capacity/splits)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def t(dtype, shape, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
+                                        assumed_align=align)
+
+    D = plan.head_dim
+    B, HQ, HKV, S, C, NSPL = (cute.sym_int() for _ in range(6))
+    C8 = cute.sym_int()
+    args = [t(BFloat16, (B, HQ, D)), t(BFloat16, (B, HKV, D)), t(BFloat16, (B, HKV, D)),
+            t(Int32, (B,), 4), t(Int32, (B,), 4),
+            t(BFloat16, (S, HKV, C, D)), t(BFloat16, (S, HKV, C, D))]
+    if plan.fmt == "int4":
+        args += [t(Uint8, (S, HKV, C8, 32, D // 8)), t(Float32, (S, HKV, C)),
+                 t(Uint8, (S, HKV, C, D // 2)), t(Float32, (S, HKV, C)), t(Int32, (256,))]
+    elif plan.fmt == "e4m3":
+        args += [t(Uint8, (S, HKV, C, D)), t(Float32, (S, HKV, C)), t(Uint8, (S, HKV, C, D)),
+                 t(Float32, (S, HKV, C))]
+    args += [t(BFloat16, (B, HQ, D)), t(Float32, (B, HKV, NSPL, MAX_GROUP, D)),
+             t(Float32, (B, HKV, NSPL, MAX_GROUP, 2)), t(Int32, (B, HKV), 4),
+             Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)]
+    return tuple(args)
+
+
+def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, hadamard_block: int = 0,
+                   k_dequant: str = "lut", v_dequant: str = "lut"):
+    """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant."""
+    plan = default_plan(fmt, head_dim, rotate, hadamard_block, k_dequant, v_dequant)
+    return make_entry(plan), fake_args(plan)

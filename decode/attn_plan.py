@@ -1,0 +1,341 @@
+"""Trace-time plan of the decode attention kernel: tiles, shared-memory map and register-fragment maps.
+
+Plain Python (no DSL import) so CPU tests can check every map. The INT4 key order comes from
+`futx.quant.layouts` (derived and checked here, never restated); the E4M3 and BF16 caches are stored
+in natural order and their in-kernel channel permutations are the kernel's own business, defined here.
+
+Tensor-core formulation (mma.sync m16n8k16, f32 accumulators), per warp and per 16 cached tokens:
+  S^T = K . Q^T  : A = keys (16 tokens x 16 channels), B = the query heads of one KV head (N = 8).
+                   The B fragments of two 8-token key blocks in layouts' INT4 key order are exactly
+                   the A fragment of 16 tokens. Each lane feeds its registers from contiguous bytes of
+                   one token's row, so the channel order of the reduction is permuted; the query
+                   fragment uses the same map (q_channel).
+  O^T = V^T . P^T: A = values (16 channels x 16 tokens), B = probabilities (16 tokens x 8 heads). The
+                   S^T accumulators (token rows) become P^T's B fragment (head rows) through one
+                   movmatrix transpose per 8x8 block; the 8 heads of a GQA group fill N = 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from futx.quant import layouts
+
+FORMATS = ("int4", "e4m3", "bf16")
+QMAX = {"int4": 7.0, "e4m3": 448.0}
+MAX_GROUP = 8          # query heads per KV head handled by one n8 P.V tile
+LUT_COPIES = 32        # byte -> f16x2 table replicated per lane: lookups never conflict on a bank
+V_ROW_PAD = 16         # bytes added to each V row in shared memory (conflict-free fragment reads)
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# ---- INT4 key order, derived from futx.quant.layouts ----------------------------------------------
+def int4_key_pair_slot(c):
+    """Where the key channel pair (c, c+1) (c even) of token g of an 8-token block lives:
+    (t, byte) = (lane within the token's 4 lanes, byte within that lane's D/8-byte segment).
+    Written with shifts and masks so it serves both Python ints and DSL integers; checked against
+    layouts.Int4KeyLayout.byte_coord by `check_int4_key_formulas`."""
+    return (c >> 1) & 3, ((c >> 4) << 1) | ((c >> 3) & 1)
+
+
+def check_int4_key_formulas(head_dim: int) -> list[tuple[int, int]]:
+    """Verify the kernel's INT4 key formulas against the layout module; return, per segment byte,
+    the (k16 tile, B register) it feeds (identical for every lane)."""
+    lay = layouts.INT4_KEY
+    nbytes = lay.bytes_per_lane(head_dim)
+    frag = []
+    for b in range(nbytes):
+        seen = set()
+        for lane in range(layouts.WARP):
+            g, t = divmod(lane, 4)
+            for h in range(2):
+                tok, ch = lay.byte_coord(lane, b, h)
+                if tok != g:
+                    raise AssertionError(f"INT4 key layout: lane {lane} byte {b} holds token {tok}, expected {g}")
+                tile, k = divmod(ch, layouts.MMA_K)
+                reg = (k - 2 * t - h) // 8
+                if layouts.b_fragment_coord(lane, reg, h) != (k, g):
+                    raise AssertionError(f"INT4 key layout: byte {b} is not a B-fragment register")
+                seen.add((tile, reg))
+                if h == 0 and int4_key_pair_slot(ch) != (t, b):
+                    raise AssertionError(f"int4_key_pair_slot({ch}) = {int4_key_pair_slot(ch)}, "
+                                         f"layout says {(t, b)}")
+        if len(seen) != 1:
+            raise AssertionError(f"INT4 key byte {b} feeds different fragments on different lanes: {seen}")
+        frag.append(seen.pop())
+    if sorted(frag) != [(tile, reg) for tile in range(head_dim // 16) for reg in range(2)]:
+        raise AssertionError("INT4 key bytes do not cover every B fragment exactly once")
+    return frag
+
+
+NIB_LO, NIB_HI = 0x0F0F0F0F, 0xF0F0F0F0
+E4M3_PAIR_SELECTORS = (0x5140, 0x7362)  # prmt: bytes (a0, b0, a1, b1) and (a2, b2, a3, b3)
+
+
+def int4_value_pairs(w_even, w_odd):
+    """Two V-row words (same 8 channels, tokens 2t and 2t+1) -> (lo, hi): byte i of lo holds the
+    even channel 2i of both tokens (token 2t in the low nibble), byte i of hi the odd channel 2i+1.
+    Each byte is then one table lookup = one f16 pair (V[2t][c], V[2t+1][c]) of a V^T A fragment.
+    Shifts and masks only, so the kernel and the CPU tests run this same function."""
+    lo = (w_even & NIB_LO) | ((w_odd << 4) & NIB_HI)
+    hi = ((w_even >> 4) & NIB_LO) | (w_odd & NIB_HI)
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    fmt: str                 # cache the kernel reads: "int4" | "e4m3" (mirrors) | "bf16" (main copy)
+    head_dim: int
+    rotate: bool = False     # Hadamard-rotated mirror (int4/e4m3 only)
+    hadamard_block: int = 0  # 0 = head_dim
+    tile_tokens: int = 32    # tokens per warp iteration (multiple of 16)
+    stages: int = 3          # cp.async ring depth per warp
+    warps: int = 4
+    k_dequant: str = "lut"   # INT4 keys: "lut" (256-entry shared table) or "alu" (prmt + lop3 + fma)
+    v_dequant: str = "lut"   # INT4 values, same choice (an ablation switch; see the benchmark)
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"decode attention: unknown cache format {self.fmt!r}; known {FORMATS}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"decode attention: head dim {self.head_dim} not supported (64 or 128)")
+        if self.rotate and self.fmt == "bf16":
+            raise ValueError("decode attention: the BF16 main cache is never rotated")
+        if self.tile_tokens % 16 or self.stages < 2 or self.warps < 2:
+            raise ValueError("decode attention: tile_tokens must be a multiple of 16, stages and warps >= 2")
+        blk = self.block
+        if blk < 1 or blk & (blk - 1) or self.head_dim % blk:
+            raise ValueError(f"Hadamard block {blk} must be a power of two dividing {self.head_dim}")
+        if self.fmt == "int4":
+            layouts.INT4_KEY.check(self.head_dim, 8)
+            check_int4_key_formulas(self.head_dim)
+        for which in (self.k_dequant, self.v_dequant):
+            if which not in ("lut", "alu"):
+                raise ValueError(f"decode attention: dequantization {which!r} must be 'lut' or 'alu'")
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    @property
+    def block(self) -> int:
+        return self.hadamard_block or self.head_dim
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != "bf16"
+
+    @property
+    def ktiles(self) -> int:
+        """k16 tiles of the score MMA = m16 channel tiles of the value MMA."""
+        return self.head_dim // 16
+
+    @property
+    def per_lane(self) -> int:
+        """Channels per lane when a warp holds one D-row (new cache rows, query, output)."""
+        return self.head_dim // 32
+
+    @property
+    def k_row_bytes(self) -> int:
+        """Bytes of one token's key row (in global memory and in the stage)."""
+        return {"int4": self.head_dim // 2, "e4m3": self.head_dim, "bf16": 2 * self.head_dim}[self.fmt]
+
+    @property
+    def v_row_bytes(self) -> int:
+        return self.k_row_bytes
+
+    @property
+    def v_stride(self) -> int:
+        return self.v_row_bytes + V_ROW_PAD
+
+    @property
+    def k_region(self) -> int:
+        return self.tile_tokens * self.k_row_bytes
+
+    @property
+    def v_offset(self) -> int:
+        return self.k_region
+
+    @property
+    def ks_offset(self) -> int:
+        return self.v_offset + self.tile_tokens * self.v_stride
+
+    @property
+    def vs_offset(self) -> int:
+        return self.ks_offset + 4 * self.tile_tokens
+
+    @property
+    def stage_bytes(self) -> int:
+        end = self.vs_offset + 4 * self.tile_tokens if self.quantized else self.ks_offset
+        return _ceil_to(end, 128)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.warps * self.stages * self.stage_bytes
+
+    @property
+    def uses_lut(self) -> bool:
+        return self.fmt == "int4" and "lut" in (self.k_dequant, self.v_dequant)
+
+    @property
+    def lut_bytes(self) -> int:
+        return 256 * LUT_COPIES * 4 if self.uses_lut else 0
+
+    @property
+    def q_bytes(self) -> int:
+        return MAX_GROUP * self.head_dim * 2
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Per-warp partial results for the CTA merge (reuses the ring)."""
+        return self.warps * MAX_GROUP * (self.head_dim + 2) * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.lut_bytes + self.q_bytes + self.ring_bytes + 128
+
+    def chunks_per_lane(self, region_bytes: int) -> int:
+        n, r = divmod(region_bytes // 16, 32)
+        if r:
+            raise ValueError(f"{region_bytes} bytes are not a whole number of 16-byte chunks per lane")
+        return n
+
+    # ---- shared-memory swizzle of K rows (E4M3 / BF16) ------------------------------------------------
+    @property
+    def k_swizzle(self) -> int:
+        """XOR applied to the 16-byte chunk index on odd rows. Lanes (2p, t) and (2p+1, t) read the
+        same logical chunk of neighbouring rows in one phase; when a row spans >= 128 bytes those land
+        on the same banks unless odd rows flip to the other half."""
+        return 4 if self.k_row_bytes >= 128 else 0
+
+    def k_smem_offset(self, row, chunk):
+        """Byte offset in a stage of 16-byte chunk `chunk` of key row `row` (E4M3 / BF16); the cp.async
+        writer and the fragment reader both use it. Works on ints and DSL integers."""
+        return row * self.k_row_bytes + (chunk ^ ((row & 1) * self.k_swizzle)) * 16
+
+    # ---- fragment maps --------------------------------------------------------------------------------
+    VALUE_WORDS_PER_PASS = 8  # lane g reads 32-bit word g + 8 cc of a value row in pass cc
+
+    def value_passes(self) -> int:
+        """Passes over a value row (INT4: 8 channels per word; E4M3: 4)."""
+        return self.v_row_bytes // (4 * self.VALUE_WORDS_PER_PASS)
+
+    @staticmethod
+    def value_tokens(t):
+        """Tokens (within a 16-token step) whose value words lane quad position t reads: the k pairs
+        2t, 2t+1 and 2t+8, 2t+9 of the V^T A fragment."""
+        return (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)
+
+    @classmethod
+    def value_word(cls, g, cc):
+        return g + cls.VALUE_WORDS_PER_PASS * cc
+
+    @cached_property
+    def int4_key_frag(self) -> list[tuple[int, int]]:
+        return check_int4_key_formulas(self.head_dim)
+
+    def key_chunks(self) -> int:
+        """16-byte chunks of one key row a lane loads (E4M3 / BF16): logical chunks t + 4i."""
+        return self.k_row_bytes // 64
+
+    def key_frag(self, i: int, j: int) -> tuple[int, int]:
+        """(k16 tile, B register) fed by the j-th 32-bit register unpacked from the lane's i-th chunk."""
+        if self.fmt == "e4m3":   # 16 bytes -> 8 f16 pairs
+            return 4 * i + j // 2, j % 2
+        if self.fmt == "bf16":   # 16 bytes -> 4 bf16 pairs
+            return 2 * i + j // 2, j % 2
+        raise ValueError("INT4 keys use int4_key_frag")
+
+    def q_channel(self, tile: int, reg: int, t: int) -> int:
+        """Channel of the low half of the query A-fragment pair (k = 2t + 8 reg) of k16 tile `tile`
+        for lane quad position t; the high half is channel + 1. Must match the key map."""
+        if self.fmt == "int4":
+            return 16 * tile + 8 * reg + 2 * t
+        if self.fmt == "e4m3":
+            return 16 * t + 64 * (tile // 4) + 4 * (tile % 4) + 2 * reg
+        return 8 * t + 32 * (tile // 2) + 4 * (tile % 2) + 2 * reg
+
+    def q_channel_parts(self, tile: int, reg: int) -> tuple[int, int]:
+        """q_channel = base + step * t, as (base, step) for the kernel."""
+        base = self.q_channel(tile, reg, 0)
+        return base, self.q_channel(tile, reg, 1) - base
+
+    def out_channel(self, mt: int, upper: int, g: int) -> int:
+        """Channel of value-MMA row g + 8*upper of m16 tile mt (rows of O^T)."""
+        if self.fmt == "int4":   # word g + 8cc of a V row, byte i: low nibble -> row g, high -> g + 8
+            cc, i = divmod(mt, 4)
+            return 8 * (g + 8 * cc) + 2 * i + upper
+        if self.fmt == "e4m3":   # word g + 8cc of a V row: bytes (0,1) -> tile 2cc, (2,3) -> tile 2cc+1
+            cc, e = divmod(mt, 2)
+            return 4 * (g + 8 * cc) + 2 * e + upper
+        return 16 * mt + 8 * upper + g
+
+    def out_channel_parts(self, mt: int, upper: int) -> tuple[int, int]:
+        base = self.out_channel(mt, upper, 0)
+        return base, self.out_channel(mt, upper, 1) - base
+
+    # ---- checks used by tests ---------------------------------------------------------------------------
+    def check_maps(self) -> None:
+        d = self.head_dim
+        for tile in range(self.ktiles):  # query/key reduction order is a permutation of the channels
+            chans = sorted(self.q_channel(tile, r, t) + h for r in range(2) for t in range(4) for h in range(2))
+            if len(set(chans)) != 16:
+                raise AssertionError(f"{self.fmt}: k16 tile {tile} channels repeat: {chans}")
+        allc = sorted(self.q_channel(tl, r, t) + h for tl in range(self.ktiles) for r in range(2)
+                      for t in range(4) for h in range(2))
+        if allc != list(range(d)):
+            raise AssertionError(f"{self.fmt}: query channel map is not a permutation")
+        outc = sorted(self.out_channel(mt, u, g) for mt in range(self.ktiles) for u in range(2) for g in range(8))
+        if outc != list(range(d)):
+            raise AssertionError(f"{self.fmt}: output channel map is not a permutation")
+        if self.fmt != "int4":  # key chunk registers cover each (tile, reg) once per lane
+            regs_per_chunk = 8 if self.fmt == "e4m3" else 4
+            got = sorted(self.key_frag(i, j) for i in range(self.key_chunks()) for j in range(regs_per_chunk))
+            if got != [(tl, r) for tl in range(self.ktiles) for r in range(2)]:
+                raise AssertionError(f"{self.fmt}: key chunk map does not cover every fragment once")
+            for i in range(self.key_chunks()):  # and its channels are the query map's
+                for j in range(regs_per_chunk):
+                    tile, reg = self.key_frag(i, j)
+                    for t in range(4):
+                        chunk_bytes = 16 * (t + 4 * i) + 4 * j * (1 if self.fmt == "bf16" else 0) \
+                            + 2 * j * (1 if self.fmt == "e4m3" else 0)
+                        elem = chunk_bytes // (2 if self.fmt == "bf16" else 1)
+                        if elem != self.q_channel(tile, reg, t):
+                            raise AssertionError(f"{self.fmt}: key chunk {i} reg {j} lane t={t} is channel "
+                                                 f"{elem}, query map says {self.q_channel(tile, reg, t)}")
+        if self.scratch_bytes > self.ring_bytes:
+            raise AssertionError("merge scratch does not fit in the ring")
+
+
+def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: int = 0,
+                 k_dequant: str = "lut", v_dequant: str = "lut") -> AttnPlan:
+    """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
+    D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM."""
+    tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
+    return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, hadamard_block=hadamard_block,
+                    tile_tokens=tt, stages=3, warps=4, k_dequant=k_dequant, v_dequant=v_dequant)
+
+
+SMEM_PER_SM = 227 * 1024
+
+
+def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, sms: int = 132) -> int:
+    """Split-KV count for a launch: the smallest modelled time over s splits, where the busiest SM runs
+    n = ceil(batch*kv_heads*s / sms) CTAs of ceil(tiles/s) tiles (+2 tiles of setup/merge each) and only
+    reaches full bandwidth with >= 2 CTAs (8 warps) resident. Each split keeps >= 1 tile per warp."""
+    tiles = max(1, -(-max_context // plan.tile_tokens))
+    base = max(1, batch * kv_heads)
+    resident = max(1, SMEM_PER_SM // plan.smem_bytes)
+    best, best_cost = 1, None
+    for s in range(1, 65):
+        per = -(-tiles // s)
+        if s > 1 and per < plan.warps:
+            break
+        n = -(-base * s // sms)
+        waves = -(-n // resident)
+        rate = min(1.0, n / 2)
+        cost = waves * min(n, resident) * (per + 2) / rate + (0.5 if s > 1 else 0.0)
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best

@@ -1,0 +1,280 @@
+"""Inline-PTX building blocks for the decode attention kernel (sm_80+ instructions, used on sm_90a).
+
+Each wrapper is one or a few PTX instructions on 32-bit registers; shared-memory addresses are 32-bit
+offsets in the shared window (`smem_ptr.toint()`), global addresses 64-bit (`gmem_ptr.toint()`).
+Memory instructions are marked as having side effects so LLVM never merges or hoists them across the
+barriers and async-copy waits that order them; pure arithmetic is left free to be scheduled.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(result_type, operands, text, constraints, side_effects, loc, ip):
+    return llvm.inline_asm(result_type, operands, text, constraints, has_side_effects=side_effects,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def _u32(x, loc, ip):
+    return Uint32(x).ir_value(loc=loc, ip=ip)
+
+
+def _i32(x, loc, ip):
+    return Int32(x).ir_value(loc=loc, ip=ip)
+
+
+def _f32(x, loc, ip):
+    return Float32(x).ir_value(loc=loc, ip=ip)
+
+
+def _unpack(res, n, ty, wrap, loc, ip):
+    return tuple(wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n))
+
+
+# ---- tensor cores -------------------------------------------------------------------------------
+@dsl_user_op
+def mma_16816(a, b, c, kind: str = "f16", *, loc=None, ip=None):
+    """D = A (16x16) * B (16x8) + C with f32 accumulation; a: 4 regs, b: 2 regs, c: 4 floats.
+
+    kind "f16" or "bf16" names the operand type of A and B (packed pairs, low half first)."""
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 4),
+               [_u32(x, loc, ip) for x in (*a, *b)] + [_f32(x, loc, ip) for x in c],
+               f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", False, loc, ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def movmatrix_trans(x, *, loc=None, ip=None):
+    """Transpose an 8x8 b16 matrix held in fragment order (lane (g, t) holds row g, columns 2t, 2t+1):
+    afterwards lane (g, t) holds row g, columns 2t, 2t+1 of the transpose."""
+    return Uint32(_asm(T.i32(), [_u32(x, loc, ip)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r",
+                       True, loc, ip))
+
+
+# ---- asynchronous copies --------------------------------------------------------------------------
+@dsl_user_op
+def cp_async_16(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None):
+    """Copy 16 bytes global -> shared, reading only `src_bytes` (0..16) and zero-filling the rest,
+    so rows past the context end arrive as zeros (finite) instead of whatever the cache holds."""
+    _asm(T.i32(), [_i32(smem_addr, loc, ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+                   _i32(src_bytes, loc, ip)],
+         "cp.async.cg.shared.global [$1], [$2], 16, $3;\n\tmov.u32 $0, 0;", "=r,r,l,r", True, loc, ip)
+
+
+# ---- shared memory ----------------------------------------------------------------------------------
+@dsl_user_op
+def lds32(addr, *, loc=None, ip=None):
+    return Uint32(_asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", True, loc, ip))
+
+
+@dsl_user_op
+def lds64(addr, *, loc=None, ip=None):
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_i32(addr, loc, ip)],
+               "ld.shared.v2.b32 {$0,$1}, [$2];", "=r,=r,r", True, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def lds128(addr, *, loc=None, ip=None):
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i32(addr, loc, ip)],
+               "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", True, loc, ip)
+    return _unpack(res, 4, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def lds_f32x2(addr, *, loc=None, ip=None):
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 2), [_i32(addr, loc, ip)],
+               "ld.shared.v2.f32 {$0,$1}, [$2];", "=f,=f,r", True, loc, ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def lds_f32(addr, *, loc=None, ip=None):
+    return Float32(_asm(T.f32(), [_i32(addr, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r", True, loc, ip))
+
+
+@dsl_user_op
+def sts32(addr, value, *, loc=None, ip=None):
+    _asm(T.i32(), [_i32(addr, loc, ip), _u32(value, loc, ip)],
+         "st.shared.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,r,r", True, loc, ip)
+
+
+@dsl_user_op
+def sts128(addr, v0, v1, v2, v3, *, loc=None, ip=None):
+    _asm(T.i32(), [_i32(addr, loc, ip)] + [_u32(v, loc, ip) for v in (v0, v1, v2, v3)],
+         "st.shared.v4.b32 [$1], {$2,$3,$4,$5};\n\tmov.u32 $0, 0;", "=r,r,r,r,r,r", True, loc, ip)
+
+
+@dsl_user_op
+def sts_f32(addr, value, *, loc=None, ip=None):
+    _asm(T.i32(), [_i32(addr, loc, ip), _f32(value, loc, ip)],
+         "st.shared.f32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,r,f", True, loc, ip)
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(addr, *, loc=None, ip=None):
+    """Four transposed 8x8 b16 matrices: lane 8i+r supplies row r of matrix i; lane (g, t) receives
+    element pairs (row 2t, 2t+1) of column g of each matrix."""
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i32(addr, loc, ip)],
+               "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
+               "=r,=r,=r,=r,r", True, loc, ip)
+    return _unpack(res, 4, T.i32(), Uint32, loc, ip)
+
+
+# ---- global memory ------------------------------------------------------------------------------------
+@dsl_user_op
+def ldg_cg_f32(addr, *, loc=None, ip=None):
+    """Load through L2 only: partial results another CTA wrote during this launch (L1 is not coherent)."""
+    return Float32(_asm(T.f32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.f32 $0, [$1];",
+                        "=f,l", True, loc, ip))
+
+
+@dsl_user_op
+def atomic_add_acq_rel_gpu(addr, value, *, loc=None, ip=None):
+    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), _i32(value, loc, ip)],
+                      "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", True, loc, ip))
+
+
+# ---- conversions and bit manipulation ---------------------------------------------------------------
+@dsl_user_op
+def pack_f16x2(lo, hi, *, loc=None, ip=None):
+    """(fp16(lo), fp16(hi)) in one register, lo in the low half (round to nearest even)."""
+    return Uint32(_asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)], "cvt.rn.f16x2.f32 $0, $1, $2;",
+                       "=r,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def pack_bf16x2(lo, hi, *, loc=None, ip=None):
+    return Uint32(_asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)], "cvt.rn.bf16x2.f32 $0, $1, $2;",
+                       "=r,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def bf16x2_to_f32(word, *, loc=None, ip=None):
+    """Unpack a bf16 pair (exact: bf16 is the top half of an f32)."""
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 2), [_u32(word, loc, ip)],
+               "{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, $2, 16;\n\tand.b32 hi, $2, 0xffff0000;\n\t"
+               "mov.b32 $0, lo;\n\tmov.b32 $1, hi;\n\t}", "=f,=f,r", False, loc, ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def e4m3x4_to_f16x2x2(word, *, loc=None, ip=None):
+    """Four E4M3 bytes -> two f16 pairs (bytes 0,1) and (bytes 2,3), exact."""
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_u32(word, loc, ip)],
+               "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, $2;\n\t"
+               "cvt.rn.f16x2.e4m3x2 $0, lo;\n\tcvt.rn.f16x2.e4m3x2 $1, hi;\n\t}", "=r,=r,r", False, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None):
+    """Round four floats to E4M3 (nearest even, saturating to +-448), x0 in the lowest byte."""
+    return Uint32(_asm(T.i32(), [_f32(x, loc, ip) for x in (x0, x1, x2, x3)],
+                       "{\n\t.reg .b16 lo, hi;\n\tcvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+                       "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\tmov.b32 $0, {lo, hi};\n\t}",
+                       "=r,f,f,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None):
+    """Byte permute of the 8 bytes {b, a} (a = bytes 0-3)."""
+    return Uint32(_asm(T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip)], f"prmt.b32 $0, $1, $2, {selector};",
+                       "=r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def lut_offset(word, byte: int, lane4, *, loc=None, ip=None):
+    """128 * byte_`byte`(word) | lane4: the shared-memory offset of this lane's copy of the table
+    entry (entries 128 bytes apart, lane copies 4 bytes apart). Kept as one asm block so that it
+    stays a shift and one LOP3 instead of being re-associated into adds."""
+    shift = f"shl.b32 t, $1, 7;" if byte == 0 else f"shr.u32 t, $1, {8 * byte - 7};"
+    return Int32(_asm(T.i32(), [_u32(word, loc, ip), _u32(lane4, loc, ip)],
+                      "{\n\t.reg .b32 t;\n\t" + shift + "\n\tand.b32 t, t, 0x7f80;\n\tor.b32 $0, t, $2;\n\t}",
+                      "=r,r,r", False, loc, ip))
+
+
+# signed nibble n (two's complement) -> offset binary n + 8 by xor 8; placed in the mantissa of f16 1024.0,
+# it reads 1024 + n + 8 (low nibble of a half) or 1024 + 16 (n + 8) (high nibble); one f16x2 FMA removes it.
+# The constants come in as registers (ALU_CONSTANTS, materialized once by the caller): SASS LOP3 and
+# HFMA2 take at most one immediate, so constants written inside the asm would be re-moved on every use.
+ALU_CONSTANTS = {
+    "magic": 0x64006400,      # f16x2 (1024, 1024)
+    "k_mul": 0x2C003C00,      # (1, 1/16): low nibble as is, high nibble scaled down from 16 n
+    "k_add": 0xD480E408,      # (-1032, -72)
+    "v_sub": 0x64086408,      # (1032, 1032)
+    "v_mul": 0x2C002C00,      # (1/16, 1/16)
+    "v_add": 0xD480D480,      # (-72, -72)
+    "k_mask": 0x00F0000F,     # low nibble of the low half, high nibble of the high half
+    "v_lo": 0x000F000F,
+    "v_hi": 0x00F000F0,
+}
+
+
+@dsl_user_op
+def int4_byte_to_f16x2_alu(word_x8, byte: int, c: dict, *, loc=None, ip=None):
+    """Arithmetic twin of the table lookup for key bytes: byte `byte` of word_x8 (= word ^ 0x88888888)
+    -> f16x2 (low nibble, high nibble). prmt + lop3 + fma."""
+    sel = byte | (4 << 4) | (byte << 8) | (4 << 12)  # byte -> bytes 0 and 2
+    return Uint32(_asm(T.i32(), [_u32(word_x8, loc, ip)] + [_u32(c[k], loc, ip) for k in
+                                                             ("magic", "k_mul", "k_add", "k_mask")],
+                       "{\n\t.reg .b32 x;\n\t"
+                       f"prmt.b32 x, $1, 0, {sel};\n\t"
+                       "and.b32 x, x, $5;\n\tor.b32 x, x, $2;\n\t"
+                       "fma.rn.f16x2 $0, x, $3, $4;\n\t}", "=r,r,r,r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def int4_token_pair_to_f16x2_alu(w_even_x8, w_odd_x8, byte: int, c: dict, *, loc=None, ip=None):
+    """Arithmetic V dequantization: byte `byte` of two value words (tokens 2t, 2t+1, both xor 0x88888888)
+    -> (f16x2 of the even channel for both tokens, f16x2 of the odd channel). prmt + 2 lop3 + 2 f16x2."""
+    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)  # token 2t -> bytes 0,1; 2t+1 -> 2,3
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2),
+               [_u32(w_even_x8, loc, ip), _u32(w_odd_x8, loc, ip)]
+               + [_u32(c[k], loc, ip) for k in ("magic", "v_sub", "v_mul", "v_add", "v_lo", "v_hi")],
+               "{\n\t.reg .b32 x, lo, hi;\n\t"
+               f"prmt.b32 x, $2, $3, {sel};\n\t"
+               "and.b32 lo, x, $8;\n\tor.b32 lo, lo, $4;\n\t"
+               "and.b32 hi, x, $9;\n\tor.b32 hi, hi, $4;\n\t"
+               "sub.f16x2 $0, lo, $5;\n\tfma.rn.f16x2 $1, hi, $6, $7;\n\t}",
+               "=r,=r,r,r,r,r,r,r,r,r", False, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def const_u32(value: int, *, loc=None, ip=None):
+    """A 32-bit constant in a register (opaque to LLVM, so it is materialized once, not folded)."""
+    return Uint32(_asm(T.i32(), [], f"mov.b32 $0, {value};", "=r", False, loc, ip))
+
+
+@dsl_user_op
+def rint_s32(x, *, loc=None, ip=None):
+    """Round to the nearest integer, ties to even (torch.round), as int32."""
+    return Int32(_asm(T.i32(), [_f32(x, loc, ip)], "cvt.rni.s32.f32 $0, $1;", "=r,f", False, loc, ip))
+
+
+@dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None):
+    """IEEE single-precision division (what torch computes), independent of fast-math settings."""
+    return Float32(_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f",
+                        False, loc, ip))
+
+
+@dsl_user_op
+def ex2(x, *, loc=None, ip=None):
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", False, loc, ip))
+
+
+@dsl_user_op
+def bits_f32(word, *, loc=None, ip=None):
+    return Float32(_asm(T.f32(), [_u32(word, loc, ip)], "mov.b32 $0, $1;", "=f,r", False, loc, ip))
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None):
+    return Uint32(_asm(T.i32(), [_f32(x, loc, ip)], "mov.b32 $0, $1;", "=r,f", False, loc, ip))

@@ -1,0 +1,57 @@
+"""Weight streaming shared by the GEMV and the skinny kernel.
+
+A *unit* is what one step consumes: one scale group of INT4 blocks (G/64 blocks), or one block of a
+natural-layout format. `load_unit` issues a lane's 16-byte loads (and its two group scales) for one
+unit of one 16-channel n-block; `mma_unit` turns them into MMAs against activation fragments and folds
+the result into the float32 accumulators: per group, scale * partial (INT4), or the partial itself.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int64
+
+from . import ptx
+from .dequant import BLOCK_K, WORDS
+
+
+def units_of(fmt) -> tuple[int, int]:
+    """(blocks per unit, reduction elements per unit)."""
+    bpu = fmt.blocks_per_group if fmt.grouped else 1
+    return bpu, BLOCK_K * bpu
+
+
+def load_unit(fmt, bpu: int, lane_base: Int64, u, valid, offsets, k, s_base, nb, n_groups, g) -> tuple:
+    """Issue unit u's weight loads (and group scales), predicated off unless `valid`."""
+    regs = []
+    for b in range(bpu):
+        addr = lane_base + Int64(u * bpu + b) * fmt.block_stride(k)
+        for off in offsets:
+            regs += list(ptx.ldg_stream_v4(addr + off, valid))
+    if cutlass.const_expr(fmt.grouped):
+        lo, hi = fmt.scale_addrs(s_base, nb, u, n_groups, g)
+        regs += [ptx.ldg_f16_to_f32(lo, valid), ptx.ldg_f16_to_f32(hi, valid)]
+    return tuple(regs)
+
+
+def mma_unit(fmt, bpu: int, cur: tuple, b_ops: list, accs: list, valid, consts) -> list:
+    """accs[mt] += unit contribution for each 8-token group mt; b_ops[b][mt] are the (b0, b1) pairs of
+    block b of the unit. A unit that is not `valid` adds exactly zero (its registers are garbage)."""
+    per_block = 4 * fmt.loads_per_block
+    zero = Float32(0.0)
+    parts = [(zero,) * 4 for _ in accs]
+    for b in range(bpu):
+        a_ops = fmt.a_operands(cur[b * per_block:(b + 1) * per_block], consts)
+        for j in range(WORDS):
+            for mt in range(len(accs)):
+                parts[mt] = ptx.mma_bf16_16816(a_ops[j], b_ops[b][mt][j], parts[mt])
+    out = []
+    for acc, part in zip(accs, parts):
+        part = tuple(cutlass.select_(valid != 0, p, zero) for p in part)  # garbage may be NaN
+        if cutlass.const_expr(fmt.grouped):
+            s_lo, s_hi = cur[-2], cur[-1]  # channels g (c0, c1) and g + 8 (c2, c3)
+            out.append((acc[0] + s_lo * part[0], acc[1] + s_lo * part[1],
+                        acc[2] + s_hi * part[2], acc[3] + s_hi * part[3]))
+        else:
+            out.append(tuple(a + p for a, p in zip(acc, part)))
+    return out

@@ -1,0 +1,228 @@
+"""Epilogue policies: what the prefill GEMM does with its accumulators, chosen at compile time.
+
+The mainloop (`futx/mainloop.py`) finishes a 128 x tile_n tile of FP32 accumulators in registers and
+walks it in output *subtiles* (64 rows x epi_n columns per consumer warpgroup). For every subtile it
+hands each thread's values to the policy chain as a `Frag`: `frag.vals[i]` is a register, and
+`frag.coord(i)` its global (row, column). Policies compose left to right, e.g.
+
+    Chain(ScaleRestore(rho=True), SwiGLU("interleaved"), StoreFP8())
+
+Three kinds of step:
+  * "map"    elementwise on the fragment (`visit`), before or after a pair step;
+  * "pair"   combines two accumulator columns into one output column (`combine`), halving N;
+             the engine gathers the partner values and restores the standard register layout;
+  * "store"  the last step: converts the fragment to the output dtype (`convert`); the engine then
+             writes it through shared memory and a TMA store into the output tensor D.
+
+A policy declares the runtime tensors it needs (`args`, in order; the op passes them after D) and
+may keep per-thread state in registers across tiles. Hooks, all optional, all traced at compile time:
+
+    setup(self, ctx, *tensors) -> state   once per thread, before the persistent tile loop
+    prefetch(self, state, tile)           before the tile's mainloop: issue global loads into registers
+                                          (their latency hides behind the MMAs)
+    begin_tile(self, state, tile)         after the mainloop: e.g. publish prefetched values to smem
+                                          (`smem_floats` words, ctx.smem()[tile.parity, i], shared by
+                                          the CTA's 256 consumer threads ctx.cta_tid; the engine syncs)
+    visit(self, state, frag)              (map) edit frag.vals in place
+    end_tile(self, state, tile)           after the tile's last subtile (e.g. write row partials)
+    combine(self, state, gate, up)        (pair) two FP32 values -> one
+    convert(self, state, frag)            (store) -> TensorSSA of `out_dtype`
+    finish(self, state)                   after the last tile (e.g. publish an amax)
+
+State must not be rebound inside the loops: keep mutable values in register tensors
+(`cute.make_rmem_tensor`) created in `setup`. Out-of-range rows/columns (M, N are runtime values
+and tiles overhang them) are dropped by the TMA store; policies that read vectors clamp the index
+(`ctx.row_clamp`, `ctx.col_clamp`) and policies that write memory themselves must mask.
+
+Writing a new policy: see README.md ("Writing an epilogue policy") for a worked example.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+_DTYPES = {
+    "f32": cutlass.Float32,
+    "bf16": cutlass.BFloat16,
+    "e4m3": cutlass.Float8E4M3FN,
+    "i32": cutlass.Int32,
+}
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A runtime tensor a policy reads or writes.
+
+    shape: symbols "m" (rows = tokens), "n" (GEMM columns), "n_out" (columns of D) or ints.
+    Vectors are contiguous; 2-D tensors are row-major.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple
+    writes: bool = False
+
+    @property
+    def cute_dtype(self):
+        return _DTYPES[self.dtype]
+
+
+class Policy:
+    """Base class of one epilogue step (see module docstring)."""
+
+    kind = "map"
+    args: tuple = ()
+    out_dtype = None       # store steps: the dtype of D ("bf16", "e4m3")
+    name = "policy"
+    space = "any"          # "out": only in output coordinates (after a pair step, if the chain has one)
+    wide_subtile_regs = False   # True: needs the 32-column subtile (e.g. keeps a subtile-sized prefetch)
+
+    def smem_floats(self, tile_n: int) -> int:
+        """Float32 words of CTA-shared smem per tile (double-buffered by the engine; ctx.smem())."""
+        return 0
+
+    def prefetch(self, state, tile) -> None:
+        pass
+
+    def key(self) -> str:
+        """Stable short name used in kernel keys and variant caches."""
+        return self.name
+
+    def setup(self, ctx: Any, *tensors) -> Any:
+        return tuple(tensors)
+
+    def begin_tile(self, state, tile) -> None:
+        pass
+
+    def visit(self, state, frag) -> None:
+        pass
+
+    def end_tile(self, state, tile) -> None:
+        pass
+
+    def combine(self, state, gate, up):
+        raise NotImplementedError
+
+    def convert(self, state, frag):
+        raise NotImplementedError
+
+    def finish(self, state) -> None:
+        pass
+
+
+@dataclass
+class Tile:
+    """Where the current tile sits (global indices of this warpgroup's 64-row slab)."""
+
+    row0: Int32        # first row
+    col0: Int32        # first accumulator (GEMM N) column (split SwiGLU: see ctx.gemm_col)
+    out_col0: Int32    # first column of D
+    tn: Int32          # tile column index
+    parity: Int32      # 0/1 alternating per tile: which half of a policy's smem to use
+
+
+class Frag:
+    """One thread's values of one subtile, with their global coordinates.
+
+    vals: FP32 register tensor (edit in place). coord(i) -> (row, col); the column is a GEMM column
+    before a pair step and a D column after it. local(i) -> (row in the 64-row slab, column in the
+    tile: accumulator column before a pair step, output column after), e.g. to index policy smem.
+    `row_slot(i)` in {0, 1}: each thread holds exactly two rows of a 64-row slab (WGMMA layout), so
+    per-row values can be cached per tile in 2 registers. `tile` is the current Tile and `subtile`
+    the (compile-time) index of this output subtile (ctx.n_sub per tile).
+    """
+
+    def __init__(self, vals, coord_fn, row_slot_fn, local_fn=None):
+        self.vals = vals
+        self._coord = coord_fn
+        self._row_slot = row_slot_fn
+        self._local = local_fn
+
+    def local(self, i: int):
+        return self._local(i)
+
+    @property
+    def size(self) -> int:
+        return cute.size(self.vals)
+
+    def coord(self, i: int):
+        return self._coord(i)
+
+    def row_slot(self, i: int) -> int:
+        return self._row_slot(i)
+
+
+class Chain:
+    """An ordered composition of policies: maps, at most one pair step, then one store."""
+
+    def __init__(self, *steps: Policy):
+        if not steps or steps[-1].kind != "store":
+            raise ValueError("an epilogue chain must end with a store policy (StoreBF16, StoreFP8, ...)")
+        if any(s.kind == "store" for s in steps[:-1]):
+            raise ValueError("only the last step of a chain may store")
+        pairs = [i for i, s in enumerate(steps) if s.kind == "pair"]
+        if len(pairs) > 1:
+            raise ValueError("a chain may contain at most one pair step (e.g. SwiGLU)")
+        for s in steps:
+            if s.kind not in ("map", "pair", "store"):
+                raise ValueError(f"unknown policy kind {s.kind!r} in {type(s).__name__}")
+        if pairs:
+            early = [type(s).__name__ for s in steps[: pairs[0]] if getattr(s, "space", "any") == "out"]
+            if early:
+                raise ValueError(f"{', '.join(early)} works on output columns: place it after the pair step")
+        self.steps = tuple(steps)
+        self.pair_index = pairs[0] if pairs else None
+        self.pre = self.steps[: self.pair_index] if pairs else self.steps[:-1]
+        self.pair = self.steps[self.pair_index] if pairs else None
+        self.post = self.steps[self.pair_index + 1 : -1] if pairs else ()
+        self.store = self.steps[-1]
+
+    @property
+    def n_ratio(self) -> int:
+        """GEMM columns per output column."""
+        return 2 if self.pair is not None else 1
+
+    @property
+    def out_dtype(self):
+        return _DTYPES[self.store.out_dtype]
+
+    def key(self) -> str:
+        return "+".join(s.key() for s in self.steps)
+
+    def args(self) -> tuple:
+        return tuple(a for s in self.steps for a in s.args)
+
+    def split(self, tensors: tuple) -> list:
+        """Flat runtime tensors -> one tuple per step."""
+        out, i = [], 0
+        for s in self.steps:
+            out.append(tuple(tensors[i : i + len(s.args)]))
+            i += len(s.args)
+        return out
+
+    def fake_tensors(self, m, n, n_out) -> tuple:
+        """Fake D followed by every policy tensor (for compile_target); other symbols are free."""
+        sym = {"m": m, "n": n, "n_out": n_out}
+
+        def fake(dtype, shape):
+            for d in shape:
+                if isinstance(d, str) and d not in sym:
+                    sym[d] = cute.sym_int()
+            dims = tuple(sym[d] if isinstance(d, str) else d for d in shape)
+            order = tuple(range(len(dims) - 1, -1, -1))
+            return cute.runtime.make_fake_compact_tensor(dtype, dims, stride_order=order, assumed_align=16)
+
+        d = fake(self.out_dtype, ("m", "n_out"))
+        return (d, *(fake(a.cute_dtype, a.shape) for a in self.args()))
+
+
+def resolve(policy: str) -> Chain:
+    """Catalog name -> Chain (the shipped compositions)."""
+    from epilogues import catalog
+
+    return catalog.chain(policy)

@@ -1,0 +1,95 @@
+"""ScaleRestore: undo the quantization scales and apply the folded RMSNorm factor rho.
+
+    C[m, n] = a[m] * b[n] * rho[m] * acc[m, n]        (each factor optional)
+
+a: per-row activation scale (`row="vector"`, [M]) or one per-tensor scale (`row="tensor"`, [1]);
+b: per-output-channel weight scale [N] (`col=True`); rho: RMSNorm row factor [M] (`rho=True`; the
+gain is folded into the weights, futx.quant.fold). Acts on GEMM columns, i.e. before a SwiGLU step.
+
+All loads are issued in `prefetch`, before the tile's mainloop: each thread fetches its two rows'
+factors into registers, and the CTA's 256 consumer threads fetch the tile's column scales (one or
+two each), which `begin_tile` publishes in shared memory for the subtiles to read.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from epilogues.base import Arg, Policy
+
+_CTA_THREADS = 256
+
+
+class ScaleRestore(Policy):
+    kind = "map"
+
+    def __init__(self, row: str | None = "vector", col: bool = True, rho: bool = False):
+        if row not in ("vector", "tensor", None):
+            raise ValueError(f"row must be 'vector', 'tensor' or None, got {row!r}")
+        if row is None and not col and not rho:
+            raise ValueError("ScaleRestore with no row scale, column scale or rho does nothing")
+        self.row, self.col, self.rho = row, col, rho
+        args = []
+        if row is not None:
+            args.append(Arg("a_scale", "f32", ("m",) if row == "vector" else (1,)))
+        if col:
+            args.append(Arg("b_scale", "f32", ("n",)))
+        if rho:
+            args.append(Arg("rho", "f32", ("m",)))
+        self.args = tuple(args)
+        parts = ([] if row is None else ["a" if row == "vector" else "at"]) + (["b"] if col else []) + (["rho"] if rho else [])
+        self.name = "scale_" + "".join(parts) if (row or col) else "rho"
+
+    def smem_floats(self, tile_n: int) -> int:
+        return tile_n if self.col else 0
+
+    def setup(self, ctx, *tensors):
+        it = iter(tensors)
+        a_scale = next(it) if self.row is not None else None
+        b_scale = next(it) if self.col else None
+        rho = next(it) if self.rho else None
+        row_factor = cute.make_rmem_tensor((2,), Float32)                     # this thread's two rows
+        per_thread = -(-ctx.tile_n // _CTA_THREADS)
+        col_pref = cute.make_rmem_tensor((per_thread,), Float32)              # its share of the columns
+        return ctx, a_scale, b_scale, rho, row_factor, col_pref, ctx.smem()
+
+    @cute.jit
+    def prefetch(self, state, tile):
+        ctx, a_scale, b_scale, rho, row_factor, col_pref, smem = state
+        if cutlass.const_expr(self.row is not None or self.rho):
+            for slot in cutlass.range_constexpr(2):
+                r = ctx.row_clamp(tile.row0 + ctx.thread_row(slot))
+                f = Float32(1.0)
+                if cutlass.const_expr(self.row == "vector"):
+                    f = a_scale[r]
+                if cutlass.const_expr(self.row == "tensor"):
+                    f = a_scale[0]
+                if cutlass.const_expr(self.rho):
+                    f = f * rho[r]
+                row_factor[slot] = f
+        if cutlass.const_expr(self.col):
+            for k in cutlass.range_constexpr(cute.size(col_pref)):
+                # threads past the tile width duplicate the last column (same value, benign)
+                local = cutlass.min(ctx.cta_tid + k * _CTA_THREADS, ctx.tile_n - 1)
+                col_pref[k] = b_scale[ctx.col_clamp(ctx.gemm_col(tile, local))]
+
+    @cute.jit
+    def begin_tile(self, state, tile):
+        ctx, a_scale, b_scale, rho, row_factor, col_pref, smem = state
+        if cutlass.const_expr(self.col):
+            for k in cutlass.range_constexpr(cute.size(col_pref)):
+                smem[tile.parity, cutlass.min(ctx.cta_tid + k * _CTA_THREADS, ctx.tile_n - 1)] = col_pref[k]
+
+    @cute.jit
+    def visit(self, state, frag):
+        ctx, a_scale, b_scale, rho, row_factor, col_pref, smem = state
+        for i in cutlass.range_constexpr(frag.size):
+            v = frag.vals[i]
+            if cutlass.const_expr(self.row is not None or self.rho):
+                v = v * row_factor[frag.row_slot(i)]
+            if cutlass.const_expr(self.col):
+                _, c = frag.local(i)
+                v = v * smem[frag.tile.parity, c]
+            frag.vals[i] = v

@@ -1,0 +1,636 @@
+"""The futx prefill GEMM: one persistent, warp-specialized TMA + WGMMA mainloop for Hopper (sm_90a).
+
+    D = epilogue(A @ B^T)     A: (M, K) activations, B: (N, K) weights (nn.Linear layout), both K-major
+
+Every prefill projection runs on this one kernel; what happens to the accumulators afterwards is decided
+by an epilogue *policy chain* chosen at compile time (`epilogues/`). M, N and K are runtime values, so
+one compiled variant serves every projection shape and every batch of tokens.
+
+CTA anatomy (384 threads, one CTA per SM, `setmaxnreg` moves registers to the math warps):
+
+  warpgroup 0  producer   one warp issues TMA loads of A and B tiles into a `stages`-deep shared-memory
+                          ring; each stage has a *full* mbarrier (TMA transaction bytes) and an *empty*
+                          mbarrier (one arrive per consumer warp, sent to every CTA that shares the stage).
+  warpgroups 1, 2         consumers: each owns 64 rows of the 128-row tile and issues WGMMA from shared
+                          memory (k=32 per FP8 instruction, 16 per BF16), keeping one WGMMA batch in
+                          flight before releasing a stage; then runs the epilogue on its own 64 rows.
+
+Persistence and L2: the grid is min(#cluster tiles, #SMs / cluster); each cluster walks the tile list
+with stride gridDim.z. Tiles are ordered in groups of `group_m` cluster-rows: inside a group the
+walk goes down M first and then along N, so the A rows of a group stay in L2 while every weight tile
+is read by the whole group at about the same time (weights are read ~M / (group_m * 256) times).
+
+Cluster 2x1 along M: the two CTAs compute vertically adjacent tiles that use the same weight tile, so
+each loads half of B and multicasts it to both (halves the L2->SM traffic for B).
+
+The epilogue runs per consumer warpgroup on (64 x epi_n) subtiles: accumulator registers -> policy
+chain (scales, SwiGLU, residual, amax, ...) -> converted fragment -> `stmatrix` into shared memory ->
+TMA store, double-buffered so the store of subtile j overlaps the math of subtile j+1. Policies issue
+their global loads (scales, ...) *before* the tile's mainloop, so that latency hides behind the MMAs.
+While the consumers run the epilogue, the producer already fills the ring with the next tile's stages.
+
+FP8 accumulation is "fast accumulation" (every k-block accumulates into the same FP32 WGMMA
+accumulator, like cuBLAS `use_fast_accum=True`); a two-level promotion would need a second 128-register
+accumulator per thread that the 128x256 tile cannot afford.
+
+Tile rules (see `tile_config`): the paper's 128x256 CTA tile with K=128 (FP8) / 64 (BF16) per stage,
+4 stages (4 x 48 KiB of A+B), cluster 2x1. Inputs must be 16-byte aligned along K and N (TMA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils import LayoutEnum
+
+from epilogues.base import Chain, Frag, Tile, resolve
+
+AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "bf16": cutlass.BFloat16}
+SMEM_BYTES = 232448  # sm_90 opt-in shared memory per CTA (227 KiB)
+THREADS_PER_WG = 128
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Static shape of one kernel variant. `tile_config` holds the rules; tests pin them."""
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 128
+    stages: int = 4
+    cluster_m: int = 2
+    group_m: int = 8       # cluster-rows per raster group (L2 reuse of A)
+    epi_stages: int = 2    # smem buffers per consumer warpgroup for the TMA store
+
+
+def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2) -> TileConfig:
+    """The tile rules.
+
+    - CTA tile 128 x tile_n, two consumer warpgroups of 64 rows each: the largest WGMMA (n=256) keeps
+      shared-memory reads per FLOP lowest, and 64x256 FP32 accumulators are 128 registers/thread.
+    - K per stage = 128 bytes of a row (one 128B swizzle atom): 128 for E4M3, 64 for BF16.
+    - stages = as many as fit next to the epilogue buffers, at most 8: 4 for 128x256 (4 x 48 KiB),
+      6 for 128x128 (6 x 32 KiB); more stages hide more TMA latency.
+    """
+    if ab not in AB_DTYPES:
+        raise ValueError(f"ab must be one of {sorted(AB_DTYPES)}, got {ab!r}")
+    if tile_n not in (128, 256):
+        raise ValueError(f"tile_n must be 128 or 256, got {tile_n}")
+    if cluster_m not in (1, 2):
+        raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
+    tile_k = 128 if ab == "e4m3" else 64
+    stage_bytes = (128 + tile_n) * 128        # A + B rows of 128 bytes each, either dtype
+    epi_bytes = 2 * 2 * 64 * 32 * 2            # 2 warpgroups x 2 buffers x 64x32 x <= 2 bytes
+    stages = min(8, (SMEM_BYTES - epi_bytes - 4096) // stage_bytes)
+    return TileConfig(tile_n=tile_n, tile_k=tile_k, stages=stages, cluster_m=cluster_m)
+
+
+class PrefillGemm:
+    """One compiled variant: operand dtype x tile config x epilogue policy chain."""
+
+    def __init__(self, ab: str, epilogue: Chain, cfg: TileConfig):
+        self.ab_dtype = AB_DTYPES[ab]
+        self.acc_dtype = Float32
+        self.cfg = cfg
+        self.epi = epilogue
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        self.num_consumer_wg = cfg.tile_m // 64
+        self.threads = THREADS_PER_WG * (1 + self.num_consumer_wg)
+        # 40 registers for the producer, the rest to the math warpgroups (64K registers / SM)
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        self.half_n = cfg.tile_n // 2        # B is loaded as two half tiles (see `producer`)
+        self.split = epilogue.pair is not None and epilogue.pair.layout == "split"
+        self.out_tile_n = cfg.tile_n // epilogue.n_ratio
+        self.epi_n = self.epi_subtile_n()    # output subtile: 64 rows x epi_n columns per warpgroup
+        self.n_sub = self.out_tile_n // self.epi_n
+        assert self.n_sub % cfg.epi_stages == 0, "subtile -> smem buffer mapping must be static"
+
+    def epi_subtile_n(self) -> int:
+        """64 output columns per subtile (half the barriers of 32) when the registers and the shared
+        memory allow: not after a pair step (its 2 x 64 accumulator window), and only if the double-
+        buffered D staging still fits next to the A/B stages and the policy buffers."""
+        if self.epi.n_ratio != 1:
+            return 32
+        out_bytes = 2 if self.epi.out_dtype.width == 16 else 1
+        used = (self.cfg.stages * (self.cfg.tile_m + self.cfg.tile_n) * 128
+                + self.num_consumer_wg * self.cfg.epi_stages * 64 * 64 * out_bytes
+                + 8 * 2 * self.cfg.stages + 4 * 2 * sum(s.smem_floats(self.cfg.tile_n) for s in self.epi.steps))
+        return 64 if used + 512 <= SMEM_BYTES and not any(s.wide_subtile_regs for s in self.epi.steps) else 32
+
+    # ---------------------------------------------------------------------------------------------
+    # host side (traced once per compile)
+    # ---------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, *rest):
+        """rest = (*epilogue tensors in chain order, num_sms: Int32, stream)."""
+        epi_args, num_sms, stream = rest[:-2], rest[-2], rest[-1]
+        cfg = self.cfg
+        if const_expr(mA.element_type != self.ab_dtype or mB.element_type != self.ab_dtype):
+            raise TypeError(f"A/B must be {self.ab_dtype}, got {mA.element_type}/{mB.element_type}")
+        if const_expr(mD.element_type != self.epi.out_dtype):
+            raise TypeError(f"D must be {self.epi.out_dtype} for policy {self.epi.key()}, got {mD.element_type}")
+        self.d_dtype = mD.element_type
+
+        a_staged = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, cfg.stages)
+        b_staged = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, cfg.stages)
+        # The same B buffer seen as 2 * stages half tiles: half h of stage s is buffer 2s + h (the
+        # swizzle atoms stack along N, so a half tile is a contiguous slice of its stage).
+        bh_staged = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (cfg.tile_m, self.half_n, cfg.tile_k), self.ab_dtype, 2 * cfg.stages)
+        a_smem = cute.slice_(a_staged, (None, None, 0))
+        bh_smem = cute.slice_(bh_staged, (None, None, 0))
+        epi_tile = (64, self.epi_n)
+        d_staged = sm90_utils.make_smem_layout_epi(
+            self.d_dtype, LayoutEnum.ROW_MAJOR, epi_tile, cfg.epi_stages * self.num_consumer_wg)
+
+        tma_a, gA_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (cfg.tile_m, cfg.tile_k))
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        tma_b, gB_tma = cpasync.make_tiled_tma_atom(b_op, mB, bh_smem, (self.half_n, cfg.tile_k))
+        tma_d, gD_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_staged, (None, None, 0)), epi_tile)
+        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + 2 * cute.size_in_bytes(self.ab_dtype, bh_smem)
+
+        epi_floats = max(1, 2 * sum(step.smem_floats(cfg.tile_n) for step in self.epi.steps))
+
+        @cute.struct
+        class SharedStorage:
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_staged)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_staged)], 1024]
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, cfg.stages * 2]
+            epi_f32: cute.struct.Align[cute.struct.MemRange[Float32, epi_floats], 16]
+
+        if const_expr(SharedStorage.size_in_bytes() > SMEM_BYTES):
+            raise ValueError(f"{SharedStorage.size_in_bytes()} bytes of shared memory > {SMEM_BYTES}: fewer stages "
+                             f"or a narrower epilogue subtile")
+        self.shared_storage = SharedStorage
+
+        # Persistent grid: at most one CTA per SM, in clusters of cluster_m along M.
+        n_cluster_m, n_tile_n = self.tile_counts(mA.shape[0], mB.shape[0])
+        num_clusters = cutlass.min(n_cluster_m * n_tile_n, num_sms // cfg.cluster_m)
+        self.kernel(
+            tma_a, gA_tma, tma_b, gB_tma, tma_d, gD_tma, tuple(epi_args), a_staged, b_staged, bh_staged, d_staged,
+        ).launch(
+            grid=(cfg.cluster_m, 1, num_clusters),
+            block=(self.threads, 1, 1),
+            cluster=(cfg.cluster_m, 1, 1),
+            stream=stream,
+        )
+
+    def tile_counts(self, m, n):
+        """(cluster rows, tile columns) of the problem."""
+        rows = self.cfg.tile_m * self.cfg.cluster_m
+        n_tile_n = (n // 2 + self.half_n - 1) // self.half_n if self.split else (n + self.cfg.tile_n - 1) // self.cfg.tile_n
+        return (m + rows - 1) // rows, n_tile_n
+
+    def make_mmas(self):
+        """(CTA MMA over both consumer warpgroups, one warpgroup's MMA for the epilogue)."""
+        k_major = warpgroup.OperandMajorMode.K
+        cta = sm90_utils.make_trivial_tiled_mma(self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
+                                                (self.num_consumer_wg, 1, 1), tiler_mn=(64, self.cfg.tile_n))
+        wg = sm90_utils.make_trivial_tiled_mma(self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
+                                               (1, 1, 1), tiler_mn=(64, self.cfg.tile_n))
+        return cta, wg
+
+    # ---------------------------------------------------------------------------------------------
+    # device side
+    # ---------------------------------------------------------------------------------------------
+    @cute.jit
+    def tile_coords(self, work: Int32, n_cluster_m: Int32, n_tile_n: Int32):
+        """Linear cluster-work index -> (cluster row, tile column), grouped raster (see module doc)."""
+        g = self.cfg.group_m
+        group_size = g * n_tile_n
+        group = work // group_size
+        first = group * g
+        rows = cutlass.min(n_cluster_m - first, g)
+        local = work - group * group_size
+        return first + local % rows, local // rows
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom, gA_tma: cute.Tensor,
+        tma_b: cute.CopyAtom, gB_tma: cute.Tensor,
+        tma_d: cute.CopyAtom, gD_tma: cute.Tensor,
+        epi_args: tuple,
+        a_staged: cute.ComposedLayout, b_staged: cute.ComposedLayout, bh_staged: cute.ComposedLayout,
+        d_staged: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        tiled_mma, wg_mma = self.make_mmas()
+        self.wg_mma = wg_mma
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # ---- mainloop pipeline: TMA producer -> consumer warps of every CTA that shares B ----
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, cfg.cluster_m * self.num_consumer_wg * 4),  # one arrive per warp
+            tx_count=self.tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, cfg.cluster_m, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_staged.outer, swizzle=a_staged.inner)
+        sB = storage.sB.get_tensor(b_staged.outer, swizzle=b_staged.inner)
+        sBh = storage.sB.get_tensor(bh_staged.outer, swizzle=bh_staged.inner)
+
+        m, n = gA_tma.shape[0], gB_tma.shape[0]
+        gA = cute.local_tile(gA_tma, (cfg.tile_m, cfg.tile_k), (None, None))    # (bm, bk, m tiles, k tiles)
+        gBh = cute.local_tile(gB_tma, (self.half_n, cfg.tile_k), (None, None))  # (bn/2, bk, n halves, k tiles)
+        k_tiles = cute.size(gA, mode=[3])
+        n_cluster_m, n_tile_n = self.tile_counts(m, n)
+        num_work = n_cluster_m * n_tile_n
+        _, _, first_work = cute.arch.block_idx()
+        _, _, work_stride = cute.arch.grid_dim()
+
+        pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, 1))
+
+        if wg_idx == 0:
+            # ======================= producer warpgroup =======================
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.producer(ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, cta_rank,
+                              n_cluster_m, n_tile_n, num_work, first_work, work_stride, n)
+        else:
+            # ======================= consumer warpgroups =======================
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            cwg = wg_idx - 1                      # rows [64 * cwg, 64 * cwg + 64) of each tile
+            wg_tid = tidx % THREADS_PER_WG
+            thr_mma = tiled_mma.get_slice(cwg * THREADS_PER_WG)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            k_blocks = cute.size(tCrA, mode=[2])
+            # this thread's accumulators of its warpgroup's 64 x tile_n, and their tile coordinates
+            tCcD = wg_mma.get_slice(wg_tid).partition_C(cute.make_identity_tensor((64, cfg.tile_n)))
+            acc = cute.make_rmem_tensor(tCcD.shape, self.acc_dtype)
+
+            epi = WarpgroupEpilogue(self, wg_tid, cwg, storage.sD, d_staged, tma_d, gD_tma, storage.epi_f32,
+                                    epi_args, tCcD, m, n)
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            parity = Int32(0)
+            work = first_work
+            while work < num_work:
+                cm, tn = self.tile_coords(work, n_cluster_m, n_tile_n)
+                tm = cm * cfg.cluster_m + cta_rank
+                slab = tm * self.num_consumer_wg + cwg
+                WarpgroupEpilogue.prefetch(epi, slab, tn, parity)
+
+                # ---- mainloop: keep one k-tile of WGMMAs in flight, release the stage before it ----
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                ab_pipe.consumer_wait(read)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                read.advance()
+                for kt in cutlass.range(1, k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(read)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)       # the previous k-tile's WGMMAs no longer read smem
+                    ab_pipe.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(release)
+                release.advance()
+
+                WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
+                parity = 1 - parity
+                work += work_stride
+            WarpgroupEpilogue.finish(epi)
+
+    @cute.jit
+    def producer(self, ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, cta_rank,
+                 n_cluster_m, n_tile_n, num_work, first_work, work_stride, n):
+        """One warp: for every tile of this cluster, stream its k-tiles of A and B into the ring.
+
+        B arrives as two half tiles (rows [0, bn/2) and [bn/2, bn) of the stage). In a 2-CTA cluster
+        CTA h loads half h and multicasts it to both CTAs; alone, a CTA loads both halves. With a
+        split SwiGLU the halves come from the gate rows and the up rows (I = N/2 further down).
+        """
+        cfg = self.cfg
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sBh, 0, 2), cute.group_modes(gBh, 0, 2))
+        mcast = None
+        halves = (0, 1)
+        if const_expr(cfg.cluster_m > 1):
+            cluster = cute.make_layout((cfg.cluster_m, 1, 1))
+            mcast = cute.make_layout_image_mask(cluster, cluster.get_flat_coord(cta_rank), mode=0)
+            halves = (None,)
+        up_offset = (n // 2) // self.half_n   # split SwiGLU: first half-tile of the up rows
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        work = first_work
+        while work < num_work:
+            cm, tn = self.tile_coords(work, n_cluster_m, n_tile_n)
+            tAgA_t = tAgA[(None, cm * cfg.cluster_m + cta_rank, None)]
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                for hc in cutlass.range_constexpr(len(halves)):
+                    h = cta_rank if const_expr(halves[hc] is None) else halves[hc]
+                    src = tn * 2 + h
+                    if const_expr(self.split):
+                        src = tn + h * up_offset
+                    cute.copy(tma_b, tBgB[(None, src, kt)], tBsB[(None, state.index * 2 + h)],
+                              tma_bar_ptr=bar, mcast_mask=mcast)
+                ab_pipe.producer_commit(state)
+                state.advance()
+            work += work_stride
+        ab_pipe.producer_tail(state)
+
+
+class WarpgroupEpilogue:
+    """The epilogue engine of one consumer warpgroup: subtiles -> policy chain -> smem -> TMA store.
+
+    Per tile: `prefetch` (before the mainloop: policies issue their global loads, whose latency then
+    hides behind the MMAs) -> mainloop -> `run_tile`: begin_tile (policies may fill their CTA-shared
+    smem, double-buffered by tile parity; one 256-thread barrier) -> for each (64 x epi_n) subtile:
+    gather accumulators -> maps / pair / maps -> convert -> stmatrix -> TMA store (2 buffers).
+    """
+
+    def __init__(self, gemm: PrefillGemm, wg_tid, cwg, sD_mem, d_staged, tma_d, gD_tma, epi_mem, epi_args,
+                 tCcD, m, n):
+        self.g = gemm
+        self.chain = gemm.epi
+        self.tCcD = tCcD
+        self.m, self.n = m, n
+        self.n_out = gD_tma.shape[1]
+        self.d_dtype = gemm.d_dtype
+        self.out_tile_n = gemm.out_tile_n
+        self.tile_n = gemm.cfg.tile_n
+        self.wg_tid = wg_tid
+        self.cta_tid = cwg * THREADS_PER_WG + wg_tid          # 0..255 over both consumer warpgroups
+        self.S = gemm.epi_n * 64 // THREADS_PER_WG            # values per thread per output subtile
+        self.n_sub = gemm.n_sub
+        # registers -> shared memory with stmatrix, in the WGMMA accumulator layout
+        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), gemm.d_dtype)
+        r2s_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, gemm.d_dtype, gemm.acc_dtype)
+        self.r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(st_atom, gemm.wg_mma))
+        thr = self.r2s.get_slice(wg_tid)
+        # smem buffers [cwg * epi_stages, (cwg + 1) * epi_stages) belong to this warpgroup
+        sD = sD_mem.get_tensor(d_staged.outer, swizzle=d_staged.inner)
+        self.buf0 = cwg * gemm.cfg.epi_stages
+        self.tRS_sD = thr.partition_D(sD)
+        self.rD_shape = thr.partition_S(sD).shape[:3]
+        gD = cute.local_tile(gD_tma, (64, gemm.epi_n), (None, None))
+        self.tma_d = tma_d
+        self.bSG_sD, self.bSG_gD = cpasync.tma_partition(
+            tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gD, 0, 2))
+        self.barrier = pipeline.NamedBarrier(barrier_id=1 + cwg, num_threads=THREADS_PER_WG)
+        self.cta_barrier = pipeline.NamedBarrier(barrier_id=3, num_threads=gemm.num_consumer_wg * THREADS_PER_WG)
+        self.is_store_warp = wg_tid < 32
+        # CTA-shared policy smem: step k gets a (2, floats) tensor, buffer [parity] per tile
+        self._smem = []
+        offset = 0
+        for step in self.chain.steps:
+            floats = step.smem_floats(self.tile_n)
+            if floats:
+                self._smem.append(cute.make_tensor(epi_mem.data_ptr() + offset,
+                                                   cute.make_layout((2, floats), stride=(floats, 1))))
+            else:
+                self._smem.append(None)
+            offset += 2 * floats
+        self.uses_smem = offset > 0
+        self._step = 0
+        self.states = []
+        for k, (step, tensors) in enumerate(zip(self.chain.steps, self.chain.split(epi_args))):
+            self._step = k
+            self.states.append(step.setup(self, *tensors))
+
+    # ---- helpers for policies ----
+    def smem(self):
+        """This step's CTA-shared smem, (2, floats) Float32: index [tile.parity, i] (call in setup)."""
+        return self._smem[self._step]
+
+    def thread_row(self, slot: int):
+        """Row (inside the 64-row slab) of this thread's row slot 0 or 1."""
+        return self.tCcD[2 * slot][0]
+
+    def out_coord(self, tile, j: int, i: int):
+        """Global (row, D column) of value i of output subtile j (for loads ahead of the subtile)."""
+        rc = self.tCcD[i]
+        return tile.row0 + rc[0], tile.out_col0 + j * self.g.epi_n + rc[1]
+
+    @cute.jit
+    def gemm_col(self, tile, local):
+        """GEMM column (row of W) of tile-local accumulator column `local`."""
+        if const_expr(self.g.split):   # gate half, then the matching rows of the up half (I = N/2)
+            half = self.g.half_n
+            return tile.tn * half + local + (self.n // 2 - half if local >= half else 0)
+        return tile.col0 + local
+
+    @cute.jit
+    def in_bounds(self, r, c):
+        """(row, D column) is a real output element."""
+        return r < self.m and c < self.n_out
+
+    def col_ok(self, c):
+        return c < self.n_out
+
+    def row_clamp(self, r):
+        return cutlass.min(r, self.m - 1)
+
+    def col_clamp(self, c):
+        return cutlass.min(c, self.n - 1)
+
+    def out_col_clamp(self, c):
+        return cutlass.min(c, self.n_out - 1)
+
+    def _frag(self, vals, flat, tile, col0, col_shift=0):
+        """Frag over registers `vals`; element i is accumulator register flat(i) of the tile, whose
+        tile-local column is shifted by col_shift (output-subtile offset) and globalized by col0."""
+        def local(i):
+            rc = self.tCcD[flat(i)]
+            return rc[0], rc[1] + col_shift
+
+        def coord(i):
+            r, c = local(i)
+            return tile.row0 + r, col0 + c
+
+        frag = Frag(vals, coord, lambda i: (i // 2) % 2, local)
+        frag.tile = tile
+        return frag
+
+    def _tile(self, slab, tn, parity):
+        g = self.g
+        return Tile(slab * 64, tn * g.cfg.tile_n, tn * g.out_tile_n, tn, parity)
+
+    @cute.jit
+    def prefetch(self, slab: Int32, tn: Int32, parity: Int32):
+        """Before the tile's mainloop: policies issue their global loads."""
+        tile = self._tile(slab, tn, parity)
+        for step, st in zip(self.chain.steps, self.states):
+            step.prefetch(st, tile)
+
+    @cute.jit
+    def run_tile(self, acc: cute.Tensor, slab: Int32, tn: Int32, parity: Int32):
+        """Epilogue of one tile for this warpgroup's 64-row slab `slab` (global index of 64-row slabs)."""
+        g, chain, S = self.g, self.chain, self.S
+        tile = self._tile(slab, tn, parity)
+        for step, st in zip(chain.steps, self.states):
+            step.begin_tile(st, tile)
+        if const_expr(self.uses_smem):
+            self.cta_barrier.arrive_and_wait()   # policy smem of this tile written by both warpgroups
+        n_pre = len(chain.pre)
+        post_states = self.states[len(chain.steps) - 1 - len(chain.post) : -1]
+
+        for j in cutlass.range_constexpr(g.n_sub):
+            vals = cute.make_rmem_tensor((S,), Float32)
+            if const_expr(chain.pair is None):
+                for e in cutlass.range_constexpr(S):
+                    vals[e] = acc[j * S + e]
+                frag = self._frag(vals, lambda i, j=j: j * S + i, tile, tile.col0)
+                frag.subtile = j
+                for step, st in zip(chain.pre, self.states[:n_pre]):
+                    step.visit(st, frag)
+            else:
+                self._pair(acc, vals, j, tile)
+            # output subtile j: the accumulator layout of chunk 0, shifted by j * epi_n output columns
+            out_frag = self._frag(vals, lambda i: i, tile, tile.out_col0, col_shift=j * g.epi_n)
+            out_frag.subtile = j
+            for step, st in zip(chain.post, post_states):
+                step.visit(st, out_frag)
+            rD = cute.make_rmem_tensor(self.rD_shape, g.d_dtype)
+            rD.store(chain.store.convert(self.states[-1], out_frag))
+
+            buf = self.buf0 + j % g.cfg.epi_stages
+            cute.copy(self.r2s, rD, self.tRS_sD[(None, None, None, buf)])
+            # make the generic-proxy smem writes visible to the TMA (async proxy), then store
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.barrier.arrive_and_wait()
+            if self.is_store_warp:
+                cute.copy(self.tma_d, self.bSG_sD[(None, buf)], self.bSG_gD[(None, slab, tile.out_col0 // g.epi_n + j)])
+                cute.arch.cp_async_bulk_commit_group()
+                # this buffer is written again epi_stages subtiles later: allow that many in flight - 1
+                cute.arch.cp_async_bulk_wait_group(g.cfg.epi_stages - 1, read=True)
+            self.barrier.arrive_and_wait()
+
+        for step, st in zip(chain.steps, self.states):
+            step.end_tile(st, tile)
+
+    @cute.jit
+    def _pair(self, acc, out, j, tile):
+        """Gather gate/up accumulators for output subtile j, run pre-pair maps, combine into `out`."""
+        g, chain, S = self.g, self.chain, self.S
+        pair_states = self.states[: len(chain.pre) + 1]
+        both = cute.make_rmem_tensor((2 * S,), Float32)
+        if const_expr(chain.pair.layout == "interleaved"):
+            # GEMM columns 2c (gate) and 2c+1 (up) are adjacent registers of one thread
+            base = 2 * j * S
+            for e in cutlass.range_constexpr(2 * S):
+                both[e] = acc[base + e]
+            frag = self._frag(both, lambda i: base + i, tile, tile.col0)
+            for step, st in zip(chain.pre, pair_states):
+                step.visit(st, frag)
+            # pair p = registers (2p, 2p+1): row slot p % 2, output column 4 * (p // 2) + lane % 4 ...
+            half = cute.make_rmem_tensor((S,), Float32)
+            for p in cutlass.range_constexpr(S):
+                half[p] = chain.pair.combine(pair_states[-1], both[2 * p], both[2 * p + 1])
+            # ... while the accumulator layout wants columns (2q, 2q + 1) of each 8: swap in the quad
+            _quad_permute_pairs(half, out)
+        else:
+            # split: tile columns [0, bn/2) are gate rows tn*bn/2..., [bn/2, bn) the matching up rows
+            gbase = j * S
+            ubase = (j + g.n_sub) * S
+            for e in cutlass.range_constexpr(S):
+                both[e] = acc[gbase + e]
+                both[S + e] = acc[ubase + e]
+            frag = self._frag(both, lambda i: gbase + i if i < S else ubase + i - S, tile, 0)
+            gate0 = tile.tn * g.half_n                    # GEMM column of local column 0 (gate half)
+            up0 = self.n // 2 + gate0 - g.half_n          # ... and of local column bn/2 (up half) - bn/2
+            frag._coord = lambda i: (tile.row0 + frag.local(i)[0], (gate0 if i < S else up0) + frag.local(i)[1])
+            for step, st in zip(chain.pre, pair_states):
+                step.visit(st, frag)
+            for e in cutlass.range_constexpr(S):
+                out[e] = chain.pair.combine(pair_states[-1], both[e], both[S + e])
+
+    @cute.jit
+    def finish(self):
+        for step, st in zip(self.chain.steps, self.states):
+            step.finish(st)
+        if self.is_store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem must outlive the last TMA store
+
+
+@cute.jit
+def _quad_permute_pairs(src: cute.Tensor, dst: cute.Tensor):
+    """Pair order -> WGMMA accumulator order after an interleaved pair step.
+
+    In pair order, quad lane q holds output columns q (`lo`, from accumulator atom 2b) and q + 4
+    (`hi`, atom 2b+1) of each 8-column output atom b; the accumulator layout wants (2q, 2q+1).
+    Two shuffles per value pair: lanes 0/3 send (lo, hi), lanes 1/2 send (hi, lo), and read from
+    lanes (0,1), (3,2), (1,0), (2,3) of the quad respectively.
+    """
+    lane = cute.arch.lane_idx()
+    q = lane % 4
+    straight = q == 0 or q == 3
+    src1 = q // 2 if q % 2 == 0 else 3 - q // 2
+    quad0 = lane - q
+    for b in cutlass.range_constexpr(cute.size(src) // 4):
+        for r in cutlass.range_constexpr(2):
+            lo = src[4 * b + r]
+            hi = src[4 * b + 2 + r]
+            x1 = cute.arch.shuffle_sync(lo if straight else hi, quad0 + src1)
+            x2 = cute.arch.shuffle_sync(hi if straight else lo, quad0 + (src1 ^ 1))
+            dst[4 * b + 2 * r + 0] = x1 if straight else x2
+            dst[4 * b + 2 * r + 1] = x2 if straight else x1
+
+
+def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cluster_m: int = 2,
+                   chain: str | None = None):
+    """Factory for the futx runtime: (jit_callable, fake_args) of one variant.
+
+    M, N, K are symbolic (K, N multiples of 16 elements for TMA); the caller passes
+    (A, B, D, *policy tensors, num_sms) and the stream comes from the TVM-FFI environment.
+    `chain` ("module:factory") builds a user policy chain instead of the shipped `policy`.
+    """
+    if chain is not None:
+        import importlib
+
+        module, _, attr = chain.partition(":")
+        chain = getattr(importlib.import_module(module), attr)()
+    else:
+        chain = resolve(policy)
+    cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m)
+    gemm = PrefillGemm(ab, chain, cfg)
+    dt = AB_DTYPES[ab]
+    m = cute.sym_int()
+    n = cute.sym_int(divisibility=16)
+    k = cute.sym_int(divisibility=16)
+    fake_a = cute.runtime.make_fake_compact_tensor(dt, (m, k), stride_order=(1, 0), assumed_align=16)
+    fake_b = cute.runtime.make_fake_compact_tensor(dt, (n, k), stride_order=(1, 0), assumed_align=16)
+    fake_epi = chain.fake_tensors(m, n, cute.sym_int(divisibility=16))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return gemm, (fake_a, fake_b, *fake_epi, Int32(132), stream)

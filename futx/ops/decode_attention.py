@@ -1,0 +1,277 @@
+"""`futx::decode_attention` — one decode step of GQA attention with the cache write fused in.
+
+For each sequence b (one new token): writes k_new[b], v_new[b] at position positions[b] of cache slot
+slots[b] (BF16 main copy; for the "int4"/"e4m3" formats also the rotated, quantized mirror row and its
+scale), then attends q[b] over positions [0, positions[b]] of that slot, reading the format's cache:
+    bf16: k_cache/v_cache [S, Hkv, C, D] bfloat16 (the main copy)
+    int4: k_mirror uint8 [S, Hkv, C/8, 32, D/8] (futx.quant.layouts key order), k_scale f32 [S, Hkv, C],
+          v_mirror uint8 [S, Hkv, C, D/2], v_scale f32 [S, Hkv, C]
+    e4m3: k_mirror / v_mirror float8_e4m3fn (or its uint8 view) [S, Hkv, C, D], scales f32 [S, Hkv, C]
+Returns the attention output [B, Hq, D] bfloat16 (rotation undone). Positions at or past the capacity
+are rejected on the host (unless `check_positions=False`, e.g. inside a CUDA graph, where the kernel
+itself refuses to write and returns NaN rows instead of overwriting anything).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from decode.attn_plan import MAX_GROUP, choose_splits, default_plan
+from futx.ops import checks
+from futx.quant import layouts
+from futx.runtime import get_kernel
+from futx.runtime.catalog.decode_attention import VARIANTS, attn_key
+
+FORMATS = ("bf16", "int4", "e4m3")
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_LUT: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """layouts.int4_byte_lut_fp16() as the int32 words the kernel copies into shared memory."""
+    if device not in _LUT:
+        _LUT[device] = layouts.int4_byte_lut_fp16().contiguous().view(torch.int32).reshape(256).to(device)
+    return _LUT[device]
+
+
+def _counters(device: torch.device, batch: int, kv_heads: int) -> torch.Tensor:
+    """Split-arrival counters. The kernel leaves them at zero, so one zeroed buffer per device serves
+    every launch on that device's stream (not concurrent launches on several streams)."""
+    n = batch * kv_heads
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        fresh = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            return fresh[:n].view(batch, kv_heads)  # owned by the graph being captured; not cached
+        _COUNTERS[device] = buf = fresh
+    return buf[:n].view(batch, kv_heads)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+                 cache_format: str, rotate: bool) -> None:
+    """Everything that can be checked without reading device memory; raises ValueError/TypeError."""
+    if cache_format not in FORMATS:
+        raise ValueError(f"decode_attention: cache_format must be one of {FORMATS}, got {cache_format!r}")
+    if rotate and cache_format == "bf16":
+        raise ValueError("decode_attention: the BF16 main cache is never rotated (rotate=True needs a mirror)")
+    checks.cuda("q", q)
+    dev = q.device
+    for name, t in (("k_new", k_new), ("v_new", v_new), ("positions", positions), ("slots", slots),
+                    ("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.cuda(name, t, dev)
+    for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.dtype(name, t, torch.bfloat16)
+    checks.dtype("positions", positions, torch.int32)
+    checks.dtype("slots", slots, torch.int32)
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape [batch, q_heads, head_dim], got {list(q.shape)}")
+    b, hq, d = q.shape
+    if b < 1:
+        raise ValueError("decode_attention: empty batch")
+    if d not in (64, 128):
+        raise ValueError(f"decode_attention: head dim {d} is not supported (64 or 128)")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must have shape [slots, kv_heads, capacity, head_dim], got {list(k_cache.shape)}")
+    s, hkv, cap, _ = k_cache.shape
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"decode_attention: {hq} query heads are not a multiple of {hkv} KV heads")
+    if hq // hkv > MAX_GROUP:
+        raise ValueError(f"decode_attention: {hq // hkv} query heads per KV head; at most {MAX_GROUP} supported")
+    checks.shape("k_cache", k_cache, (s, hkv, cap, d))
+    checks.shape("v_cache", v_cache, (s, hkv, cap, d))
+    checks.shape("k_new", k_new, (b, hkv, d))
+    checks.shape("v_new", v_new, (b, hkv, d))
+    checks.shape("positions", positions, (b,))
+    checks.shape("slots", slots, (b,))
+    mirrors = (("k_mirror", k_mirror), ("k_scale", k_scale), ("v_mirror", v_mirror), ("v_scale", v_scale))
+    if cache_format == "bf16":
+        if any(t is not None for _, t in mirrors):
+            raise ValueError("decode_attention: cache_format 'bf16' takes no mirror tensors")
+    else:
+        for name, t in mirrors:
+            if t is None:
+                raise ValueError(f"decode_attention: cache_format {cache_format!r} needs {name}")
+            checks.cuda(name, t, dev)
+        checks.dtype("k_scale", k_scale, torch.float32)
+        checks.dtype("v_scale", v_scale, torch.float32)
+        checks.shape("k_scale", k_scale, (s, hkv, cap))
+        checks.shape("v_scale", v_scale, (s, hkv, cap))
+        if cache_format == "int4":
+            layouts.INT4_KEY.check(d, cap)
+            checks.dtype("k_mirror", k_mirror, torch.uint8)
+            checks.dtype("v_mirror", v_mirror, torch.uint8)
+            checks.shape("k_mirror", k_mirror, (s, hkv, cap // 8, layouts.WARP, layouts.INT4_KEY.bytes_per_lane(d)))
+            checks.shape("v_mirror", v_mirror, (s, hkv, cap, d // 2))
+        else:
+            checks.multiple("k_cache", cap, 8, "capacity")  # 16-byte aligned scale rows for cp.async
+            checks.dtype("k_mirror", k_mirror, (torch.float8_e4m3fn, torch.uint8))
+            checks.dtype("v_mirror", v_mirror, (torch.float8_e4m3fn, torch.uint8))
+            checks.shape("k_mirror", k_mirror, (s, hkv, cap, d))
+            checks.shape("v_mirror", v_mirror, (s, hkv, cap, d))
+    for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("positions", positions), ("slots", slots),
+                    ("k_cache", k_cache), ("v_cache", v_cache), *mirrors):
+        if t is not None:
+            checks.contiguous(name, t)
+            checks.aligned(name, t)
+
+
+def check_positions(positions: torch.Tensor, slots: torch.Tensor, capacity: int, num_slots: int) -> None:
+    """Host-side range checks (one device->host copy): every new row must fit, and no two sequences may
+    write the same slot."""
+    pos, slt = positions.cpu(), slots.cpu()
+    if int(pos.min()) < 0:
+        raise ValueError(f"decode_attention: negative position {int(pos.min())} (context length must be >= 1)")
+    if int(pos.max()) >= capacity:
+        bad = int(pos.argmax())
+        raise ValueError(f"decode_attention: KV cache overflow: sequence {bad} writes position {int(pos[bad])} "
+                         f"but the capacity is {capacity}; allocate a larger cache")
+    if int(slt.min()) < 0 or int(slt.max()) >= num_slots:
+        raise ValueError(f"decode_attention: slot out of range [0, {num_slots}): {int(slt.min())}..{int(slt.max())}")
+    if torch.unique(slt).numel() != slt.numel():
+        raise ValueError(f"decode_attention: two sequences share a cache slot: {slt.tolist()}")
+
+
+def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+            cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant,
+            out) -> None:
+    check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+                 cache_format, rotate)
+    checks.cuda("out", out, q.device)
+    checks.dtype("out", out, torch.bfloat16)
+    checks.shape("out", out, tuple(q.shape))
+    checks.contiguous("out", out)
+    checks.aligned("out", out)
+    b, hq, d = q.shape
+    s, hkv, cap, _ = k_cache.shape
+    if num_splits < 0 or max_context < 0:
+        raise ValueError("decode_attention: num_splits and max_context must be >= 0")
+    if check_positions_on_host and not torch.cuda.is_current_stream_capturing():
+        check_positions(positions, slots, cap, s)
+    if variant not in VARIANTS or (variant and cache_format != "int4"):
+        raise ValueError(f"decode_attention: unknown kernel variant {variant!r} for {cache_format!r}")
+    plan = default_plan(cache_format, d, rotate, 0, *VARIANTS[variant])
+    if num_splits == 0:
+        num_splits = choose_splits(plan, b, hkv, max_context or cap, _sm_count(q.device))
+    scale = softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(d)
+    ws_o = torch.empty(b, hkv, num_splits, MAX_GROUP, d, dtype=torch.float32, device=q.device)
+    ws_ml = torch.empty(b, hkv, num_splits, MAX_GROUP, 2, dtype=torch.float32, device=q.device)
+    counters = _counters(q.device, b, hkv)
+    kernel = get_kernel(attn_key(cache_format, d, rotate, variant))
+    if cache_format == "bf16":
+        kernel(q, k_new, v_new, positions, slots, k_cache, v_cache, out, ws_o, ws_ml, counters, scale)
+    elif cache_format == "int4":
+        kernel(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+               _lut(q.device), out, ws_o, ws_ml, counters, scale)
+    else:
+        kernel(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror.view(torch.uint8), k_scale,
+               v_mirror.view(torch.uint8), v_scale, out, ws_o, ws_ml, counters, scale)
+
+
+_MUTATED = ("k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror", "v_scale")
+
+
+@torch.library.custom_op("futx::decode_attention", mutates_args=_MUTATED)
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor,
+                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                     v_mirror: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                     cache_format: str, rotate: bool = False, softmax_scale: float = 0.0, num_splits: int = 0,
+                     max_context: int = 0, check_positions_on_host: bool = True, variant: str = "") -> torch.Tensor:
+    """See the module docstring. softmax_scale 0 means 1/sqrt(D); num_splits 0 chooses the split-KV
+    count from batch, KV heads and max_context (0 = the capacity) for this GPU's SM count; variant
+    selects an INT4 dequantization ablation ("valu", "alu"; "" = the table for keys and values)."""
+    out = torch.empty_like(q)
+    _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+            cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, cache_format,
+      rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True, variant=""):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("futx::decode_attention_", mutates_args=(*_MUTATED, "out"))
+def decode_attention_(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                      v_mirror: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], out: torch.Tensor,
+                      cache_format: str, rotate: bool = False, softmax_scale: float = 0.0, num_splits: int = 0,
+                      max_context: int = 0, check_positions_on_host: bool = True, variant: str = "") -> None:
+    """decode_attention writing into a caller-provided `out` [B, Hq, D] bf16 (CUDA-graph friendly)."""
+    _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+            cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out)
+
+
+@decode_attention_.register_fake
+def _(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, out,
+      cache_format, rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True,
+      variant=""):
+    return None
+
+
+# ---- cache allocation for callers and tests ---------------------------------------------------------
+@dataclass
+class DecodeCache:
+    """One layer's decode cache: the BF16 main copy plus (for "int4"/"e4m3") its mirror."""
+
+    fmt: str
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_mirror: Optional[torch.Tensor] = None
+    k_scale: Optional[torch.Tensor] = None
+    v_mirror: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+
+    @classmethod
+    def allocate(cls, fmt: str, slots: int, kv_heads: int, capacity: int, head_dim: int,
+                 device: torch.device | str = "cuda") -> "DecodeCache":
+        if fmt not in FORMATS:
+            raise ValueError(f"DecodeCache: unknown format {fmt!r}; known {FORMATS}")
+        shape = (slots, kv_heads, capacity, head_dim)
+        kw = dict(device=device)
+        c = cls(fmt, torch.zeros(shape, dtype=torch.bfloat16, **kw), torch.zeros(shape, dtype=torch.bfloat16, **kw))
+        if fmt == "bf16":
+            return c
+        c.k_scale = torch.zeros(shape[:3], dtype=torch.float32, **kw)
+        c.v_scale = torch.zeros(shape[:3], dtype=torch.float32, **kw)
+        if fmt == "int4":
+            layouts.INT4_KEY.check(head_dim, capacity)
+            c.k_mirror = torch.zeros(slots, kv_heads, capacity // 8, layouts.WARP,
+                                     layouts.INT4_KEY.bytes_per_lane(head_dim), dtype=torch.uint8, **kw)
+            c.v_mirror = torch.zeros(slots, kv_heads, capacity, head_dim // 2, dtype=torch.uint8, **kw)
+        else:
+            c.k_mirror = torch.zeros(shape, dtype=torch.uint8, **kw).view(torch.float8_e4m3fn)
+            c.v_mirror = torch.zeros(shape, dtype=torch.uint8, **kw).view(torch.float8_e4m3fn)
+        return c
+
+    def tensors(self) -> tuple:
+        return (self.k_cache, self.v_cache, self.k_mirror, self.k_scale, self.v_mirror, self.v_scale)
+
+    def cache_bytes(self, contexts) -> int:
+        """Bytes attention reads for these context lengths (keys, values and their scales)."""
+        tokens = int(sum(contexts))
+        kv_heads, d = self.k_cache.shape[1], self.k_cache.shape[3]
+        per = {"bf16": 2 * 2 * d, "e4m3": 2 * d + 8, "int4": d + 8}[self.fmt]
+        return tokens * kv_heads * per
+
+
+def attend(q, k_new, v_new, positions, slots, cache: DecodeCache, rotate: bool = False, out=None,
+           **kw) -> torch.Tensor:
+    """Convenience wrapper over the two ops with a DecodeCache (writes into `out` when given)."""
+    if out is None:
+        return torch.ops.futx.decode_attention(q, k_new, v_new, positions, slots, *cache.tensors(), cache.fmt,
+                                               rotate, **kw)
+    torch.ops.futx.decode_attention_(q, k_new, v_new, positions, slots, *cache.tensors(), out, cache.fmt,
+                                     rotate, **kw)
+    return out

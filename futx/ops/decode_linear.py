@@ -1,0 +1,222 @@
+"""Decode projections as torch ops: y = x @ W^T (+ fused epilogue) for 1 <= M <= 32 rows.
+
+    torch.ops.futx.decode_linear_int4(x, packed, scales, group_size, epilogue, residual) -> y
+    torch.ops.futx.decode_linear_e4m3(x, data, scale, epilogue, residual) -> y
+    torch.ops.futx.decode_linear_bf16(x, weight, epilogue, residual) -> y
+    decode_linear(x, weight, epilogue="store", residual=None)   # dispatch on the weight's type
+
+x [M, K] bf16; weights as `futx.quant` stores them (Int4Weight: packed [N/16, K/64, 32, 4] int32 +
+float16 scales [N/16, K/G, 16]; E4M3Weight: float8_e4m3fn [N, K] + float32 [N]; bf16 [N, K]).
+epilogue: "store" -> y [M, N]; "residual" -> y = x @ W^T + residual; "swiglu" -> y [M, N/2] =
+silu(gate) * up with gate/up rows interleaved (row 2j gate j, row 2j + 1 up j).
+Every input is validated before launch. M = 1 runs the GEMV, larger M the skinny kernel (decode.plan).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from decode import plan
+from futx.ops import checks
+from futx.quant import layouts
+from futx.runtime import get_kernel
+
+_SMS: dict[int, int] = {}
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTER_SLOTS = 1 << 14  # split-K arrival counters: one per n-tile (N up to 2M channels)
+
+
+def _sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Per (device, stream) arrival counters; the kernel leaves them at zero after every call."""
+    key = (device.index, torch.cuda.current_stream(device).stream_id)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _check_common(x: torch.Tensor, n: int, k_w: int, epilogue: str, residual: Optional[torch.Tensor]) -> None:
+    checks.cuda("x", x)
+    checks.dtype("x", x, torch.bfloat16)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {list(x.shape)}")
+    m, k = x.shape
+    checks.in_range("x rows (M)", m, 1, plan.MAX_M)
+    if k != k_w:
+        raise ValueError(f"x has K = {k} but the weight has K = {k_w}")
+    checks.multiple("x", k, layouts.INT4_WEIGHT.block_k, "K")
+    checks.multiple("weight", n, layouts.INT4_WEIGHT.block_n, "N (output features)")
+    checks.contiguous("x", x)
+    checks.aligned("x", x)
+    if m == 1 and k > plan.GEMV_MAX_K:
+        raise ValueError(f"K = {k} exceeds the GEMV's shared-memory activation row (max {plan.GEMV_MAX_K})")
+    if epilogue not in plan.EPILOGUES:
+        raise ValueError(f"unknown epilogue {epilogue!r}; known: {', '.join(plan.EPILOGUES)}")
+    if (epilogue == "residual") != (residual is not None):
+        raise ValueError("pass residual exactly when epilogue='residual'")
+    if residual is not None:
+        checks.cuda("residual", residual, x.device)
+        checks.dtype("residual", residual, torch.bfloat16)
+        checks.shape("residual", residual, (m, n))
+        checks.contiguous("residual", residual)
+        checks.aligned("residual", residual)
+
+
+def _launch(fmt: str, group: int, epilogue: str, x, w, s, residual, n: int, weights: str = "smem",
+            split: Optional[int] = None, out: Optional[torch.Tensor] = None,
+            workspace: Optional[torch.Tensor] = None, gemv_warps: int = 4) -> torch.Tensor:
+    m, k = x.shape
+    shape = (m, n // 2 if epilogue == "swiglu" else n)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+    else:
+        checks.cuda("out", out, x.device)
+        checks.dtype("out", out, torch.bfloat16)
+        checks.shape("out", out, shape)
+        checks.contiguous("out", out)
+    choice = plan.choose(fmt, group, epilogue, m, n, k, _sms(x.device), weights, gemv_warps)
+    kernel = get_kernel(choice.key)
+    if m == 1:
+        kernel(x, w, s, residual, out)
+        return out
+    sp = split or choice.split
+    checks.in_range("split", sp, 1, k // plan.unit_k(fmt, group))
+    need = sp * n * plan.m_bucket(m) if sp > 1 else 4
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=x.device)
+    elif workspace.numel() < need or workspace.dtype != torch.float32:
+        raise ValueError(f"workspace must hold {need} float32 values")
+    kernel(x, w, s, residual, out, workspace, _counters(x.device), sp)
+    return out
+
+
+# ---- INT4 ---------------------------------------------------------------------------------------
+def _check_int4(x, packed, scales, group_size, epilogue, residual) -> int:
+    checks.cuda("x", x)
+    checks.cuda("packed", packed, x.device)
+    checks.dtype("packed", packed, torch.int32)
+    lay = layouts.INT4_WEIGHT
+    if packed.dim() != 4 or tuple(packed.shape[2:]) != (layouts.WARP, lay.words_per_lane):
+        raise ValueError(f"packed must be [N/16, K/64, {layouts.WARP}, {lay.words_per_lane}] int32, "
+                         f"got {list(packed.shape)}")
+    n, k = packed.shape[0] * lay.block_n, packed.shape[1] * lay.block_k
+    lay.check_shape(n, k, group_size)
+    plan.fmt_tag("int4", group_size)
+    checks.cuda("scales", scales, packed.device)
+    checks.dtype("scales", scales, torch.float16)
+    checks.shape("scales", scales, (n // lay.block_n, k // group_size, lay.block_n))
+    for name, t in (("packed", packed), ("scales", scales)):
+        checks.contiguous(name, t)
+        checks.aligned(name, t)
+    _check_common(x, n, k, epilogue, residual)
+    return n
+
+
+@torch.library.custom_op("futx::decode_linear_int4", mutates_args=())
+def decode_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                       epilogue: str = "store", residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    n = _check_int4(x, packed, scales, group_size, epilogue, residual)
+    return _launch("int4", group_size, epilogue, x, packed, scales, residual, n)
+
+
+@decode_linear_int4.register_fake
+def _(x, packed, scales, group_size, epilogue="store", residual=None):
+    n = packed.shape[0] * layouts.INT4_WEIGHT.block_n
+    return x.new_empty(x.shape[0], n // 2 if epilogue == "swiglu" else n)
+
+
+# ---- E4M3 ---------------------------------------------------------------------------------------
+def _check_e4m3(x, data, scale, epilogue, residual) -> int:
+    checks.cuda("x", x)
+    checks.cuda("data", data, x.device)
+    checks.dtype("data", data, torch.float8_e4m3fn)
+    if data.dim() != 2:
+        raise ValueError(f"E4M3 data must be 2-D [N, K], got {list(data.shape)}")
+    n, k = data.shape
+    checks.cuda("scale", scale, data.device)
+    checks.dtype("scale", scale, torch.float32)
+    checks.shape("scale", scale, (n,))
+    for name, t in (("data", data), ("scale", scale)):
+        checks.contiguous(name, t)
+        checks.aligned(name, t)
+    _check_common(x, n, k, epilogue, residual)
+    return n
+
+
+@torch.library.custom_op("futx::decode_linear_e4m3", mutates_args=())
+def decode_linear_e4m3(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, epilogue: str = "store",
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    n = _check_e4m3(x, data, scale, epilogue, residual)
+    return _launch("e4m3", 128, epilogue, x, data.view(torch.uint8), scale, residual, n)
+
+
+@decode_linear_e4m3.register_fake
+def _(x, data, scale, epilogue="store", residual=None):
+    n = data.shape[0]
+    return x.new_empty(x.shape[0], n // 2 if epilogue == "swiglu" else n)
+
+
+# ---- BF16 ---------------------------------------------------------------------------------------
+def _check_bf16(x, weight, epilogue, residual) -> int:
+    checks.cuda("x", x)
+    checks.cuda("weight", weight, x.device)
+    checks.dtype("weight", weight, torch.bfloat16)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got {list(weight.shape)}")
+    checks.contiguous("weight", weight)
+    checks.aligned("weight", weight)
+    _check_common(x, weight.shape[0], weight.shape[1], epilogue, residual)
+    return weight.shape[0]
+
+
+@torch.library.custom_op("futx::decode_linear_bf16", mutates_args=())
+def decode_linear_bf16(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "store",
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    n = _check_bf16(x, weight, epilogue, residual)
+    return _launch("bf16", 128, epilogue, x, weight, None, residual, n)
+
+
+@decode_linear_bf16.register_fake
+def _(x, weight, epilogue="store", residual=None):
+    n = weight.shape[0]
+    return x.new_empty(x.shape[0], n // 2 if epilogue == "swiglu" else n)
+
+
+# ---- convenience --------------------------------------------------------------------------------
+def decode_linear(x: torch.Tensor, weight, epilogue: str = "store",
+                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dispatch on the weight's type: futx.quant Int4Weight / E4M3Weight, or a bf16 tensor."""
+    from futx.quant.fp8 import E4M3Weight
+    from futx.quant.int4 import Int4Weight
+
+    if isinstance(weight, Int4Weight):
+        return decode_linear_int4(x, weight.packed, weight.scales, weight.group_size, epilogue, residual)
+    if isinstance(weight, E4M3Weight):
+        return decode_linear_e4m3(x, weight.data, weight.scale, epilogue, residual)
+    if isinstance(weight, torch.Tensor):
+        return decode_linear_bf16(x, weight, epilogue, residual)
+    raise TypeError(f"decode_linear: unsupported weight type {type(weight).__name__}")
+
+
+def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Tensor], group_size: int = 128,
+                epilogue: str = "store", residual: Optional[torch.Tensor] = None, weights: str = "smem",
+                split: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                workspace: Optional[torch.Tensor] = None, gemv_warps: int = 4) -> torch.Tensor:
+    """Test/benchmark hook: the ops' validation and launch, with the design variant (skinny weight path,
+    GEMV warps), the split count and the output/workspace buffers chosen by the caller."""
+    if fmt == "int4":
+        n = _check_int4(x, w, s, group_size, epilogue, residual)
+    elif fmt == "e4m3":
+        n = _check_e4m3(x, w, s, epilogue, residual)
+        w = w.view(torch.uint8)
+    else:
+        n = _check_bf16(x, w, epilogue, residual)
+    return _launch(fmt, group_size, epilogue, x, w, s, residual, n, weights, split, out, workspace, gemv_warps)

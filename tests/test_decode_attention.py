@@ -1,0 +1,245 @@
+"""Decode attention on the CPU: the kernel's index maps and bit tricks, emulated lane by lane, reproduce
+q.K^T and V from the packed cache bytes (INT4 via futx.quant.layouts, E4M3 natural order); the split
+rule; host-side validation. The sm_90a compile / SASS check of every variant is tests/test_kernel_compile.py
+(HMMA present, no local-memory spills)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from decode.attn_plan import (E4M3_PAIR_SELECTORS, AttnPlan, check_int4_key_formulas, choose_splits,
+                              default_plan, int4_value_pairs)
+from futx.quant import layouts
+from futx.runtime import select
+from futx.runtime.catalog.decode_attention import VARIANTS, attn_key
+
+
+# ---- mma.sync.m16n8k16 fragment semantics (PTX ISA) -----------------------------------------------------
+def a_coord(lane, reg, half):
+    """(row, k) of A-fragment register `reg` (0..3), half `half`, of a 16x16 tile."""
+    g, t = divmod(lane, 4)
+    return g + 8 * (reg % 2), 2 * t + 8 * (reg // 2) + half
+
+
+def lut_pair(byte):
+    return layouts.int4_byte_lut_fp16()[int(byte)].float().tolist()
+
+
+def prmt(a, b, sel):
+    x = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    return sum(((x >> (8 * ((sel >> (4 * j)) & 7))) & 0xFF) << (8 * j) for j in range(4))
+
+
+def e4m3_pair(word16, table):
+    return [table[word16 & 0xFF], table[word16 >> 8]]
+
+
+E4M3_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+
+
+def word(row_bytes: np.ndarray, w: int) -> int:
+    return int.from_bytes(bytes(row_bytes[4 * w:4 * w + 4].tolist()), "little")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_int4_key_formulas_follow_layouts(d):
+    frag = check_int4_key_formulas(d)  # raises on any disagreement with futx.quant.layouts
+    assert len(frag) == d // 8
+
+
+@pytest.mark.parametrize("spec", select("decode.attn*"), ids=lambda s: s.key)
+def test_every_variant_has_consistent_maps(spec):
+    p = spec.param_dict
+    plan = default_plan(p["fmt"], p["head_dim"], p["rotate"], 0, p.get("k_dequant", "lut"),
+                        p.get("v_dequant", "lut"))
+    plan.check_maps()
+    assert plan.smem_bytes <= 227 * 1024
+    variant = {v: k for k, v in VARIANTS.items()}[(plan.k_dequant, plan.v_dequant)]
+    assert attn_key(plan.fmt, plan.head_dim, plan.rotate, variant) == spec.key
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_int4_fragments_reproduce_scores_and_values(d):
+    """Emulate the INT4 path for one 16-token step: key bytes in layout order -> table -> B fragments,
+    query A fragments from the plan's channel map, and value words -> nibble pairs -> table -> V^T A
+    fragments; compare with q.K^T and V computed directly."""
+    plan = default_plan("int4", d)
+    rng = np.random.default_rng(d)
+    q = rng.integers(-7, 8, (8, d))
+    k = rng.integers(-7, 8, (16, d))
+    v = rng.integers(-7, 8, (16, d))
+    kp = layouts.pack_int4_keys(torch.tensor(k)).numpy()      # [2 blocks, 32 lanes, D/8]
+    vp = layouts.pack_int4_values(torch.tensor(v)).numpy()    # [16, D/2]
+
+    a_q = np.zeros((plan.ktiles, 16, 16))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for tile in range(plan.ktiles):
+            for r in range(2):
+                ch = plan.q_channel(tile, r, t)
+                for h in range(2):
+                    a_q[tile, g, 2 * t + 8 * r + h] = q[g, ch + h]
+    for kb in range(2):
+        b = np.zeros((plan.ktiles, 16, 8))
+        for lane in range(32):
+            for byte, (tile, reg) in enumerate(plan.int4_key_frag):
+                for h, val in enumerate(lut_pair(kp[kb, lane, byte])):
+                    kk, n = layouts.b_fragment_coord(lane, reg, h)
+                    b[tile, kk, n] = val
+        s = sum(a_q[tile] @ b[tile] for tile in range(plan.ktiles))
+        np.testing.assert_array_equal(s[:8], q @ k[8 * kb:8 * kb + 8].T)
+
+    # the kernel's S^T = K Q^T: A (16 tokens) = (block0 reg0, block1 reg0, block0 reg1, block1 reg1),
+    # B = the query registers of column g
+    st = np.zeros((16, 8))
+    for tile in range(plan.ktiles):
+        a_k, b_q = np.zeros((16, 16)), np.zeros((16, 8))
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            where = {frag: byte for byte, frag in enumerate(plan.int4_key_frag)}
+            regs = [lut_pair(kp[blk, lane, where[(tile, r)]]) for r, blk in ((0, 0), (0, 1), (1, 0), (1, 1))]
+            for reg, pair in enumerate(regs):
+                for h, val in enumerate(pair):
+                    a_k[a_coord(lane, reg, h)] = val
+            for r in range(2):
+                for h in range(2):
+                    kk, n = layouts.b_fragment_coord(lane, r, h)
+                    b_q[kk, n] = q[g, plan.q_channel(tile, r, t) + h]
+        st += a_k @ b_q
+    np.testing.assert_array_equal(st, k @ q.T)
+
+    a_v = np.full((plan.ktiles, 16, 16), np.nan)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for cc in range(plan.value_passes()):
+            w = [word(vp[tok], plan.value_word(g, cc)) for tok in plan.value_tokens(t)]
+            lo01, hi01 = int4_value_pairs(w[0], w[1])
+            lo23, hi23 = int4_value_pairs(w[2], w[3])
+            for i in range(4):
+                for reg, src in enumerate((lo01, hi01, lo23, hi23)):
+                    for h, val in enumerate(lut_pair((src >> (8 * i)) & 0xFF)):
+                        a_v[4 * cc + i][a_coord(lane, reg, h)] = val
+    for mt in range(plan.ktiles):
+        for row in range(16):
+            ch = plan.out_channel(mt, row // 8, row % 8)
+            np.testing.assert_array_equal(a_v[mt, row], v[:, ch], err_msg=f"tile {mt} row {row}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_e4m3_fragments_reproduce_scores_and_values(d):
+    """E4M3 keys through the swizzled stage layout and the chunk map, values through prmt pairs."""
+    plan = AttnPlan("e4m3", d, tile_tokens=16)
+    rng = np.random.default_rng(d + 1)
+    q = rng.integers(-4, 5, (8, d)).astype(np.float64)
+    kq = torch.randn(16, d).to(torch.float8_e4m3fn)
+    vq = torch.randn(16, d).to(torch.float8_e4m3fn)
+    k, v = kq.float().numpy(), vq.float().numpy()
+    kb_, vb = kq.view(torch.uint8).numpy(), vq.view(torch.uint8).numpy()
+
+    stage = np.zeros(plan.k_region, dtype=np.uint8)  # as issue() lays the keys out
+    for row in range(16):
+        for chunk in range(plan.k_row_bytes // 16):
+            off = plan.k_smem_offset(row, chunk)
+            stage[off:off + 16] = kb_[row, 16 * chunk:16 * chunk + 16]
+    a_q = np.zeros((plan.ktiles, 16, 16))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for tile in range(plan.ktiles):
+            for r in range(2):
+                for h in range(2):
+                    a_q[tile, g, 2 * t + 8 * r + h] = q[g, plan.q_channel(tile, r, t) + h]
+    for kb in range(2):
+        b = np.zeros((plan.ktiles, 16, 8))
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for i in range(plan.key_chunks()):
+                off = plan.k_smem_offset(kb * 8 + g, t + 4 * i)
+                chunk = stage[off:off + 16]
+                for j in range(8):  # each 16-bit pair -> one f16x2 register
+                    tile, reg = plan.key_frag(i, j)
+                    for h in range(2):
+                        kk, n = layouts.b_fragment_coord(lane, reg, h)
+                        b[tile, kk, n] = E4M3_TABLE[int(chunk[2 * j + h])]
+        s = sum(a_q[tile] @ b[tile] for tile in range(plan.ktiles))
+        np.testing.assert_allclose(s[:8], q @ k[8 * kb:8 * kb + 8].T, rtol=0, atol=1e-9)
+
+    a_v = np.full((plan.ktiles, 16, 16), np.nan)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for cc in range(plan.value_passes()):
+            w = [word(vb[tok], plan.value_word(g, cc)) for tok in plan.value_tokens(t)]
+            for e, sel in enumerate(E4M3_PAIR_SELECTORS):
+                p01, p23 = prmt(w[0], w[1], sel), prmt(w[2], w[3], sel)
+                regs = [p01 & 0xFFFF, p01 >> 16, p23 & 0xFFFF, p23 >> 16]
+                for reg, r16 in enumerate(regs):
+                    for h, val in enumerate(e4m3_pair(r16, E4M3_TABLE)):
+                        a_v[2 * cc + e][a_coord(lane, reg, h)] = val
+    for mt in range(plan.ktiles):
+        for row in range(16):
+            np.testing.assert_array_equal(a_v[mt, row], v[:, plan.out_channel(mt, row // 8, row % 8)])
+
+
+def test_split_rule():
+    p = default_plan("int4", 128)
+    assert choose_splits(p, 32, 8, 4096) == 1          # 256 CTAs already fill 132 SMs twice
+    assert choose_splits(p, 8, 8, 32768) >= 4          # 64 (sequence, head) pairs need splitting
+    assert choose_splits(p, 1, 8, 1024) * p.warps <= -(-1024 // p.tile_tokens)  # >= 1 tile per warp
+    assert choose_splits(p, 1, 8, 1) == 1
+
+
+def test_host_position_checks():
+    from futx.ops.decode_attention import check_positions
+
+    pos = torch.tensor([3, 63], dtype=torch.int32)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    check_positions(pos, slots, 64, 2)
+    with pytest.raises(ValueError, match="overflow"):
+        check_positions(torch.tensor([3, 64], dtype=torch.int32), slots, 64, 2)
+    with pytest.raises(ValueError, match="negative position"):
+        check_positions(torch.tensor([-1, 0], dtype=torch.int32), slots, 64, 2)
+    with pytest.raises(ValueError, match="share a cache slot"):
+        check_positions(pos, torch.tensor([1, 1], dtype=torch.int32), 64, 2)
+    with pytest.raises(ValueError, match="slot out of range"):
+        check_positions(pos, torch.tensor([0, 2], dtype=torch.int32), 64, 2)
+
+
+def test_plan_rejects_unsupported_configs():
+    with pytest.raises(ValueError, match="head dim"):
+        AttnPlan("int4", 96)
+    with pytest.raises(ValueError, match="never rotated"):
+        AttnPlan("bf16", 128, rotate=True)
+    with pytest.raises(ValueError, match="Hadamard block"):
+        AttnPlan("int4", 128, rotate=True, hadamard_block=48)
+
+
+def _f16x2(word):
+    return np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
+
+
+def _fma_f16x2(x, m, a):
+    """fma.rn.f16x2 on values that are exact in f16 (the kernel's only use)."""
+    return _f16x2(x) * _f16x2(m) + _f16x2(a)
+
+
+def test_arithmetic_dequantization_matches_the_table():
+    """The prmt/lop3/f16x2-FMA twins of the table (the 'alu' ablation) give the table's values."""
+    from decode.attn_ptx import ALU_CONSTANTS as C
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+        x0, x1 = w0 ^ 0x88888888, w1 ^ 0x88888888
+        for byte in range(4):
+            # keys: byte -> (low nibble, high nibble)
+            x = prmt(x0, 0, byte | (4 << 4) | (byte << 8) | (4 << 12))
+            got = _fma_f16x2((x & C["k_mask"]) | C["magic"], C["k_mul"], C["k_add"])
+            assert got.tolist() == lut_pair((w0 >> (8 * byte)) & 0xFF)
+            # values: byte of two tokens -> (even channel of both, odd channel of both)
+            x = prmt(x0, x1, byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12))
+            even = _f16x2((x & C["v_lo"]) | C["magic"]) - _f16x2(C["v_sub"])
+            odd = _fma_f16x2((x & C["v_hi"]) | C["magic"], C["v_mul"], C["v_add"])
+            b0, b1 = (w0 >> (8 * byte)) & 0xFF, (w1 >> (8 * byte)) & 0xFF
+            assert even.tolist() == [lut_pair(b0)[0], lut_pair(b1)[0]]
+            assert odd.tolist() == [lut_pair(b0)[1], lut_pair(b1)[1]]

@@ -1,0 +1,214 @@
+"""Decode projections on the GPU against the simulated-quantization reference (dequant(W) @ x in
+float32), through the futx ops (AOT artifacts or JIT), on fresh random data with NaN-poisoned outputs
+and split-K workspaces. Shapes: the 1B/8B/70B layer projections and SmolLM2-135M (K = 576, G = 64)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import pytest
+import torch
+
+from futx.config import preset
+
+pytestmark = pytest.mark.gpu
+
+M_VALUES = (1, 2, 3, 8, 16, 31, 32)
+SHAPES = [(name, proj, *preset(name).projection_shapes()[proj])
+          for name in ("layer-1b", "layer-8b", "layer-70b", "smollm2-135m")
+          for proj in ("qkv", "o", "gate_up", "down")]
+
+
+def _group(name: str) -> int:
+    return 64 if name.startswith("smollm2") else 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _exact_reference():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    import futx.ops  # noqa: F401  (registers torch.ops.futx.*)
+
+
+@functools.lru_cache(maxsize=1)
+def _weights(fmt: str, n: int, k: int, group: int, seed: int):
+    """Random stored weights (any bit pattern the format allows) and their float32 dequantization,
+    computed from the layout's own index map (the single source of truth)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if fmt == "int4":
+        packed = torch.randint(-2**31, 2**31 - 1, (n // 16, k // 64, 32, 4), dtype=torch.int32, device="cuda",
+                               generator=gen)
+        scales = (torch.rand(n // 16, k // group, 16, device="cuda", generator=gen) * 0.02 + 1e-3).half()
+        return (packed, scales), _dequant_int4(packed, scales, group)
+    if fmt == "e4m3":
+        raw = torch.randint(0, 256, (n, k), dtype=torch.uint8, device="cuda", generator=gen)
+        raw = torch.where((raw & 0x7F) == 0x7F, raw ^ 1, raw)  # no NaN encodings
+        data = raw.view(torch.float8_e4m3fn)
+        scale = torch.rand(n, device="cuda", generator=gen) * 1e-3 + 1e-5
+        return (data, scale), data.float() * scale[:, None]
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    return (w,), w.float()
+
+
+def _dequant_int4(packed, scales, group):
+    """float32 [N, K] on the GPU from the layout's own index map (layouts.unpack_int4_weight does the
+    same on the CPU; this keeps the 70B matrices on the device)."""
+    from futx.quant import layouts
+
+    lay = layouts.INT4_WEIGHT
+    nb, kb = packed.shape[:2]
+    src = torch.from_numpy(layouts.weight_block_source().copy()).reshape(-1).cuda()
+    shifts = 4 * torch.arange(lay.nibbles_per_word, device="cuda")
+    nibs = ((packed.long() & 0xFFFFFFFF).unsqueeze(-1) >> shifts) & 0xF
+    blocks = torch.empty(nb, kb, lay.block_n * lay.block_k, dtype=torch.uint8, device="cuda")
+    blocks[:, :, src] = nibs.reshape(nb, kb, -1).to(torch.uint8)
+    del nibs
+    q = blocks.view(nb, kb, lay.block_n, lay.block_k).permute(0, 2, 1, 3).reshape(nb * lay.block_n, kb * lay.block_k)
+    s = layouts.unpack_weight_scales(scales).float().repeat_interleave(group, dim=1)
+    return (q.float() - lay.offset) * s
+
+
+def _inputs(m, k, n, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    r = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    return x, r
+
+
+def _reference(x, w_ref, epilogue, r):
+    y = x.float() @ w_ref.T
+    if epilogue == "residual":
+        return y + r.float()
+    if epilogue == "swiglu":
+        g, u = y[:, 0::2], y[:, 1::2]
+        return torch.nn.functional.silu(g) * u
+    return y
+
+
+def _run(fmt, stored, x, group, epilogue, r, split=None, weights="smem", gemv_warps=4):
+    """One launch with a NaN-poisoned output and split-K workspace."""
+    from futx.ops.decode_linear import run_variant
+
+    w, s = stored[0], (stored[1] if len(stored) > 1 else None)
+    n = r.shape[1]
+    out = torch.full((x.shape[0], n // 2 if epilogue == "swiglu" else n), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    ws = torch.full((32 * n * 32,), float("nan"), device="cuda")
+    return run_variant(fmt, x, w, s, group, epilogue, r if epilogue == "residual" else None, weights, split,
+                       out=out, workspace=ws, gemv_warps=gemv_warps)
+
+
+def _check(y, want, what):
+    assert not torch.isnan(y).any(), f"{what}: NaN in the output (an element was never written)"
+    scale = want.abs().max().item() + 1e-6
+    err = (y.float() - want).abs()
+    bad = err > 4e-3 * want.abs() + 2e-3 * scale
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, max err {err.max().item():.3g} "
+                           f"(ref max {scale:.3g}) at {tuple(bad.nonzero()[0].tolist())}")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "e4m3", "bf16"])
+@pytest.mark.parametrize("name,proj,n,k", SHAPES, ids=[f"{s[0]}-{s[1]}" for s in SHAPES])
+def test_projection_matches_simulated_quantization(name, proj, n, k, fmt):
+    group = _group(name)
+    stored, w_ref = _weights(fmt, n, k, group, zlib.crc32(f"{name}/{proj}/{fmt}".encode()) % 10_000)
+    epilogue = {"o": "residual", "down": "residual", "gate_up": "swiglu"}.get(proj, "store")
+    for m in M_VALUES:
+        x, r = _inputs(m, k, n, m)
+        y = _run(fmt, stored, x, group, epilogue, r)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"{name} {proj} {fmt} M={m} {epilogue}")
+
+
+@pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
+@pytest.mark.parametrize("fmt", ["int4", "e4m3", "bf16"])
+def test_every_epilogue(fmt, epilogue):
+    n, k = 4096, 4096
+    stored, w_ref = _weights(fmt, n, k, 128, 7)
+    for m in (1, 5, 16, 32):
+        x, r = _inputs(m, k, n, 100 + m)
+        y = _run(fmt, stored, x, 128, epilogue, r)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"{fmt} {epilogue} M={m}")
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7, 32])
+def test_split_k_is_exact_and_leaves_counters_zero(split):
+    from futx.ops import decode_linear as dl
+
+    n, k = 2048, 4096
+    stored, w_ref = _weights("int4", n, k, 128, 11)
+    x, r = _inputs(20, k, n, 3)
+    y = _run("int4", stored, x, 128, "store", r, split=split)
+    y2 = _run("int4", stored, x, 128, "store", r, split=split)
+    torch.cuda.synchronize()
+    _check(y, _reference(x, w_ref, "store", r), f"split={split}")
+    assert torch.equal(y, y2), "split-K result is not deterministic"
+    assert int(dl._counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+
+
+@pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
+@pytest.mark.parametrize("m", [1, 2, 16, 32])
+def test_design_variants_match(m, epilogue):
+    """Benchmark-only variants: skinny with register-streamed weights, GEMV with 8 warps."""
+    n, k = 4096, 14336
+    stored, w_ref = _weights("int4", n, k, 128, 5)
+    x, r = _inputs(m, k, n, m)
+    y = _run("int4", stored, x, 128, epilogue, r, weights="regs", gemv_warps=8)
+    torch.cuda.synchronize()
+    _check(y, _reference(x, w_ref, epilogue, r), f"design variant M={m} {epilogue}")
+
+
+def test_public_ops_and_cuda_graph():
+    from futx.ops.decode_linear import decode_linear
+    from futx.quant.int4 import quantize_int4
+
+    n, k = 1024, 2048
+    q = quantize_int4(torch.randn(n, k) * 0.02, 128)  # the library's quantizer and packer
+    q = dataclasses.replace(q, packed=q.packed.cuda(), scales=q.scales.cuda())
+    w_ref = _dequant_cuda(q)
+    x = torch.randn(4, k, device="cuda").bfloat16()
+    y = decode_linear(x, q)
+    _check(y, x.float() @ w_ref.T, "decode_linear op")
+    y1 = torch.ops.futx.decode_linear_int4(x[:1], q.packed, q.scales, 128)
+    _check(y1, x[:1].float() @ w_ref.T, "decode_linear_int4 M=1")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        yg = torch.ops.futx.decode_linear_int4(x, q.packed, q.scales, 128)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
+
+
+def _dequant_cuda(q):
+    return _dequant_int4(q.packed, q.scales, q.group_size)
+
+
+def test_bad_inputs_raise_before_launch():
+    ops = torch.ops.futx
+    packed = torch.zeros(64, 64, 32, 4, dtype=torch.int32, device="cuda")
+    scales = torch.ones(64, 32, 16, dtype=torch.float16, device="cuda")
+    x = torch.zeros(2, 4096, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="M"):
+        ops.decode_linear_int4(torch.zeros(33, 4096, dtype=torch.bfloat16, device="cuda"), packed, scales, 128)
+    with pytest.raises(TypeError, match="dtype"):
+        ops.decode_linear_int4(x.float(), packed, scales, 128)
+    with pytest.raises(ValueError, match="K"):
+        ops.decode_linear_int4(x[:, :2048], packed, scales, 128)
+    with pytest.raises(ValueError, match="group size"):
+        ops.decode_linear_int4(x, packed, torch.ones(64, 16, 16, dtype=torch.float16, device="cuda"), 256)
+    with pytest.raises(ValueError, match="scales"):
+        ops.decode_linear_int4(x, packed, scales[:, :16], 128)
+    with pytest.raises(ValueError, match="residual"):
+        ops.decode_linear_int4(x, packed, scales, 128, "residual", None)
+    with pytest.raises(ValueError, match="CUDA"):
+        ops.decode_linear_int4(x.cpu(), packed, scales, 128)
+    with pytest.raises(ValueError, match="boundary"):
+        xx = torch.zeros(2 * 4096 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(2, 4096)
+        ops.decode_linear_int4(xx, packed, scales, 128)

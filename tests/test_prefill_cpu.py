@@ -1,0 +1,215 @@
+"""Prefill GEMM on the CPU: policy protocol, catalog <-> policy consistency, the tile rule, op input
+validation, the SwiGLU register permutation, and SASS facts of a representative variant.
+(Every shipped variant is compiled for sm_90a by tests/test_kernel_compile.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from futx.runtime.catalog import prefill as cat
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- catalog (DSL-free) ----------------------------------------------------------------------------
+def test_every_shipped_variant_is_registered():
+    from futx.runtime import select
+
+    keys = {s.key for s in select("prefill.gemm.*")}
+    for ab, table in cat._SHIPPED.items():
+        for pol, widths in table.items():
+            assert pol in cat.POLICIES
+            for w in widths:
+                assert cat.kernel_key(ab, pol, w) in keys
+    assert len(keys) == sum(len(ws) for t in cat._SHIPPED.values() for ws in t.values())
+
+
+def test_tile_rule():
+    # big problems: the efficient 128x256 tile; few tiles: the 128-wide tile doubles the parallelism
+    assert cat.choose_tile_n("e4m3", "scale_bf16", 8192, 8192, 132) == 256
+    assert cat.choose_tile_n("e4m3", "scale_bf16", 4096, 28672, 132) == 256
+    assert cat.choose_tile_n("e4m3", "scale_bf16", 512, 4096, 132) == 128    # 8B o-proj at M=512
+    assert cat.choose_tile_n("e4m3", "scale_rho_swiglu_split_fp8", 512, 4096, 132) == 256  # only width
+    with pytest.raises(ValueError, match="no prefill GEMM variant"):
+        cat.tile_widths("bf16", "scale_fp8")
+
+
+def test_catalog_matches_policy_chains():
+    pytest.importorskip("cutlass")
+    sys.path.insert(0, str(REPO))
+    from epilogues import catalog as chains
+
+    assert set(chains.CHAINS) == set(cat.POLICIES)
+    for name, info in cat.POLICIES.items():
+        chain = chains.chain(name)
+        got = tuple((a.name, a.dtype, tuple(a.shape)) for a in chain.args())
+        assert got == tuple((n, d, tuple(s)) for n, d, s in info.args), name
+        assert chain.store.out_dtype == info.out, name
+        assert chain.n_ratio == info.n_ratio, name
+        assert (chain.pair is not None and chain.pair.layout == "split") == info.split, name
+        assert tuple(a.name for a in chain.args() if a.writes) == info.writes, name
+
+
+def test_chain_rules():
+    pytest.importorskip("cutlass")
+    sys.path.insert(0, str(REPO))
+    from epilogues.base import Chain
+    from epilogues.fp8_store import StoreFP8
+    from epilogues.scale import ScaleRestore
+    from epilogues.store import StoreBF16
+    from epilogues.swiglu import SwiGLU
+
+    with pytest.raises(ValueError, match="must end with a store"):
+        Chain(ScaleRestore())
+    with pytest.raises(ValueError, match="only the last step"):
+        Chain(StoreBF16(), StoreFP8())
+    with pytest.raises(ValueError, match="at most one pair"):
+        Chain(SwiGLU(), SwiGLU(), StoreBF16())
+    with pytest.raises(ValueError, match="layout"):
+        SwiGLU("diagonal")
+    from epilogues.residual import ResidualAdd
+    with pytest.raises(ValueError, match="after the pair step"):
+        Chain(ResidualAdd(), SwiGLU(), StoreBF16())
+    c = Chain(ScaleRestore(rho=True), SwiGLU("split"), StoreFP8())
+    assert c.n_ratio == 2 and c.pre[0].rho and c.post == () and c.key() == "scale_abrho+swiglu_split+fp8"
+
+
+# ---- op validation (no GPU: the device check is bypassed, CPU tensors stand in) --------------------
+@pytest.fixture
+def check(monkeypatch):
+    from futx.ops import checks, prefill
+
+    monkeypatch.setattr(checks, "cuda", lambda name, t, device=None: None)
+    return prefill._check
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def test_validation_accepts_good_input(check):
+    a, w = _t(70, 256, dtype=torch.float8_e4m3fn), _t(512, 256, dtype=torch.float8_e4m3fn)
+    out = _t(70, 256, dtype=torch.float8_e4m3fn)
+    args = [_t(70), _t(512), _t(70), _t(1), _t(1), _t(1, dtype=torch.int32)]
+    assert check(a, w, out, "scale_rho_swiglu_fp8", 256, args) == "prefill.gemm.e4m3.scale_rho_swiglu_fp8"
+
+
+@pytest.mark.parametrize("case,err,match", [
+    ("k_align", ValueError, "K .* multiple of 16"),
+    ("n_align", ValueError, "N .* multiple of 32"),
+    ("dtype", TypeError, "w must have dtype"),
+    ("out_shape", ValueError, "out must have shape"),
+    ("count", ValueError, "takes 1 tensors"),
+    ("rho_dtype", TypeError, "rho must have dtype float32"),
+    ("noncontig", ValueError, "contiguous"),
+    ("split", ValueError, "split SwiGLU needs I"),
+    ("tile", ValueError, "ships tile widths"),
+    ("policy", ValueError, "unknown prefill policy"),
+])
+def test_validation_rejects(check, case, err, match):
+    m, n, k = 64, 512, 256
+    a, w = _t(m, k, dtype=torch.bfloat16), _t(n, k, dtype=torch.bfloat16)
+    out = _t(m, n // 2, dtype=torch.bfloat16)
+    pol, tile, args = "rho_swiglu_bf16", 256, [_t(m)]
+    if case == "k_align":
+        a, w = _t(m, 200, dtype=torch.bfloat16), _t(n, 200, dtype=torch.bfloat16)
+    elif case == "n_align":
+        w, out = _t(n - 16, k, dtype=torch.bfloat16), _t(m, (n - 16) // 2, dtype=torch.bfloat16)
+    elif case == "dtype":
+        w = w.to(torch.float8_e4m3fn)
+    elif case == "out_shape":
+        out = _t(m, n, dtype=torch.bfloat16)
+    elif case == "count":
+        args = [_t(m), _t(m)]
+    elif case == "rho_dtype":
+        args = [_t(m, dtype=torch.bfloat16)]
+    elif case == "noncontig":
+        a = _t(k, m, dtype=torch.bfloat16).T
+    elif case == "split":
+        pol, w, out, args = "swiglu_split_bf16", _t(320, k, dtype=torch.bfloat16), _t(m, 160, dtype=torch.bfloat16), []
+    elif case == "tile":
+        tile = 128
+    elif case == "policy":
+        pol = "gelu_bf16"
+    with pytest.raises(err, match=match):
+        check(a, w, out, pol, tile, args)
+
+
+def test_gemm_names_the_policy_tensors():
+    from futx.ops import prefill
+
+    a, w = _t(8, 64, dtype=torch.bfloat16), _t(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="does not take \\['bias'\\]; it takes: a_scale, b_scale"):
+        prefill.gemm(a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), "scale_bf16", bias=_t(64))
+    with pytest.raises(ValueError, match="needs 'b_scale'"):
+        prefill.gemm(a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), "scale_bf16", a_scale=_t(8))
+
+
+# ---- the interleaved-SwiGLU register permutation (pure index math, mirrors _quad_permute_pairs) ------
+def test_quad_permutation_restores_accumulator_layout():
+    """Pair order: lane q holds output columns (q, q+4) of each 8; accumulator order wants (2q, 2q+1)."""
+    for r in range(2):
+        # value held by (lane q, slot lo/hi) = its output column
+        held = {(q, s): q + 4 * s for q in range(4) for s in range(2)}
+        for q in range(4):
+            straight = q in (0, 3)
+            src1 = q // 2 if q % 2 == 0 else 3 - q // 2
+            # shuffle k: every lane p sends slot (lo if p straight else hi) for k=1, the other for k=2
+            send1 = lambda p: held[(p, 0 if p in (0, 3) else 1)]
+            send2 = lambda p: held[(p, 1 if p in (0, 3) else 0)]
+            x1, x2 = send1(src1), send2(src1 ^ 1)
+            got = (x1, x2) if straight else (x2, x1)
+            assert got == (2 * q, 2 * q + 1), (q, got)
+
+
+# ---- SASS of a representative variant (the generic compile test checks every variant for spills) -----
+@pytest.mark.slow
+def test_sass_of_fused_fp8_swiglu(tmp_path):
+    pytest.importorskip("cutlass")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        import cutlass.cute as cute
+        from futx import mainloop
+        fn, args = mainloop.compile_target(ab="e4m3", policy="scale_rho_swiglu_fp8")
+        cute.compile(fn, *args, options="--enable-tvm-ffi")
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=900, capture_output=True)
+    sass = "\n".join(p.read_text() for p in tmp_path.glob("*.sass"))
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    count = lambda prefix: sum(op.startswith(prefix) for op in ops)
+    assert count("QGMMA.64x256x32.F32.E4M3.E4M3") == 8          # 4 k-blocks: first k-tile + steady state
+    assert count("LDL") == 0 and count("STL") == 0               # no spills with 128 accumulators/thread
+    assert count("F2FP.SATFINITE.E4M3") > 0                      # saturating FP8 output conversion
+    assert count("SHFL") >= 64                                   # SwiGLU pair permutation (2 per value pair)
+    assert count("MUFU.EX2") >= 64 and count("MUFU.RCP") >= 64   # SiLU via ex2 + rcp
+    assert count("UTMALDG.2D.MULTICAST") == 1 and count("UTMASTG") == 4
+    assert count("USETMAXREG") == 2                              # producer down, consumers up
+
+
+@pytest.mark.slow
+def test_user_policy_registers_and_compiles():
+    """The README worked example: register_policy -> registry spec -> compile for sm_90a (fresh process:
+    the DSL reads CUTE_DSL_ARCH when it is imported)."""
+    pytest.importorskip("cutlass")
+    code = textwrap.dedent(f"""
+        import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+        from futx.runtime import compile_spec, get_spec
+        from futx.runtime.catalog.prefill import PolicyInfo, register_policy
+        info = PolicyInfo(args=(("a_scale", "f32", ("m",)), ("b_scale", "f32", ("n",)), ("bias", "f32", ("n",))),
+                          out="bf16")
+        (spec,) = register_policy("scale_bias_bf16", info, chain="prefill_user_policy:scale_bias_bf16")
+        assert get_spec("prefill.gemm.e4m3.scale_bias_bf16") is spec and not spec.ci
+        assert compile_spec(spec) is not None
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    res = subprocess.run([sys.executable, "-c", code], env=env, timeout=900, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
