@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from futx.ops import checks
+from futx.ops.registration import futx_op
 from futx.runtime import get_kernel
 
 
-@torch.library.custom_op("futx::axpy_", mutates_args=("y",))
+@futx_op("axpy_", mutates_args=("y",))
 def axpy_(x: torch.Tensor, y: torch.Tensor, alpha: float) -> None:
     """y += alpha * x for flat, contiguous bf16 CUDA tensors of equal length."""
     checks.cuda("x", x)
