@@ -577,7 +577,11 @@ def fake_args(plan: AttnPlan):
 
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, hadamard_block: int = 0,
-                   k_dequant: str = "lut", v_dequant: str = "lut"):
-    """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant."""
-    plan = default_plan(fmt, head_dim, rotate, hadamard_block, k_dequant, v_dequant)
+                   k_dequant: str = "lut", v_dequant: str = "lut", warps: int = 4, stages: int = 3,
+                   saturating_warps: int = 8):
+    """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
+    (saturating_warps only steers the host's split choice; it is a parameter so that variants that
+    differ in it are distinct registry entries)."""
+    plan = default_plan(fmt, head_dim, rotate, hadamard_block, k_dequant, v_dequant, warps, stages,
+                        saturating_warps)
     return make_entry(plan), fake_args(plan)

@@ -97,6 +97,7 @@ class AttnPlan:
     warps: int = 4
     k_dequant: str = "lut"   # INT4 keys: "lut" (256-entry shared table) or "alu" (prmt + lop3 + fma)
     v_dequant: str = "lut"   # INT4 values, same choice (an ablation switch; see the benchmark)
+    saturating_warps: int = 8  # split policy only: resident warps per SM assumed to reach full bandwidth
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -309,12 +310,15 @@ class AttnPlan:
 
 
 def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: int = 0,
-                 k_dequant: str = "lut", v_dequant: str = "lut") -> AttnPlan:
+                 k_dequant: str = "lut", v_dequant: str = "lut", warps: int = 4, stages: int = 3,
+                 saturating_warps: int = 8) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
-    D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM."""
+    D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
+    The keywords after hadamard_block are the benchmark-only variants' overrides (catalog VARIANTS)."""
     tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
     return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, hadamard_block=hadamard_block,
-                    tile_tokens=tt, stages=3, warps=4, k_dequant=k_dequant, v_dequant=v_dequant)
+                    tile_tokens=tt, stages=stages, warps=warps, k_dequant=k_dequant, v_dequant=v_dequant,
+                    saturating_warps=saturating_warps)
 
 
 SMEM_PER_SM = 227 * 1024
@@ -323,7 +327,8 @@ SMEM_PER_SM = 227 * 1024
 def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, sms: int = 132) -> int:
     """Split-KV count for a launch: the smallest modelled time over s splits, where the busiest SM runs
     n = ceil(batch*kv_heads*s / sms) CTAs of ceil(tiles/s) tiles (+2 tiles of setup/merge each) and only
-    reaches full bandwidth with >= 2 CTAs (8 warps) resident. Each split keeps >= 1 tile per warp."""
+    reaches full bandwidth with plan.saturating_warps warps resident (8: two 4-warp CTAs). Each split keeps
+    >= 1 tile per warp."""
     tiles = max(1, -(-max_context // plan.tile_tokens))
     base = max(1, batch * kv_heads)
     resident = max(1, SMEM_PER_SM // plan.smem_bytes)
@@ -334,7 +339,7 @@ def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, s
             break
         n = -(-base * s // sms)
         waves = -(-n // resident)
-        rate = min(1.0, n / 2)
+        rate = min(1.0, min(n, resident) * plan.warps / plan.saturating_warps)
         cost = waves * min(n, resident) * (per + 2) / rate + (0.5 if s > 1 else 0.0)
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = s, cost

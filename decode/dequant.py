@@ -5,7 +5,8 @@ Both kernels compute D[16 output channels, 8 tokens] = W[16, 16] @ X^T[16, 8] pe
 weights are the A operand, so one weight tile serves 8 tokens and M = 1 wastes nothing but MMA slots).
 A *block* is 16 output channels x 64 reduction elements; each lane reads it with 16-byte loads and
 turns it into the A operands of 4 MMAs (one per k16 step). The k order inside an MMA is ours to pick as
-long as A and B agree lane by lane, so each format names the activation pairs its lanes need:
+long as A and B agree lane by lane, so each format names the activation pairs its lanes need (and which
+activation row, `x_lane_row`, the lane addresses: kernels clamp it to the last real token):
 
 * INT4 (`futx.quant.layouts`): fragment order; lane 4g+t needs X[16j + 2t (+8) ...], exactly what
   `ldmatrix` delivers from a natural activation row.
@@ -72,23 +73,30 @@ assert all(ldsm_k_offset(m) == m * LDSM_K_STEP for m in range(2 * WORDS))
 
 
 class Int4Format:
-    """Packed INT4 [N/16, K/64, 32, 4] int32 + float16 group scales [N/16, K/G, 16]."""
+    """Packed INT4 [N/16, K/64, 32, 4] int32 + float16 group scales [N/16, K/G, 16].
+
+    `fold`: the MMA A operands keep the biased values 128 + nibble (no per-register FMA); the kernel
+    subtracts `LAY.bias` * (sum of the group's activations) once per group instead."""
 
     name = "int4"
     loads_per_block = 1
     x_frags = "ldsm"
     grouped = True
+    bias = LAY.bias
 
-    def __init__(self, group_size: int):
+    def __init__(self, group_size: int, fold: bool = False):
         LAY.check_shape(BLOCK_N, group_size, group_size)
         self.group_size = group_size
         self.blocks_per_group = group_size // BLOCK_K
+        self.fold = fold
 
     def weight_bytes(self, n: int, k: int) -> int:
         return n * k // 2
 
     def consts(self, ops=ptx):
         # Packed-bf16 operands have no immediate form: keep them in registers once.
+        if self.fold:
+            return (ops.const_b32(LAY.bf16_128_pair),)
         return (ops.const_b32(LAY.bf16_128_pair), ops.const_b32(bf16_pair(1.0)), ops.const_b32(bf16_pair(-LAY.bias)))
 
     def lane_base(self, w_base, nb, lane, k, i64=Int64):
@@ -104,22 +112,30 @@ class Int4Format:
 
     def a_operands(self, regs, consts, ops=ptx) -> list:
         """One 16-byte load (4 words) -> A operands of the block's 4 MMAs, in k16 order."""
-        magic, one, neg_bias = consts
+        magic = consts[0]
         out = []
         for word in regs:
             v = []
             for pair in range(WORDS):
                 shifted = word if pair == 0 else word >> (INT4_SHIFT * pair)
                 r = ops.lop3(shifted, ops.imm(LAY.pair_mask), magic, (0xF0 & 0xCC) | 0xAA)  # (a & b) | c
-                v.append(ops.fma_bf16x2(r, one, neg_bias))
+                v.append(r if self.fold else ops.fma_bf16x2(r, consts[1], consts[2]))
             out.append(tuple(v[p] for p in INT4_A_ORDER))
         return out
 
     @staticmethod
-    def x_lane_offset(lane, row_stride):
-        """Byte offset (in an activation tile with rows = tokens) of the row this lane hands to
-        ldmatrix: row lane % 8 of matrix lane // 8."""
-        return (lane % 8) * row_stride + (lane // 8) * (LDSM_K_STEP * 2)
+    def x_lane_row(lane):
+        """Token row this lane hands to ldmatrix: row lane % 8 of matrix lane // 8."""
+        return lane % 8
+
+    @staticmethod
+    def x_lane_col(lane):
+        return (lane // 8) * (LDSM_K_STEP * 2)
+
+    @classmethod
+    def x_lane_offset(cls, lane, row_stride):
+        """Byte offset of that row's first matrix column in an activation tile with rows = tokens."""
+        return cls.x_lane_row(lane) * row_stride + cls.x_lane_col(lane)
 
     X_LOAD_OFFSETS = (0, ldsm_k_offset(4) * 2)  # two ldmatrix.x4: matrices 0-3, 4-7
 
@@ -137,6 +153,7 @@ class E4M3Format:
     """E4M3 [N, K] (bytes) + one float32 scale per output channel [N]."""
 
     name = "e4m3"
+    fold = False
     loads_per_block = 2
     x_frags = "lds"
     grouped = False
@@ -179,9 +196,17 @@ class E4M3Format:
         return out
 
     @staticmethod
-    def x_lane_offset(lane, row_stride):
+    def x_lane_row(lane):
+        return lane // 4
+
+    @staticmethod
+    def x_lane_col(lane):
+        return (lane % 4) * (LANE_K * 2)
+
+    @classmethod
+    def x_lane_offset(cls, lane, row_stride):
         """Byte offset of X[token g][LANE_K * t] (16 contiguous k, read with two 16-byte loads)."""
-        return (lane // 4) * row_stride + (lane % 4) * (LANE_K * 2)
+        return cls.x_lane_row(lane) * row_stride + cls.x_lane_col(lane)
 
     X_LOAD_OFFSETS = (0, LANE_BYTES)
 
@@ -195,6 +220,7 @@ class BF16Format:
     """BF16 [N, K], no scale."""
 
     name = "bf16"
+    fold = False
     loads_per_block = 4
     x_frags = "lds"
     grouped = False
@@ -221,9 +247,17 @@ class BF16Format:
         return [(p[2 * j], q[2 * j], p[2 * j + 1], q[2 * j + 1]) for j in range(WORDS)]
 
     @staticmethod
-    def x_lane_offset(lane, row_stride):
+    def x_lane_row(lane):
+        return lane // 4
+
+    @staticmethod
+    def x_lane_col(lane):
+        return (lane % 4) * (LANE_K * 2)
+
+    @classmethod
+    def x_lane_offset(cls, lane, row_stride):
         """Byte offset of X[token g][LANE_K * t] (16 contiguous k, read with two 16-byte loads)."""
-        return (lane // 4) * row_stride + (lane % 4) * (LANE_K * 2)
+        return cls.x_lane_row(lane) * row_stride + cls.x_lane_col(lane)
 
     X_LOAD_OFFSETS = (0, LANE_BYTES)
 
@@ -231,9 +265,9 @@ class BF16Format:
         return [(xr[2 * j], xr[2 * j + 1]) for j in range(WORDS)]
 
 
-def make_format(fmt: str, group_size: int = 128):
+def make_format(fmt: str, group_size: int = 128, fold: bool = False):
     if fmt == "int4":
-        return Int4Format(group_size)
+        return Int4Format(group_size, fold)
     if fmt == "e4m3":
         return E4M3Format()
     if fmt == "bf16":

@@ -1,13 +1,21 @@
-"""M = 1 decode projection: a register-streaming GEMV, y[1, N] = x[1, K] @ W[N, K]^T.
+"""1 <= M <= 16 decode projection: a persistent register-streaming kernel, y[M, N] = x[M, K] @ W[N, K]^T.
 
-One CTA per 16-channel output tile; its warps split K into equal shares. Each warp streams the packed
-weights of its share straight into registers (16-byte loads in double-buffered batches of `prefetch`
-units, so the next batch is in flight while this one is consumed),
-expands them in registers into finished MMA operands (`dequant.py`), and for INT4 accumulates each
-group in its own float32 fragment, applying the group scale before adding it to the running sum. The
-activation row is staged once in shared memory (each warp copies the part it reads), where `ldmatrix`
-gathers the pairs the fragment order needs. Warps combine their partial sums through shared memory;
-the fused epilogue then writes the 16 outputs. No dequantized tile exists anywhere.
+At most one CTA of `warps` warps per SM; CTA c owns `tiles` consecutive 16-channel n-blocks (the host
+balances them so that every SM streams the same number of bytes). The warps split K: warp w owns the same
+K share of every n-block, so it stages only its share of the M activation rows in shared memory, once.
+Each warp streams one sequence of (n-block, unit) steps with a rolling register prefetch `depth` units
+deep that runs across n-block boundaries: a warp's HBM stream never drains before the kernel's end.
+Weights expand in registers into MMA A operands (`dequant.py`), activations come from `ldmatrix`.
+
+A *round* is one n-block. At its end every warp writes its partial fragment to a shared slot (two slots,
+by round parity), the warps meet at a named barrier, and a rotating group of threads sums the slot in warp
+order (deterministic) and applies the fused epilogue. Residual and channel scales are prefetched into
+shared memory at the start, so no round waits on global memory.
+
+INT4 with `fold`: the A operands keep 128 + nibble (no per-register FMA); each group's partial is then
+corrected by -136 * (sum of the group's activations), sums that an all-ones MMA computes once per unit.
+PDL: weights and scales are requested before `griddepcontrol.wait` (they never depend on the previous
+kernel and must not be written by it); activations and the residual are read after it.
 """
 
 from __future__ import annotations
@@ -20,137 +28,245 @@ from cutlass import Float32, Int32, Int64
 
 from . import epilogue as epi
 from . import ptx, stream
-from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
+from .dequant import BLOCK_K, LANE_BYTES, WORDS, bf16_pair, make_format
+from .gemv_layout import CHANNELS, TOKENS, GemvSmem
 from futx.quant import layouts
 
 WARP = layouts.WARP
+BUFFER_REGS = {1: 50, 2: 30}   # prefetch registers per lane by token groups (128 registers at 16 warps)
+ROUND_BARRIER = 1              # named barrier id (0 is __syncthreads)
 
 
 class Gemv:
-    def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", warps: int = 4,
-                 prefetch: int = 0):
-        self.fmt = make_format(fmt, group_size)
+    def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 1,
+                 warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0):
+        self.fmt = make_format(fmt, group_size, fold and fmt == "int4")
         self.epilogue = epi.check(epilogue)
-        self.warps = warps
+        self.m_tiles, self.warps, self.pdl = m_tiles, warps, pdl
+        self.m_pad = TOKENS * m_tiles
         self.bpu, self.unit_k = stream.units_of(self.fmt)
-        loads = self.fmt.loads_per_block * self.bpu
-        # units per batch: ~6 16-byte loads per lane, double-buffered to 6-12 in flight
-        self.prefetch = prefetch or max(1, 6 // loads)
+        unit_regs = 4 * self.fmt.loads_per_block * self.bpu + (2 if self.fmt.grouped else 0)
+        self.depth = depth or max(2, BUFFER_REGS[m_tiles] // unit_regs)
+        self.smem = GemvSmem(self.unit_k, m_tiles, warps, self.fmt.fold, epilogue == "residual", fmt == "e4m3")
+
+    def _n_blocks(self, y):
+        return y.shape[1] * 2 // CHANNELS if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1] // CHANNELS
 
     # ---- host side ---------------------------------------------------------------------------
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
-                 y: cute.Tensor, stream):
-        k = x.shape[1]
-        n_tiles = y.shape[1] * 2 // BLOCK_N if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1] // BLOCK_N
-        smem = k * 2 + self.warps * BLOCK_N * 4  # activation row + cross-warp partials
-        self.kernel(x, w, s, r, y).launch(grid=(n_tiles, 1, 1), block=(WARP * self.warps, 1, 1), smem=smem,
-                                          stream=stream)
+                 y: cute.Tensor, tiles: Int32, stream_):
+        n_blocks = self._n_blocks(y)
+        smem = self.smem.offsets(x.shape[0], x.shape[1] // self.unit_k, tiles)["total"]
+        self.kernel(x, w, s, r, y, tiles).launch(grid=((n_blocks + tiles - 1) // tiles, 1, 1),
+                                                 block=(WARP * self.warps, 1, 1), smem=smem, stream=stream_,
+                                                 use_pdl=self.pdl)
 
-    # ---- device side -------------------------------------------------------------------------
-    def _load(self, u, where) -> tuple:
-        ub, lane_base, offsets, k, s_base, nb, n_units, g = where
-        return stream.load_unit(self.fmt, self.bpu, lane_base, u, Int32(u < ub), offsets, k, s_base, nb, n_units, g)
+    # ---- device side: pieces -----------------------------------------------------------------
+    def _load(self, pos, valid, geo) -> tuple:
+        """Weights (and group scales) of sequence position pos = (unit in share, tile) of this warp."""
+        u, j = pos
+        w_base, s_base, nb0, lane, k, units, sa = geo
+        nb = nb0 + j
+        return stream.load_unit(self.fmt, self.bpu, self.fmt.lane_base(w_base, nb, lane, k), sa + u, valid,
+                                self.fmt.load_offsets(k), k, s_base, nb, units, lane // 4)
 
-    def _x_frags(self, xs_lane: Int32, kb) -> list:
-        """(b0, b1) per k16 step of block kb, from the staged activation row."""
-        addr = xs_lane + kb * (BLOCK_K * 2)
+    @staticmethod
+    def _advance(pos, uw):
+        u1 = pos[0] + 1
+        wrap = u1 == uw
+        return cutlass.select_(wrap, Int32(0), u1), pos[1] + cutlass.select_(wrap, Int32(1), Int32(0))
+
+    def _x_frags(self, lane_addr, unit, b) -> list:
+        """(b0, b1) per k16 step of block b of a unit, from the staged activation rows."""
+        addr = lane_addr + unit * (self.unit_k * 2) + b * (BLOCK_K * 2)
         load = ptx.ldsm_x4 if cutlass.const_expr(self.fmt.x_frags == "ldsm") else ptx.lds_v4
         return self.fmt.b_operands(sum((load(addr + off) for off in self.fmt.X_LOAD_OFFSETS), ()))
 
-    @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
-               y: cute.Tensor):
-        fmt, W, P = self.fmt, self.warps, self.prefetch
-        tid, _, _ = cute.arch.thread_idx()
-        nb, _, _ = cute.arch.block_idx()
-        warp = tid // WARP
-        lane = tid % WARP
-        g = lane // 4
-        k = x.shape[1]
-        n_units = k // self.unit_k
-        ua = warp * n_units // W
-        ub = (warp + 1) * n_units // W
-        last = n_units - 1  # clamps shared-memory reads of units past the share
-
-        s_base = Int64(0)
-        if cutlass.const_expr(fmt.grouped):
-            s_base = s.iterator.toint()
-        lane_base = fmt.lane_base(w.iterator.toint(), nb, lane, k)
-        offsets = fmt.load_offsets(k)
-        consts = fmt.consts()
-
-        where = (ub, lane_base, offsets, k, s_base, nb, n_units, g)
-
-        # 1. weights first: they come from HBM, everything else from L2
-        bufs = tuple(self._load(ua + i, where) for i in range(P))
-
-        # 2. this warp's slice of the activation row -> shared memory
-        xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
-        x_base = x.iterator.toint()
-        c_end = ub * (self.unit_k * 2 // LANE_BYTES)
-        for c in cutlass.range(ua * (self.unit_k * 2 // LANE_BYTES) + lane, c_end, WARP, unroll=1):
-            ptx.cp_async_16(xs + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
+    @cute.jit
+    def _stage_x(self, x_base: Int64, k, m, sa, sb, xs, x_row, lane):
+        """cp.async this warp's K share of the m activation rows; only this warp reads it."""
+        chunks = (sb - sa) * (self.unit_k * 2 // LANE_BYTES)
+        col = sa * (self.unit_k * 2)
+        for tok in cutlass.range(m, unroll=1):
+            for c in cutlass.range(lane, chunks, WARP, unroll=1):
+                ptx.cp_async_16(xs + tok * x_row + col + c * LANE_BYTES,
+                                x_base + Int64(tok) * (k * 2) + col + c * LANE_BYTES)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
 
-        # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
-        # the one activation row, so every B column holds x)
-        xs_lane = xs + fmt.x_lane_offset(lane, 0)
+    @cute.jit
+    def _x_sums(self, x_lane, sums, sa, uw, lane):
+        """INT4 fold: per unit of the share and token column, the sum of its activations (an all-ones A
+        operand turns every output row of the MMA into that sum), stored as sums[unit][token]."""
+        ones = ptx.const_b32(bf16_pair(1.0))
+        t = lane % 4
+        for u in cutlass.range(uw, unroll=1):
+            for mt in cutlass.range_constexpr(self.m_tiles):
+                part = (Float32(0.0),) * 4
+                for b in cutlass.range_constexpr(self.bpu):
+                    frags = self._x_frags(x_lane[mt], sa + u, b)
+                    for j in cutlass.range_constexpr(WORDS):
+                        part = ptx.mma_bf16_16816((ones, ones, ones, ones), frags[j], part)
+                if lane < 4:
+                    ptx.sts_f32x2(sums + ((sa + u) * self.m_pad + mt * TOKENS + 2 * t) * 4, part[0], part[1])
+        cute.arch.sync_warp()
 
-        # 3. stream in batches of P units, double-buffered: batch b + 1 is requested before batch b
-        #    is consumed, so one to two batches of loads are in flight and each batch waits only on its
-        #    own loads. Units past the share are predicated off (no traffic) and add zero.
-        acc = (Float32(0.0),) * 4
-        n_iter = (ub - ua + P - 1) // P
-        for it in cutlass.range(n_iter, unroll=1):
-            u0 = ua + it * P
-            nxt = tuple(self._load(u0 + P + i, where) for i in range(P))
-            for i in cutlass.range_constexpr(P):
-                u = cutlass.min(u0 + i, last)
-                b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
-                (acc,) = stream.mma_unit(fmt, self.bpu, bufs[i], b_ops, [acc], Int32(u0 + i < ub), consts)
-            bufs = nxt
+    @cute.jit
+    def _stage_epilogue_inputs(self, r, s, n, m, nb0, tc, tiles, res_s, csc_s, tid, threads):
+        """Residual rows and E4M3 channel scales of this CTA's tiles -> shared memory (cp.async)."""
+        if cutlass.const_expr(self.epilogue == "residual"):
+            per_tok = tc * (CHANNELS * 2 // LANE_BYTES)
+            r_base = r.iterator.toint()
+            for c in cutlass.range(tid, m * per_tok, threads, unroll=1):
+                tok, ch = c // per_tok, c % per_tok
+                ptx.cp_async_16(res_s + tok * (tiles * CHANNELS * 2) + ch * LANE_BYTES,
+                                r_base + (Int64(tok) * n + nb0 * CHANNELS) * 2 + ch * LANE_BYTES)
+        if cutlass.const_expr(self.fmt.name == "e4m3"):
+            s_base = s.iterator.toint()
+            for c in cutlass.range(tid, tc * (CHANNELS * 4 // LANE_BYTES), threads, unroll=1):
+                ptx.cp_async_16(csc_s + c * LANE_BYTES, s_base + Int64(nb0) * (CHANNELS * 4) + c * LANE_BYTES)
 
-        # 4. combine the warps' partials (every B column holds x, so any lane with t = 0 has them)
-        red = xs + k * 2
-        if lane % 4 == 0:
-            ptx.sts_f32(red + (warp * BLOCK_N + g) * 4, acc[0])
-            ptx.sts_f32(red + (warp * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
-        cute.arch.sync_threads()
-        self._epilogue(tid, nb, red, s, r, y)
-
-    def _row_sum(self, red: Int32, row) -> Float32:
-        v = ptx.lds_f32(red + row * 4)
-        for wi in range(1, self.warps):
-            v = v + ptx.lds_f32(red + (wi * BLOCK_N + row) * 4)
+    def _slot_sum(self, slot, row, tok, weff) -> Float32:
+        """Sum of the warps' partials of one (channel, token), in warp order."""
+        v = Float32(0.0)
+        for wi in range(self.warps):
+            p = ptx.lds_f32(slot + ((wi * CHANNELS + row) * self.m_pad + tok) * 4)
+            v = v + cutlass.select_(wi < weff, p, Float32(0.0))
         return v
 
-    def _channel(self, red, nb, row, s):
-        v = self._row_sum(red, row)
+    def _channel(self, slot, row, tok, j, weff, csc_s) -> Float32:
+        v = self._slot_sum(slot, row, tok, weff)
         if cutlass.const_expr(self.fmt.name == "e4m3"):
-            v = v * ptx.ldg_f32(s.iterator.toint() + (Int64(nb) * BLOCK_N + row) * 4)
+            v = v * ptx.lds_f32(csc_s + (j * CHANNELS + row) * 4)
         return v
 
     @cute.jit
-    def _epilogue(self, tid, nb, red, s, r, y):
-        y_base = y.iterator.toint()
+    def _output(self, o, slot, j, out):
+        """Output o of round (tile) j: sum, epilogue, store."""
+        weff, nb0, tiles, res_s, csc_s, y_base, ldy = out
         if cutlass.const_expr(self.epilogue == "swiglu"):
-            if tid < BLOCK_N // 2:
-                h = epi.silu_mul(self._channel(red, nb, 2 * tid, s), self._channel(red, nb, 2 * tid + 1, s))
-                ptx.stg_bf16(y_base + (Int64(nb) * (BLOCK_N // 2) + tid) * 2, h)
+            jj, tok = o % (CHANNELS // 2), o // (CHANNELS // 2)
+            h = epi.silu_mul(self._channel(slot, 2 * jj, tok, j, weff, csc_s),
+                             self._channel(slot, 2 * jj + 1, tok, j, weff, csc_s))
+            ptx.stg_bf16(y_base + (Int64(tok) * ldy + (nb0 + j) * (CHANNELS // 2) + jj) * 2, h)
         else:
-            if tid < BLOCK_N:
-                n = Int64(nb) * BLOCK_N + tid
-                v = self._channel(red, nb, tid, s)
-                if cutlass.const_expr(self.epilogue == "residual"):
-                    v = v + ptx.ldg_bf16_to_f32(r.iterator.toint() + n * 2)
-                ptx.stg_bf16(y_base + n * 2, v)
+            row, tok = o % CHANNELS, o // CHANNELS
+            v = self._channel(slot, row, tok, j, weff, csc_s)
+            if cutlass.const_expr(self.epilogue == "residual"):
+                v = v + ptx.lds_bf16_to_f32(res_s + (tok * (tiles * CHANNELS) + j * CHANNELS + row) * 2)
+            ptx.stg_bf16(y_base + (Int64(tok) * ldy + (nb0 + j) * CHANNELS + row) * 2, v)
+
+    @cute.jit
+    def _round_end(self, accs, j, slots, warp, lane, tid, n_out, out):
+        """Publish this warp's partial of tile j; after the barrier a rotating group of threads finishes it.
+        Slot j & 1 is rewritten at the end of round j + 2, after every thread has passed barrier j + 1,
+        i.e. after the readers of round j are done."""
+        weff = out[0]
+        g, t = lane // 4, lane % 4
+        slot = slots + (j & 1) * self.smem.slot_bytes
+        mine = slot + warp * (CHANNELS * self.m_pad * 4)
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            for h in cutlass.range_constexpr(2):  # c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8
+                ptx.sts_f32x2(mine + ((g + 8 * h) * self.m_pad + mt * TOKENS + 2 * t) * 4,
+                              accs[mt][2 * h], accs[mt][2 * h + 1])
+        ptx.bar_sync(ROUND_BARRIER, weff * WARP)
+        # the finishing group starts at warp j % 4 (spreads the work; no division)
+        rot = tid - WARP * cutlass.select_(weff >= 4, j & 3, Int32(0))
+        rot = cutlass.select_(rot < 0, rot + weff * WARP, rot)
+        for o in cutlass.range(rot, n_out, weff * WARP, unroll=1):  # one pass unless K is tiny
+            self._output(o, slot, j, out)
+
+    # ---- device side: the kernel -------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+               y: cute.Tensor, tiles: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = tid // WARP
+        lane = tid % WARP
+        n_blocks = self._n_blocks(y)
+        units = x.shape[1] // self.unit_k
+        weff = cutlass.min(units, self.warps)  # warps with a K share (all of them unless K is tiny)
+        nb0 = cta * tiles
+        tc = cutlass.min(tiles, n_blocks - nb0)
+        sa = warp * units // weff
+        uw = (warp + 1) * units // weff - sa
+        if warp < weff:
+            self._stream(x, w, s, r, y, tiles, tid, warp, lane, nb0, tc, weff, sa, uw)
+
+    @cute.jit
+    def _stream(self, x, w, s, r, y, tiles, tid, warp, lane, nb0, tc, weff, sa, uw):
+        """The work of one warp with a K share."""
+        fmt, D, MT = self.fmt, self.depth, self.m_tiles
+        m = x.shape[0]
+        k = x.shape[1]
+        n = self._n_blocks(y) * CHANNELS
+        units = k // self.unit_k
+        n_pos = tc * uw
+        n_out = m * (CHANNELS // 2 if cutlass.const_expr(self.epilogue == "swiglu") else CHANNELS)
+        s_base = Int64(0)
+        if cutlass.const_expr(fmt.grouped):
+            s_base = s.iterator.toint()
+        geo = (w.iterator.toint(), s_base, nb0, lane, k, units, sa)
+        consts = fmt.consts()
+
+        # 1. weights first: the first `depth` units, before waiting on the previous kernel
+        pos_f = (Int32(0), Int32(0))
+        bufs = []
+        for i in cutlass.range_constexpr(D):
+            bufs.append(self._load(pos_f, Int32(i < n_pos), geo))
+            pos_f = self._advance(pos_f, uw)
+        bufs = tuple(bufs)
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+
+        # 2. activations (this warp's share), residual / channel scales, activation sums
+        base = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
+        off = self.smem.offsets(m, units, tiles)
+        xs, sums = base + off["x"], base + off["sums"]
+        res_s, csc_s = base + off["res"], base + off["csc"]
+        x_row = self.smem.x_row(units)
+        self._stage_epilogue_inputs(r, s, n, m, nb0, tc, tiles, res_s, csc_s, tid, weff * WARP)
+        self._stage_x(x.iterator.toint(), k, m, sa, sa + uw, xs, x_row, lane)
+        # per token group, the activation row this lane addresses (rows past M repeat row M - 1:
+        # finite values in MMA columns that are never stored)
+        x_lane = [xs + cutlass.min(mt * TOKENS + fmt.x_lane_row(lane), m - 1) * x_row + fmt.x_lane_col(lane)
+                  for mt in range(MT)]
+        if cutlass.const_expr(fmt.fold):
+            self._x_sums(x_lane, sums, sa, uw, lane)
+        out = (weff, nb0, tiles, res_s, csc_s, y.iterator.toint(), y.shape[1])
+
+        # 3. stream: step i consumes position i and refills its registers with position i + depth
+        t2 = 2 * (lane % 4)
+        zero = Float32(0.0)
+        accs = [(zero,) * 4 for _ in range(MT)]
+        pos_c = (Int32(0), Int32(0))
+        for it in cutlass.range((n_pos + D - 1) // D, unroll=1):
+            nxt = list(bufs)
+            for st in cutlass.range_constexpr(D):
+                i = it * D + st
+                valid = Int32(i < n_pos)
+                unit = sa + pos_c[0]
+                b_ops = [[self._x_frags(x_lane[mt], unit, b) for mt in range(MT)] for b in range(self.bpu)]
+                sm = None
+                if cutlass.const_expr(fmt.fold):
+                    sm = [ptx.lds_f32x2(sums + (unit * self.m_pad + mt * TOKENS + t2) * 4) for mt in range(MT)]
+                accs = stream.mma_unit(fmt, self.bpu, bufs[st], b_ops, accs, valid, consts, sm)
+                nxt[st] = self._load(pos_f, Int32(i + D < n_pos), geo)
+                pos_f = self._advance(pos_f, uw)
+                r_end = (valid != 0) & (pos_c[0] == uw - 1)
+                if r_end:
+                    self._round_end(accs, pos_c[1], base + off["slots"], warp, lane, tid, n_out, out)
+                accs = [tuple(cutlass.select_(r_end, zero, a) for a in acc) for acc in accs]
+                pos_c = self._advance(pos_c, uw)
+            bufs = tuple(nxt)
 
 
-def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
-                   prefetch: int = 0):
+def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 1,
+                   warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0):
     from .signature import fake_args
 
-    return Gemv(fmt, group_size, epilogue, warps, prefetch), fake_args(fmt, epilogue, m=1)
+    x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
+    return Gemv(fmt, group_size, epilogue, m_tiles, warps, fold, pdl, depth), (x, w, s, r, y, Int32(1), stream_)

@@ -30,10 +30,20 @@ def inv_sqrt(block: int) -> float:
     return 1.0 / math.sqrt(block)
 
 
-def butterfly(x: list, lane: Int32, block: int) -> list:
+def _shuffle(v, m):
+    return cute.arch.shuffle_sync_bfly(v, offset=m)
+
+
+def _select(c, a, b):
+    return Float32(cutlass.select_(c, a, b))
+
+
+def butterfly(x: list, lane: Int32, block: int, shuffle=_shuffle, select=_select) -> list:
     """Unnormalized transform of the warp-distributed vector (list of this lane's n Float32 values).
 
-    Straight-line code (no dynamic control flow): callable from any kernel body."""
+    Straight-line code (no dynamic control flow): callable from any kernel body. `shuffle(v, m)` (value of
+    lane ^ m) and `select(c, a, b)` are parameters only so that a CPU test can run this very schedule
+    on 32 emulated lanes and compare it bit for bit with futx.quant.hadamard.rotate."""
     n = len(x)
     x = list(x)
     s = 1
@@ -47,9 +57,9 @@ def butterfly(x: list, lane: Int32, block: int) -> list:
             m = s // n
             upper = (lane & m) != 0
             for i in range(n):
-                other = cute.arch.shuffle_sync_bfly(x[i], offset=m)
+                other = shuffle(x[i], m)
                 # this lane holds element i+s of the pair when its bit is set: (other - mine)
-                x[i] = Float32(cutlass.select_(upper, other - x[i], x[i] + other))
+                x[i] = select(upper, other - x[i], x[i] + other)
         s *= 2
     return x
 

@@ -139,6 +139,33 @@ def lds_f32(saddr: Int32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_i32(saddr, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r", True, loc, ip))
 
 
+@dsl_user_op
+def sts_f32x2(saddr: Int32, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    _asm(None, [_i32(saddr, loc, ip), Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+         "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", True, loc, ip)
+
+
+@dsl_user_op
+def lds_f32x2(saddr: Int32, *, loc=None, ip=None) -> tuple:
+    res = _asm(_struct(2, "f32"), [_i32(saddr, loc, ip)], "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", True,
+               loc, ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def lds_bf16_to_f32(saddr: Int32, *, loc=None, ip=None) -> Float32:
+    res = _asm(T.f32(), [_i32(saddr, loc, ip)], "{.reg .b16 h; ld.shared.b16 h, [$1]; cvt.f32.bf16 $0, h;}",
+               "=f,r", True, loc, ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def bar_sync(barrier_id: int, threads, *, loc=None, ip=None) -> None:
+    """Named CTA barrier over `threads` threads, non-`.aligned`: warps may reach it from different
+    (unrolled) instructions, as long as each warp arrives as a whole."""
+    _asm(None, [_i32(threads, loc, ip)], f"barrier.sync {barrier_id}, $0;", "r", True, loc, ip)
+
+
 # ---- arithmetic --------------------------------------------------------------------------------
 @dsl_user_op
 def lop3(a: Int32, b: Int32, c: Int32, lut: int, *, loc=None, ip=None) -> Int32:

@@ -1,14 +1,14 @@
-"""2 <= M <= 32 decode projection: y[M, N] = x[M, K] @ W[N, K]^T with few rows.
+"""Decode projection for up to M = 32 rows (used where the GEMV's resident activations do not fit):
+y[M, N] = x[M, K] @ W[N, K]^T.
 
 A CTA owns `warps * nb_per_warp` 16-channel n-blocks and one K range (split-K across CTAs along grid
-y when the n-tiles alone cannot fill the 132 SMs). All its warps walk the same units in lock step:
-* activations: a multi-stage cp.async ring in shared memory, one stage per unit, rows = tokens
-  (padded to the 8-token groups of the MMA); every warp reads its B fragments from there;
-* weights and group scales: straight into registers, double-buffered batches of `prefetch` units
-  (as in the GEMV), expanded in registers into the A operands of `mma.sync` (`dequant.py`).
-Each warp keeps one float32 accumulator per (n-block, 8-token group). With split-K, every CTA writes
-its partial tile to a float32 workspace; the last CTA of a tile (a self-resetting arrival counter)
-sums the partials in split order, so results are deterministic, and runs the fused epilogue.
+y when the n-tiles alone cannot fill the SMs). All its warps walk the same units in lock step through a
+multi-stage cp.async ring in shared memory, one stage per unit: the activation rows (rows = tokens,
+padded to the 8-token groups of the MMA), each warp's packed weights and group scales. Weights expand in
+registers into the A operands of `mma.sync` (`dequant.py`). Each warp keeps one float32 accumulator per
+(n-block, 8-token group). With split-K, every CTA writes its partial tile to a float32 workspace; the
+last CTA of a tile (a self-resetting arrival counter) sums the partials in split order, so results are
+deterministic, and runs the fused epilogue.
 """
 
 from __future__ import annotations
@@ -31,25 +31,22 @@ ROW_PAD = 16                  # bytes: staggers activation rows across shared-me
 
 class Skinny:
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                 warps: int = 4, nb_per_warp: int = 2, weights: str = "smem", prefetch: int = 0, stages: int = 0):
+                 warps: int = 4, nb_per_warp: int = 2, stages: int = 0):
         self.fmt = make_format(fmt, group_size)
         self.epilogue = epi.check(epilogue)
-        if weights not in ("smem", "regs"):
-            raise ValueError(f"weights must be 'smem' (cp.async stages) or 'regs' (register prefetch), got {weights!r}")
-        self.m_tiles, self.warps, self.nbw, self.weights = m_tiles, warps, nb_per_warp, weights
+        self.m_tiles, self.warps, self.nbw = m_tiles, warps, nb_per_warp
         self.bpu, self.unit_k = stream.units_of(self.fmt)
         self.lanes_bytes = self.fmt.loads_per_block * self.bpu * layouts.WARP * LANE_BYTES  # per n-block/unit
         self.row_bytes = self.unit_k * 2 + ROW_PAD
         self.x_bytes = m_tiles * TOKENS * self.row_bytes
-        self.w_bytes = warps * nb_per_warp * self.lanes_bytes if weights == "smem" else 0
-        self.s_bytes = warps * nb_per_warp * 2 * BLOCK_N if (weights == "smem" and self.fmt.grouped) else 0
+        self.w_bytes = warps * nb_per_warp * self.lanes_bytes
+        self.s_bytes = warps * nb_per_warp * 2 * BLOCK_N if self.fmt.grouped else 0
         self.stage_bytes = self.x_bytes + self.w_bytes + self.s_bytes
-        # smem mode: ~100 KB of stages per CTA, two CTAs per SM: (stages - 1) units of weights in flight
-        # per CTA (>= 33 KB per SM covers 4.4 TB/s x ~1 us); regs mode: four activation stages
-        self.stages = stages or (max(3, min(8, 100 * 1024 // self.stage_bytes)) if weights == "smem" else 4)
-        loads = self.fmt.loads_per_block * self.bpu * nb_per_warp
-        self.prefetch = (prefetch or max(1, 4 // loads)) if weights == "regs" else 1
+        # ~100 KB of stages per CTA, two CTAs per SM: (stages - 1) units of weights in flight per CTA
+        # (>= 33 KB per SM covers 4.4 TB/s x ~1 us)
+        self.stages = stages or max(3, min(8, 100 * 1024 // self.stage_bytes))
         self.tile_n = warps * nb_per_warp * BLOCK_N
+        self.reduce_batch = 2 if m_tiles == 4 else 4  # split-K partials loaded together (registers)
 
     def smem_bytes(self) -> int:
         return self.stages * self.stage_bytes + 16  # + the split-K "last CTA" flag
@@ -61,18 +58,15 @@ class Skinny:
         n = y.shape[1] * 2 if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1]
         n_tiles = (n + self.tile_n - 1) // self.tile_n
         self.kernel(x, w, s, r, y, ws, counters, split).launch(
-            grid=(n_tiles, split, 1), block=(WARP * self.warps, 1, 1), smem=self.smem_bytes(), stream=stream_)
+            grid=(n_tiles, split, 1), block=(WARP * self.warps, 1, 1), smem=self.smem_bytes(), stream=stream_,
+            use_pdl=True)
 
     # ---- device side -------------------------------------------------------------------------
-    def _load(self, u, valid, where) -> tuple:
-        lane_base, offsets, k, s_base, nb, n_units, g = where
-        return stream.load_unit(self.fmt, self.bpu, lane_base, u, valid, offsets, k, s_base, nb, n_units, g)
-
     @cute.jit
     def _stage(self, x_base: Int64, m, k, u, slot: Int32, tid, wheres, nb_ok):
         """cp.async unit u into one ring slot: every token row of x (rows past M repeat row M - 1: finite
-        values in MMA columns that are never stored); in smem mode also each warp's weights (every lane
-        its own 16-byte pieces, read back by the same lane) and group scales."""
+        values in MMA columns that are never stored), each warp's weights (every lane its own 16-byte
+        pieces, read back by the same lane) and group scales."""
         chunks = self.unit_k * 2 // LANE_BYTES
         threads = WARP * self.warps
         for c in cutlass.range_constexpr((self.m_tiles * TOKENS * chunks + threads - 1) // threads):
@@ -81,21 +75,20 @@ class Skinny:
             if idx < self.m_tiles * TOKENS * chunks:
                 src = x_base + (Int64(cutlass.min(row, m - 1)) * k + u * self.unit_k) * 2 + ch * LANE_BYTES
                 ptx.cp_async_16(slot + row * self.row_bytes + ch * LANE_BYTES, src)
-        if cutlass.const_expr(self.weights == "smem"):
-            warp, lane = tid // WARP, tid % WARP
-            lpb = self.fmt.loads_per_block
-            for i in cutlass.range_constexpr(self.nbw):
-                lane_base, offsets, k_, s_base, nb, n_units, g = wheres[i]
-                dst = self._w_slot(slot, warp, i) + lane * LANE_BYTES
-                if nb_ok[i] != 0:
-                    for b in cutlass.range_constexpr(self.bpu):
-                        addr = lane_base + Int64(u * self.bpu + b) * self.fmt.block_stride(k)
-                        for li in cutlass.range_constexpr(lpb):
-                            ptx.cp_async_16(dst + (b * lpb + li) * WARP * LANE_BYTES, addr + offsets[li])
-                    if cutlass.const_expr(self.fmt.grouped):
-                        if lane < 2:  # the n-block's 16 scales of group u: 32 contiguous bytes
-                            src = s_base + ((Int64(nb) * n_units + u) * BLOCK_N) * 2 + lane * LANE_BYTES
-                            ptx.cp_async_16(self._s_slot(slot, warp, i) + lane * LANE_BYTES, src)
+        warp, lane = tid // WARP, tid % WARP
+        lpb = self.fmt.loads_per_block
+        for i in cutlass.range_constexpr(self.nbw):
+            lane_base, offsets, k_, s_base, nb, n_units, g = wheres[i]
+            dst = self._w_slot(slot, warp, i) + lane * LANE_BYTES
+            if nb_ok[i] != 0:
+                for b in cutlass.range_constexpr(self.bpu):
+                    addr = lane_base + Int64(u * self.bpu + b) * self.fmt.block_stride(k)
+                    for li in cutlass.range_constexpr(lpb):
+                        ptx.cp_async_16(dst + (b * lpb + li) * WARP * LANE_BYTES, addr + offsets[li])
+                if cutlass.const_expr(self.fmt.grouped):
+                    if lane < 2:  # the n-block's 16 scales of group u: 32 contiguous bytes
+                        src = s_base + ((Int64(nb) * n_units + u) * BLOCK_N) * 2 + lane * LANE_BYTES
+                        ptx.cp_async_16(self._s_slot(slot, warp, i) + lane * LANE_BYTES, src)
 
     def _w_slot(self, slot, warp, i):
         return slot + self.x_bytes + (warp * self.nbw + i) * self.lanes_bytes
@@ -104,7 +97,7 @@ class Skinny:
         return slot + self.x_bytes + self.w_bytes + (warp * self.nbw + i) * (2 * BLOCK_N)
 
     def _read_weights(self, slot, warp, lane, i) -> tuple:
-        """smem mode: this lane's weight words (and its two scales) of n-block i from the slot."""
+        """This lane's weight words (and its two scales) of n-block i from the slot."""
         fmt = self.fmt
         dst = self._w_slot(slot, warp, i) + lane * LANE_BYTES
         regs = []
@@ -128,7 +121,7 @@ class Skinny:
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, split: Int32):
-        fmt, P, SX, NBW = self.fmt, self.prefetch, self.stages, self.nbw
+        fmt, SX, NBW = self.fmt, self.stages, self.nbw
         tid, _, _ = cute.arch.thread_idx()
         tile, sy, _ = cute.arch.block_idx()
         warp = tid // WARP
@@ -155,11 +148,8 @@ class Skinny:
             wheres.append((fmt.lane_base(w_base, nb, lane, k), offsets, k, s_base, nb, n_units, g))
             nb_ok.append(Int32(nb0 + i < n_blocks))
 
-        # 1. weights first (HBM), then the activation ring (L2)
-        bufs = ()
-        if cutlass.const_expr(self.weights == "regs"):
-            bufs = tuple(tuple(self._load(ua + j, nb_ok[i] & Int32(ua + j < ub), wheres[i]) for i in range(NBW))
-                         for j in range(P))
+        # 1. the ring's first stages (after the previous kernel: PDL overlaps only the launch)
+        cute.arch.griddepcontrol_wait()
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
         x_base = x.iterator.toint()
         for st in cutlass.range_constexpr(SX - 1):
@@ -168,31 +158,21 @@ class Skinny:
             cute.arch.cp_async_commit_group()
         xs_lane = fmt.x_lane_offset(lane, self.row_bytes)
 
-        # 2. main loop: one ring stage per unit; in regs mode weights come in batches of P units
+        # 2. main loop: one ring stage per unit
         accs = [[(Float32(0.0),) * 4 for _ in range(self.m_tiles)] for _ in range(NBW)]
-        n_iter = (ub - ua + P - 1) // P
-        for it in cutlass.range(n_iter, unroll=1):
-            u0 = ua + it * P
-            nxt = ()
-            if cutlass.const_expr(self.weights == "regs"):
-                nxt = tuple(tuple(self._load(u0 + P + j, nb_ok[i] & Int32(u0 + P + j < ub), wheres[i])
-                                  for i in range(NBW)) for j in range(P))
-            for j in cutlass.range_constexpr(P):
-                u = u0 + j
-                cute.arch.cp_async_wait_group(SX - 2)
-                cute.arch.sync_threads()  # stage u visible to all; stage u - 1 consumed by all
-                ahead = u + SX - 1
-                if ahead < ub:
-                    self._stage(x_base, m, k, ahead, xs + ((ahead - ua) % SX) * self.stage_bytes, tid, wheres, nb_ok)
-                cute.arch.cp_async_commit_group()
-                slot = xs + ((cutlass.min(u, ub - 1) - ua) % SX) * self.stage_bytes
-                b_ops = [self._x_frags(slot + xs_lane, b) for b in range(self.bpu)]
-                for i in cutlass.range_constexpr(NBW):
-                    cur = bufs[j][i] if cutlass.const_expr(self.weights == "regs") else \
-                        self._read_weights(slot, warp, lane, i)
-                    accs[i] = stream.mma_unit(fmt, self.bpu, cur, b_ops, accs[i], nb_ok[i] & Int32(u < ub), consts)
-            if cutlass.const_expr(self.weights == "regs"):
-                bufs = nxt
+        for u in cutlass.range(ua, ub, unroll=1):
+            cute.arch.cp_async_wait_group(SX - 2)
+            cute.arch.sync_threads()  # stage u visible to all; stage u - 1 consumed by all
+            ahead = u + SX - 1
+            if ahead < ub:
+                self._stage(x_base, m, k, ahead, xs + ((ahead - ua) % SX) * self.stage_bytes, tid, wheres, nb_ok)
+            cute.arch.cp_async_commit_group()
+            slot = xs + ((u - ua) % SX) * self.stage_bytes
+            b_ops = [self._x_frags(slot + xs_lane, b) for b in range(self.bpu)]
+            for i in cutlass.range_constexpr(NBW):
+                accs[i] = stream.mma_unit(fmt, self.bpu, self._read_weights(slot, warp, lane, i), b_ops, accs[i],
+                                          nb_ok[i], consts)
+        cute.arch.griddepcontrol_launch_dependents()
 
         # 3. epilogue, directly or through the split-K workspace
         if split == 1:
@@ -228,15 +208,26 @@ class Skinny:
         if ptx.lds_f32(flag) != Float32(0.0):
             cute.arch.fence_acq_rel_gpu()
             total = [[(Float32(0.0),) * 4 for _ in range(self.m_tiles)] for _ in range(self.nbw)]
-            for sp in cutlass.range(split, unroll=1):
-                for i in cutlass.range_constexpr(self.nbw):
-                    for mt in cutlass.range_constexpr(self.m_tiles):
-                        vals = []
-                        for h in cutlass.range_constexpr(2):
-                            row = cutlass.min((nb0 + i) * BLOCK_N, n - BLOCK_N) + g + h * layouts.MMA_N
-                            addr = ws_base + ((Int64(sp) * n + row) * mpad + mt * TOKENS + 2 * t) * 4
-                            vals += list(ptx.ldg_cg_f32x2(addr))
-                        total[i][mt] = tuple(a + b for a, b in zip(total[i][mt], vals))
+            # `reduce_batch` splits' loads are issued before any add: one L2 latency per batch, not per split
+            for sp0 in cutlass.range(0, split, self.reduce_batch, unroll=1):
+                batch = []
+                for q in cutlass.range_constexpr(self.reduce_batch):
+                    sp = cutlass.min(sp0 + q, split - 1)
+                    for i in cutlass.range_constexpr(self.nbw):
+                        for mt in cutlass.range_constexpr(self.m_tiles):
+                            for h in cutlass.range_constexpr(2):
+                                row = cutlass.min((nb0 + i) * BLOCK_N, n - BLOCK_N) + g + h * layouts.MMA_N
+                                addr = ws_base + ((Int64(sp) * n + row) * mpad + mt * TOKENS + 2 * t) * 4
+                                batch.append(ptx.ldg_cg_f32x2(addr))
+                at = 0
+                for q in cutlass.range_constexpr(self.reduce_batch):
+                    keep = sp0 + q < split
+                    for i in cutlass.range_constexpr(self.nbw):
+                        for mt in cutlass.range_constexpr(self.m_tiles):
+                            vals = batch[at] + batch[at + 1]
+                            at += 2
+                            total[i][mt] = tuple(a + cutlass.select_(keep, b, Float32(0.0))
+                                                 for a, b in zip(total[i][mt], vals))
             self._epilogue(total, nb0, lane, n_blocks, m, s, r, y)
 
     @cute.jit
@@ -275,9 +266,9 @@ class Skinny:
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                   warps: int = 4, nb_per_warp: int = 2, weights: str = "smem", prefetch: int = 0, stages: int = 0):
+                   warps: int = 4, nb_per_warp: int = 2, stages: int = 0):
     from .signature import fake_args, fake_split_args
 
-    op = Skinny(fmt, group_size, epilogue, m_tiles, warps, nb_per_warp, weights, prefetch, stages)
+    op = Skinny(fmt, group_size, epilogue, m_tiles, warps, nb_per_warp, stages)
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
     return op, (x, w, s, r, y, *fake_split_args(), Int32(1), stream_)

@@ -1,4 +1,4 @@
-"""Weight streaming shared by the GEMV and the skinny kernel.
+"""Weight streaming shared by the decode kernels (gemv.py, skinny.py).
 
 A *unit* is what one step consumes: one scale group of INT4 blocks (G/64 blocks), or one block of a
 natural-layout format. `load_unit` issues a lane's 16-byte loads (and its two group scales) for one
@@ -34,19 +34,30 @@ def load_unit(fmt, bpu: int, lane_base: Int64, u, valid, offsets, k, s_base, nb,
     return tuple(regs)
 
 
-def mma_unit(fmt, bpu: int, cur: tuple, b_ops: list, accs: list, valid, consts) -> list:
+def mma_unit(fmt, bpu: int, cur: tuple, b_ops: list, accs: list, valid, consts, sums=None) -> list:
     """accs[mt] += unit contribution for each 8-token group mt; b_ops[b][mt] are the (b0, b1) pairs of
-    block b of the unit. A unit that is not `valid` adds exactly zero (its registers are garbage)."""
+    block b of the unit. A unit that is not `valid` adds exactly zero (its registers are garbage).
+    `sums[mt]` (INT4 with fold): this lane's two token columns' sums of the group's activations."""
     per_block = 4 * fmt.loads_per_block
     zero = Float32(0.0)
-    parts = [(zero,) * 4 for _ in accs]
+    # with one token group, two interleaved MMA chains halve the dependent-MMA latency of a unit
+    chains = 2 if len(accs) == 1 else 1
+    parts = [[(zero,) * 4 for _ in range(chains)] for _ in accs]
+    step = 0
     for b in range(bpu):
         a_ops = fmt.a_operands(cur[b * per_block:(b + 1) * per_block], consts)
         for j in range(WORDS):
             for mt in range(len(accs)):
-                parts[mt] = ptx.mma_bf16_16816(a_ops[j], b_ops[b][mt][j], parts[mt])
+                c = step % chains
+                parts[mt][c] = ptx.mma_bf16_16816(a_ops[j], b_ops[b][mt][j], parts[mt][c])
+            step += 1
+    parts = [tuple(p[0][e] + p[1][e] for e in range(4)) if chains == 2 else p[0] for p in parts]
     out = []
-    for acc, part in zip(accs, parts):
+    for mt, (acc, part) in enumerate(zip(accs, parts)):
+        if cutlass.const_expr(fmt.fold):
+            nb = Float32(-fmt.bias)  # c0/c2 hold token column 2t, c1/c3 column 2t + 1
+            s0, s1 = sums[mt]
+            part = (part[0] + nb * s0, part[1] + nb * s1, part[2] + nb * s0, part[3] + nb * s1)
         part = tuple(cutlass.select_(valid != 0, p, zero) for p in part)  # garbage may be NaN
         if cutlass.const_expr(fmt.grouped):
             s_lo, s_hi = cur[-2], cur[-1]  # channels g (c0, c1) and g + 8 (c2, c3)

@@ -1,14 +1,16 @@
 """Epilogue policies: what the prefill GEMM does with its accumulators, chosen at compile time.
 
-The mainloop (`futx/mainloop.py`) finishes a 128 x tile_n tile of FP32 accumulators in registers and
-walks it in output *subtiles* (64 rows x epi_n columns per consumer warpgroup). For every subtile it
-hands each thread's values to the policy chain as a `Frag`: `frag.vals[i]` is a register, and
+The mainloop (`futx/mainloop.py`) finishes a tile of FP32 accumulators in registers (64 rows x tile_n
+per consumer warpgroup) and walks it in output *subtiles* (64 rows x epi_n columns). For every subtile
+it hands each thread's values to the policy chain as a `Frag`: `frag.vals[i]` is a register, and
 `frag.coord(i)` its global (row, column). Policies compose left to right, e.g.
 
     Chain(ScaleRestore(rho=True), SwiGLU("interleaved"), StoreFP8())
 
 Three kinds of step:
-  * "map"    elementwise on the fragment (`visit`), before or after a pair step;
+  * "map"    elementwise on the fragment (`visit`), before or after a pair step; a map with
+             `whole_tile = True` (and every map before it) instead runs once per tile on all of the
+             thread's accumulators, e.g. RoPE, whose channel pairs sit D/2 columns apart;
   * "pair"   combines two accumulator columns into one output column (`combine`), halving N;
              the engine gathers the partner values and restores the standard register layout;
   * "store"  the last step: converts the fragment to the output dtype (`convert`); the engine then
@@ -22,7 +24,9 @@ may keep per-thread state in registers across tiles. Hooks, all optional, all tr
                                           (their latency hides behind the MMAs)
     begin_tile(self, state, tile)         after the mainloop: e.g. publish prefetched values to smem
                                           (`smem_floats` words, ctx.smem()[tile.parity, i], shared by
-                                          the CTA's 256 consumer threads ctx.cta_tid; the engine syncs)
+                                          the ctx.epi_threads threads working on this tile (256 in
+                                          the coop schedule, 128 in pingpong), ctx.epi_tid; the engine
+                                          syncs them)
     visit(self, state, frag)              (map) edit frag.vals in place
     end_tile(self, state, tile)           after the tile's last subtile (e.g. write row partials)
     combine(self, state, gate, up)        (pair) two FP32 values -> one
@@ -48,6 +52,7 @@ from cutlass import Int32
 
 _DTYPES = {
     "f32": cutlass.Float32,
+    "f64": cutlass.Float64,
     "bf16": cutlass.BFloat16,
     "e4m3": cutlass.Float8E4M3FN,
     "i32": cutlass.Int32,
@@ -58,8 +63,8 @@ _DTYPES = {
 class Arg:
     """A runtime tensor a policy reads or writes.
 
-    shape: symbols "m" (rows = tokens), "n" (GEMM columns), "n_out" (columns of D) or ints.
-    Vectors are contiguous; 2-D tensors are row-major.
+    shape: symbols "m" (rows = tokens), "n" (GEMM columns), "n_out" (columns of D), ints, or other
+    names (free extents; equal names must agree). Tensors are contiguous (row-major).
     """
 
     name: str
@@ -81,6 +86,8 @@ class Policy:
     name = "policy"
     space = "any"          # "out": only in output coordinates (after a pair step, if the chain has one)
     wide_subtile_regs = False   # True: needs the 32-column subtile (e.g. keeps a subtile-sized prefetch)
+    whole_tile = False     # map that sees all of the thread's accumulators at once (e.g. RoPE pairs
+                           # channels D/2 apart, which sit in different subtiles); maps before it do too
 
     def smem_floats(self, tile_n: int) -> int:
         """Float32 words of CTA-shared smem per tile (double-buffered by the engine; ctx.smem())."""
@@ -175,9 +182,14 @@ class Chain:
             early = [type(s).__name__ for s in steps[: pairs[0]] if getattr(s, "space", "any") == "out"]
             if early:
                 raise ValueError(f"{', '.join(early)} works on output columns: place it after the pair step")
+        wide = [i for i, s in enumerate(steps) if getattr(s, "whole_tile", False)]
+        if wide and (pairs or any(s.kind != "map" for s in steps[: wide[-1] + 1])):
+            raise ValueError("whole-tile steps (e.g. QKVPlacement) must be maps in a chain without a pair step")
         self.steps = tuple(steps)
+        self.n_tile = wide[-1] + 1 if wide else 0    # steps[:n_tile] run once on the whole tile
+        self.tile = self.steps[: self.n_tile]
         self.pair_index = pairs[0] if pairs else None
-        self.pre = self.steps[: self.pair_index] if pairs else self.steps[:-1]
+        self.pre = self.steps[self.n_tile : self.pair_index] if pairs else self.steps[self.n_tile : -1]
         self.pair = self.steps[self.pair_index] if pairs else None
         self.post = self.steps[self.pair_index + 1 : -1] if pairs else ()
         self.store = self.steps[-1]

@@ -2,13 +2,15 @@
 
 Naming: steps joined by "_"; "scale" = per-row activation x per-column weight scales, "scalet" = one
 per-tensor activation scale x per-column weight scales, "rho" = RMSNorm row factor, "swiglu[_split]",
-"res" = residual add, "rms" = sum-of-squares partials; the suffix is the dtype of D.
+"res" = residual add, "rms" = sum-of-squares partials, "qkv<hd>" = RoPE + KV-cache placement (D = Q);
+the suffix is the dtype of D.
 """
 
 from __future__ import annotations
 
 from epilogues.base import Chain
 from epilogues.fp8_store import StoreFP8
+from epilogues.qkv import QKVPlacement
 from epilogues.residual import ResidualAdd
 from epilogues.rms import RmsPartials
 from epilogues.scale import ScaleRestore
@@ -34,6 +36,10 @@ CHAINS = {
     "scale_res_bf16": lambda: Chain(ScaleRestore(), ResidualAdd(), StoreBF16()),
     "scale_res_rms_bf16": lambda: Chain(ScaleRestore(), ResidualAdd(), RmsPartials(), StoreBF16()),
     "scalet_res_rms_bf16": lambda: Chain(ScaleRestore(row="tensor"), ResidualAdd(), RmsPartials(), StoreBF16()),
+    # QKV projection: RoPE on Q/K, Q -> D, K/V straight into the KV cache (head_dim in the name)
+    "scale_rho_qkv128_bf16": lambda: Chain(ScaleRestore(rho=True), QKVPlacement(128), StoreBF16()),
+    "scale_rho_qkv64_bf16": lambda: Chain(ScaleRestore(rho=True), QKVPlacement(64), StoreBF16()),
+    "rho_qkv128_bf16": lambda: Chain(ScaleRestore(row=None, col=False, rho=True), QKVPlacement(128), StoreBF16()),
 }
 
 

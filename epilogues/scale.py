@@ -7,8 +7,8 @@ b: per-output-channel weight scale [N] (`col=True`); rho: RMSNorm row factor [M]
 gain is folded into the weights, futx.quant.fold). Acts on GEMM columns, i.e. before a SwiGLU step.
 
 All loads are issued in `prefetch`, before the tile's mainloop: each thread fetches its two rows'
-factors into registers, and the CTA's 256 consumer threads fetch the tile's column scales (one or
-two each), which `begin_tile` publishes in shared memory for the subtiles to read.
+factors into registers, and the tile's threads (256 in the coop schedule, 128 in pingpong) fetch its
+column scales (one or two each), which `begin_tile` publishes in shared memory for the subtiles to read.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from epilogues.base import Arg, Policy
-
-_CTA_THREADS = 256
 
 
 class ScaleRestore(Policy):
@@ -51,7 +49,7 @@ class ScaleRestore(Policy):
         b_scale = next(it) if self.col else None
         rho = next(it) if self.rho else None
         row_factor = cute.make_rmem_tensor((2,), Float32)                     # this thread's two rows
-        per_thread = -(-ctx.tile_n // _CTA_THREADS)
+        per_thread = -(-ctx.tile_n // ctx.epi_threads)
         col_pref = cute.make_rmem_tensor((per_thread,), Float32)              # its share of the columns
         return ctx, a_scale, b_scale, rho, row_factor, col_pref, ctx.smem()
 
@@ -72,7 +70,7 @@ class ScaleRestore(Policy):
         if cutlass.const_expr(self.col):
             for k in cutlass.range_constexpr(cute.size(col_pref)):
                 # threads past the tile width duplicate the last column (same value, benign)
-                local = cutlass.min(ctx.cta_tid + k * _CTA_THREADS, ctx.tile_n - 1)
+                local = cutlass.min(ctx.epi_tid + k * ctx.epi_threads, ctx.tile_n - 1)
                 col_pref[k] = b_scale[ctx.col_clamp(ctx.gemm_col(tile, local))]
 
     @cute.jit
@@ -80,7 +78,7 @@ class ScaleRestore(Policy):
         ctx, a_scale, b_scale, rho, row_factor, col_pref, smem = state
         if cutlass.const_expr(self.col):
             for k in cutlass.range_constexpr(cute.size(col_pref)):
-                smem[tile.parity, cutlass.min(ctx.cta_tid + k * _CTA_THREADS, ctx.tile_n - 1)] = col_pref[k]
+                smem[tile.parity, cutlass.min(ctx.epi_tid + k * ctx.epi_threads, ctx.tile_n - 1)] = col_pref[k]
 
     @cute.jit
     def visit(self, state, frag):

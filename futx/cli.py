@@ -22,7 +22,7 @@ from typing import Callable, Optional
 # Modules imported by main() so that their register() calls run. Append yours.
 COMMAND_MODULES: list[str] = []
 # "module:function" hooks called with argparse's subparsers object (parsers that set `func`).
-PARSER_HOOKS: list[str] = []
+PARSER_HOOKS: list[str] = ["futx.runtime.cli:add_build_parser"]
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64"}
 

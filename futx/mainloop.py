@@ -6,32 +6,51 @@ Every prefill projection runs on this one kernel; what happens to the accumulato
 by an epilogue *policy chain* chosen at compile time (`epilogues/`). M, N and K are runtime values, so
 one compiled variant serves every projection shape and every batch of tokens.
 
-CTA anatomy (384 threads, one CTA per SM, `setmaxnreg` moves registers to the math warps):
+CTA anatomy (384 threads, one CTA per SM, `setmaxnreg` moves registers to the math warpgroups):
 
   warpgroup 0  producer   one warp issues TMA loads of A and B tiles into a `stages`-deep shared-memory
                           ring; each stage has a *full* mbarrier (TMA transaction bytes) and an *empty*
                           mbarrier (one arrive per consumer warp, sent to every CTA that shares the stage).
-  warpgroups 1, 2         consumers: each owns 64 rows of the 128-row tile and issues WGMMA from shared
-                          memory (k=32 per FP8 instruction, 16 per BF16), keeping one WGMMA batch in
-                          flight before releasing a stage; then runs the epilogue on its own 64 rows.
+  warpgroups 1, 2         consumers: issue WGMMA from shared memory (k=32 per FP8 instruction, 16 per
+                          BF16) on 64 x tile_n accumulators each (128 FP32 registers per thread at
+                          tile_n=256), keep one k-tile of WGMMAs in flight before releasing a stage, then
+                          run the epilogue on their 64 rows.
+
+Two schedules of the consumers (`TileConfig.schedule`):
+
+  coop       both warpgroups work on one 128 x tile_n CTA tile (rows 0-63 and 64-127). Least shared-
+             memory and L2 traffic per FLOP (the weight tile is shared by 128 rows), but the tensor
+             cores idle while both run the epilogue and while the last WGMMAs of a tile drain.
+  pingpong   each warpgroup owns a whole 64 x tile_n tile; the CTA's tiles alternate between them and an
+             ordered pair of named barriers lets one warpgroup issue its mainloop only after the other
+             has issued all of its own, so the tensor cores always have one warpgroup's WGMMAs queued
+             while the other runs its epilogue (CUTLASS's "pingpong" kernel schedule). Costs ~25% more
+             shared-memory traffic per FLOP (B is loaded and read per 64 rows).
+  stagger    coop tiles, but warpgroup 1 starts `STAGGER` k-tiles behind warpgroup 0 and the two never
+             synchronize again (policy smem is per warpgroup), so at a tile's end one warpgroup's last
+             k-tiles run on the tensor cores while the other runs its epilogue. The lead can be at most
+             the ring depth; it settles where warpgroup 0 stops waiting for data (warpgroup 1 never
+             waits: its stages were loaded for warpgroup 0).
 
 Persistence and L2: the grid is min(#cluster tiles, #SMs / cluster); each cluster walks the tile list
 with stride gridDim.z. Tiles are ordered in groups of `group_m` cluster-rows: inside a group the
 walk goes down M first and then along N, so the A rows of a group stay in L2 while every weight tile
-is read by the whole group at about the same time (weights are read ~M / (group_m * 256) times).
+is read by the whole group at about the same time.
 
 Cluster 2x1 along M: the two CTAs compute vertically adjacent tiles that use the same weight tile, so
 each loads half of B and multicasts it to both (halves the L2->SM traffic for B).
 
 The epilogue runs per consumer warpgroup on (64 x epi_n) subtiles: accumulator registers -> policy
 chain (scales, SwiGLU, residual, amax, ...) -> converted fragment -> `stmatrix` into shared memory ->
-TMA store, double-buffered so the store of subtile j overlaps the math of subtile j+1. Policies issue
-their global loads (scales, ...) *before* the tile's mainloop, so that latency hides behind the MMAs.
-While the consumers run the epilogue, the producer already fills the ring with the next tile's stages.
+TMA store, double-buffered so the store of subtile j overlaps the math of subtile j+1 and the last
+stores of a tile overlap the next tile's mainloop. Policies issue their global loads (scales, ...)
+*before* the tile's mainloop, so that latency hides behind the MMAs. While the consumers run the
+epilogue, the producer already fills the ring with the next tile's stages.
 
 FP8 accumulation is "fast accumulation" (every k-block accumulates into the same FP32 WGMMA
-accumulator, like cuBLAS `use_fast_accum=True`); a two-level promotion would need a second 128-register
-accumulator per thread that the 128x256 tile cannot afford.
+accumulator, like cuBLAS `use_fast_accum=True`: the tensor core keeps ~14 significant bits while it
+adds a k-block's products); a two-level promotion would need a second 128-register accumulator per
+thread that the 64 x 256 warpgroup tile cannot afford.
 
 Tile rules (see `tile_config`): the paper's 128x256 CTA tile with K=128 (FP8) / 64 (BF16) per stage,
 4 stages (4 x 48 KiB of A+B), cluster 2x1. Inputs must be 16-byte aligned along K and N (TMA).
@@ -54,6 +73,7 @@ from cutlass.utils import LayoutEnum
 from epilogues.base import Chain, Frag, Tile, resolve
 
 AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "bf16": cutlass.BFloat16}
+STAGGER = 2   # k-tiles warpgroup 1 starts behind warpgroup 0 (stagger schedule; < stages)
 SMEM_BYTES = 232448  # sm_90 opt-in shared memory per CTA (227 KiB)
 THREADS_PER_WG = 128
 
@@ -62,23 +82,34 @@ THREADS_PER_WG = 128
 class TileConfig:
     """Static shape of one kernel variant. `tile_config` holds the rules; tests pin them."""
 
-    tile_m: int = 128
+    tile_m: int = 128      # rows per CTA tile: 128 (coop, stagger: 64 per warpgroup) or 64 (pingpong)
     tile_n: int = 256
     tile_k: int = 128
     stages: int = 4
     cluster_m: int = 2
     group_m: int = 8       # cluster-rows per raster group (L2 reuse of A)
     epi_stages: int = 2    # smem buffers per consumer warpgroup for the TMA store
+    schedule: str = "coop"
+
+    @property
+    def pingpong(self) -> bool:
+        return self.schedule == "pingpong"
+
+    @property
+    def per_wg_policy_smem(self) -> bool:
+        """The warpgroups run their epilogues at different times: no CTA-wide epilogue barrier."""
+        return self.schedule != "coop"
 
 
-def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2) -> TileConfig:
+def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = "coop") -> TileConfig:
     """The tile rules.
 
-    - CTA tile 128 x tile_n, two consumer warpgroups of 64 rows each: the largest WGMMA (n=256) keeps
-      shared-memory reads per FLOP lowest, and 64x256 FP32 accumulators are 128 registers/thread.
+    - Each consumer warpgroup computes 64 x tile_n: the largest WGMMA (n=256) keeps shared-memory reads
+      per FLOP lowest, and 64x256 FP32 accumulators are 128 registers/thread. The CTA tile is 128 rows
+      (coop, stagger: both warpgroups on one tile) or 64 rows (pingpong: one tile per warpgroup).
     - K per stage = 128 bytes of a row (one 128B swizzle atom): 128 for E4M3, 64 for BF16.
     - stages = as many as fit next to the epilogue buffers, at most 8: 4 for 128x256 (4 x 48 KiB),
-      6 for 128x128 (6 x 32 KiB); more stages hide more TMA latency.
+      6 for 128x128, 5 for pingpong 64x256 (5 x 40 KiB); more stages hide more TMA latency.
     """
     if ab not in AB_DTYPES:
         raise ValueError(f"ab must be one of {sorted(AB_DTYPES)}, got {ab!r}")
@@ -86,11 +117,15 @@ def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2) -> TileConfig:
         raise ValueError(f"tile_n must be 128 or 256, got {tile_n}")
     if cluster_m not in (1, 2):
         raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
+    if schedule not in ("coop", "pingpong", "stagger"):
+        raise ValueError(f"schedule must be 'coop', 'pingpong' or 'stagger', got {schedule!r}")
+    tile_m = 64 if schedule == "pingpong" else 128
     tile_k = 128 if ab == "e4m3" else 64
-    stage_bytes = (128 + tile_n) * 128        # A + B rows of 128 bytes each, either dtype
+    stage_bytes = (tile_m + tile_n) * 128      # A + B rows of 128 bytes each, either dtype
     epi_bytes = 2 * 2 * 64 * 32 * 2            # 2 warpgroups x 2 buffers x 64x32 x <= 2 bytes
     stages = min(8, (SMEM_BYTES - epi_bytes - 4096) // stage_bytes)
-    return TileConfig(tile_n=tile_n, tile_k=tile_k, stages=stages, cluster_m=cluster_m)
+    return TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, stages=stages, cluster_m=cluster_m,
+                      schedule=schedule)
 
 
 class PrefillGemm:
@@ -102,7 +137,9 @@ class PrefillGemm:
         self.cfg = cfg
         self.epi = epilogue
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
-        self.num_consumer_wg = cfg.tile_m // 64
+        self.num_consumer_wg = 2
+        self.pingpong = cfg.pingpong
+        self.slabs_per_tile = cfg.tile_m // 64   # 64-row warpgroup slabs per CTA tile
         self.threads = THREADS_PER_WG * (1 + self.num_consumer_wg)
         # 40 registers for the producer, the rest to the math warpgroups (64K registers / SM)
         self.producer_regs = 40
@@ -123,8 +160,15 @@ class PrefillGemm:
         out_bytes = 2 if self.epi.out_dtype.width == 16 else 1
         used = (self.cfg.stages * (self.cfg.tile_m + self.cfg.tile_n) * 128
                 + self.num_consumer_wg * self.cfg.epi_stages * 64 * 64 * out_bytes
-                + 8 * 2 * self.cfg.stages + 4 * 2 * sum(s.smem_floats(self.cfg.tile_n) for s in self.epi.steps))
+                + 8 * 2 * self.cfg.stages + 4 * self.epi_floats())
         return 64 if used + 512 <= SMEM_BYTES and not any(s.wide_subtile_regs for s in self.epi.steps) else 32
+
+    def epi_floats(self) -> int:
+        """FP32 words of policy smem. coop: one copy per tile parity (a warpgroup may write tile i+1's
+        while the other still reads tile i's); otherwise one copy per warpgroup, whose epilogue
+        barriers already order its reads of tile i before its writes of tile i+1."""
+        per = sum(step.smem_floats(self.cfg.tile_n) for step in self.epi.steps)
+        return per * (self.num_consumer_wg if self.cfg.per_wg_policy_smem else 2)
 
     # ---------------------------------------------------------------------------------------------
     # host side (traced once per compile)
@@ -160,7 +204,7 @@ class PrefillGemm:
             cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_staged, (None, None, 0)), epi_tile)
         self.tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + 2 * cute.size_in_bytes(self.ab_dtype, bh_smem)
 
-        epi_floats = max(1, 2 * sum(step.smem_floats(cfg.tile_n) for step in self.epi.steps))
+        epi_floats = max(1, self.epi_floats())
 
         @cute.struct
         class SharedStorage:
@@ -194,10 +238,11 @@ class PrefillGemm:
         return (m + rows - 1) // rows, n_tile_n
 
     def make_mmas(self):
-        """(CTA MMA over both consumer warpgroups, one warpgroup's MMA for the epilogue)."""
+        """(the CTA tile's MMA: both consumer warpgroups in coop, one in pingpong; one warpgroup's MMA
+        for the epilogue)."""
         k_major = warpgroup.OperandMajorMode.K
         cta = sm90_utils.make_trivial_tiled_mma(self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
-                                                (self.num_consumer_wg, 1, 1), tiler_mn=(64, self.cfg.tile_n))
+                                                (self.slabs_per_tile, 1, 1), tiler_mn=(64, self.cfg.tile_n))
         wg = sm90_utils.make_trivial_tiled_mma(self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
                                                (1, 1, 1), tiler_mn=(64, self.cfg.tile_n))
         return cta, wg
@@ -247,7 +292,8 @@ class PrefillGemm:
             num_stages=cfg.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, cfg.cluster_m * self.num_consumer_wg * 4),  # one arrive per warp
+                # one arrive per consumer warp of the stage's tile, from every CTA that shares the stage
+                pipeline.Agent.Thread, cfg.cluster_m * self.slabs_per_tile * 4),
             tx_count=self.tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, cfg.cluster_m, 1, 1)),
             defer_sync=True,
@@ -278,9 +324,11 @@ class PrefillGemm:
         else:
             # ======================= consumer warpgroups =======================
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            cwg = wg_idx - 1                      # rows [64 * cwg, 64 * cwg + 64) of each tile
+            cwg = wg_idx - 1
             wg_tid = tidx % THREADS_PER_WG
-            thr_mma = tiled_mma.get_slice(cwg * THREADS_PER_WG)
+            # coop: this warpgroup computes rows [64 * cwg, 64 * cwg + 64) of every CTA tile;
+            # pingpong: all 64 rows of every other CTA tile
+            thr_mma = tiled_mma.get_slice(wg_tid if const_expr(self.pingpong) else cwg * THREADS_PER_WG)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             k_blocks = cute.size(tCrA, mode=[2])
@@ -294,11 +342,35 @@ class PrefillGemm:
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
             parity = Int32(0)
             work = first_work
+            my_stride = work_stride
+            stagger_gate = None
+            gate_open = Int32(0)
+            if const_expr(cfg.schedule == "stagger"):
+                # once: warpgroup 1 waits until warpgroup 0 has issued its first STAGGER k-tiles
+                stagger_gate = pipeline.NamedBarrier(barrier_id=4, num_threads=2 * THREADS_PER_WG)
+                if cwg == 1:
+                    stagger_gate.arrive_and_wait()
+            if const_expr(self.pingpong):
+                # Tiles alternate between the warpgroups: warpgroup 1 starts at the CTA's second tile,
+                # past the k-tiles of the first. Turn-taking: a warpgroup syncs on its "mma" barrier
+                # (256 threads: its own 128 + the other's arrive) before issuing a mainloop and arrives
+                # on the other's after issuing the last WGMMA; warpgroup 0 pre-arrives for its first turn.
+                mma_turn = pipeline.NamedBarrier(barrier_id=4 + cwg, num_threads=2 * THREADS_PER_WG)
+                mma_next = pipeline.NamedBarrier(barrier_id=5 - cwg, num_threads=2 * THREADS_PER_WG)
+                my_stride = 2 * work_stride
+                if cwg == 1:
+                    work += work_stride
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
+                else:
+                    mma_turn.arrive()
             while work < num_work:
                 cm, tn = self.tile_coords(work, n_cluster_m, n_tile_n)
                 tm = cm * cfg.cluster_m + cta_rank
-                slab = tm * self.num_consumer_wg + cwg
+                slab = tm * self.slabs_per_tile + (0 if const_expr(self.pingpong) else cwg)
                 WarpgroupEpilogue.prefetch(epi, slab, tn, parity)
+                if const_expr(self.pingpong):
+                    mma_turn.arrive_and_wait()
 
                 # ---- mainloop: keep one k-tile of WGMMAs in flight, release the stage before it ----
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -315,17 +387,30 @@ class PrefillGemm:
                     for kb in cutlass.range_constexpr(k_blocks):
                         cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
                     warpgroup.commit_group()
+                    if const_expr(stagger_gate is not None):
+                        if cwg == 0 and gate_open == 0 and kt == STAGGER - 1:
+                            stagger_gate.arrive()
+                            gate_open = Int32(1)
                     warpgroup.wait_group(1)       # the previous k-tile's WGMMAs no longer read smem
                     ab_pipe.consumer_release(release)
                     release.advance()
                     read.advance()
+                if const_expr(stagger_gate is not None):   # first tile shorter than STAGGER k-tiles
+                    if cwg == 0 and gate_open == 0:
+                        stagger_gate.arrive()
+                        gate_open = Int32(1)
+                if const_expr(self.pingpong):
+                    mma_next.arrive()             # the other warpgroup's WGMMAs queue behind ours
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(release)
                 release.advance()
 
                 WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
                 parity = 1 - parity
-                work += work_stride
+                work += my_stride
+                if const_expr(self.pingpong):     # skip the other warpgroup's tile in the ring
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
             WarpgroupEpilogue.finish(epi)
 
     @cute.jit
@@ -375,9 +460,10 @@ class WarpgroupEpilogue:
     """The epilogue engine of one consumer warpgroup: subtiles -> policy chain -> smem -> TMA store.
 
     Per tile: `prefetch` (before the mainloop: policies issue their global loads, whose latency then
-    hides behind the MMAs) -> mainloop -> `run_tile`: begin_tile (policies may fill their CTA-shared
-    smem, double-buffered by tile parity; one 256-thread barrier) -> for each (64 x epi_n) subtile:
-    gather accumulators -> maps / pair / maps -> convert -> stmatrix -> TMA store (2 buffers).
+    hides behind the MMAs) -> mainloop -> `run_tile`: begin_tile (policies may fill the smem shared by
+    the tile's warpgroups, double-buffered by tile parity; one barrier) -> whole-tile maps, if any ->
+    for each (64 x epi_n) subtile: gather accumulators -> maps / pair / maps -> convert -> stmatrix ->
+    TMA store (2 buffers). Subtiles entirely right of D (QKV: the K/V columns) skip the last three.
     """
 
     def __init__(self, gemm: PrefillGemm, wg_tid, cwg, sD_mem, d_staged, tma_d, gD_tma, epi_mem, epi_args,
@@ -391,7 +477,10 @@ class WarpgroupEpilogue:
         self.out_tile_n = gemm.out_tile_n
         self.tile_n = gemm.cfg.tile_n
         self.wg_tid = wg_tid
-        self.cta_tid = cwg * THREADS_PER_WG + wg_tid          # 0..255 over both consumer warpgroups
+        # the threads that share this tile's policy smem: both warpgroups (coop) or this one
+        own = gemm.cfg.per_wg_policy_smem
+        self.epi_threads = THREADS_PER_WG * (1 if own else gemm.num_consumer_wg)
+        self.epi_tid = wg_tid if own else cwg * THREADS_PER_WG + wg_tid
         self.S = gemm.epi_n * 64 // THREADS_PER_WG            # values per thread per output subtile
         self.n_sub = gemm.n_sub
         # registers -> shared memory with stmatrix, in the WGMMA accumulator layout
@@ -409,20 +498,23 @@ class WarpgroupEpilogue:
         self.bSG_sD, self.bSG_gD = cpasync.tma_partition(
             tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gD, 0, 2))
         self.barrier = pipeline.NamedBarrier(barrier_id=1 + cwg, num_threads=THREADS_PER_WG)
-        self.cta_barrier = pipeline.NamedBarrier(barrier_id=3, num_threads=gemm.num_consumer_wg * THREADS_PER_WG)
+        self.tile_barrier = (self.barrier if own
+                             else pipeline.NamedBarrier(barrier_id=3, num_threads=self.epi_threads))
         self.is_store_warp = wg_tid < 32
-        # CTA-shared policy smem: step k gets a (2, floats) tensor, buffer [parity] per tile
+        # policy smem of the tile: step k gets a (2, floats) tensor, buffer [parity] per tile; unless
+        # coop, each warpgroup has its own copy
         self._smem = []
-        offset = 0
+        offset = cwg * (gemm.epi_floats() // gemm.num_consumer_wg) if own else 0
+        parity_stride = 0 if own else 1     # own copy: both parities index the same buffer
         for step in self.chain.steps:
             floats = step.smem_floats(self.tile_n)
             if floats:
                 self._smem.append(cute.make_tensor(epi_mem.data_ptr() + offset,
-                                                   cute.make_layout((2, floats), stride=(floats, 1))))
+                                                   cute.make_layout((2, floats), stride=(floats * parity_stride, 1))))
             else:
                 self._smem.append(None)
-            offset += 2 * floats
-        self.uses_smem = offset > 0
+            offset += floats * (1 + parity_stride)
+        self.uses_smem = gemm.epi_floats() > 0
         self._step = 0
         self.states = []
         for k, (step, tensors) in enumerate(zip(self.chain.steps, self.chain.split(epi_args))):
@@ -431,7 +523,7 @@ class WarpgroupEpilogue:
 
     # ---- helpers for policies ----
     def smem(self):
-        """This step's CTA-shared smem, (2, floats) Float32: index [tile.parity, i] (call in setup)."""
+        """This step's tile-shared smem, (2, floats) Float32: index [tile.parity, i] (call in setup)."""
         return self._smem[self._step]
 
     def thread_row(self, slot: int):
@@ -502,49 +594,63 @@ class WarpgroupEpilogue:
         for step, st in zip(chain.steps, self.states):
             step.begin_tile(st, tile)
         if const_expr(self.uses_smem):
-            self.cta_barrier.arrive_and_wait()   # policy smem of this tile written by both warpgroups
-        n_pre = len(chain.pre)
+            self.tile_barrier.arrive_and_wait()   # policy smem of this tile written by all its threads
+        t0, n_pre = chain.n_tile, len(chain.pre)
+        pre_states = self.states[t0 : t0 + n_pre]
         post_states = self.states[len(chain.steps) - 1 - len(chain.post) : -1]
+        if const_expr(t0 > 0):
+            # whole-tile maps edit the accumulators in place
+            frag = self._frag(acc, lambda i: i, tile, tile.col0)
+            frag.subtile = None
+            for step, st in zip(chain.tile, self.states[:t0]):
+                step.visit(st, frag)
 
         for j in cutlass.range_constexpr(g.n_sub):
-            vals = cute.make_rmem_tensor((S,), Float32)
-            if const_expr(chain.pair is None):
-                for e in cutlass.range_constexpr(S):
-                    vals[e] = acc[j * S + e]
-                frag = self._frag(vals, lambda i, j=j: j * S + i, tile, tile.col0)
-                frag.subtile = j
-                for step, st in zip(chain.pre, self.states[:n_pre]):
-                    step.visit(st, frag)
-            else:
-                self._pair(acc, vals, j, tile)
-            # output subtile j: the accumulator layout of chunk 0, shifted by j * epi_n output columns
-            out_frag = self._frag(vals, lambda i: i, tile, tile.out_col0, col_shift=j * g.epi_n)
-            out_frag.subtile = j
-            for step, st in zip(chain.post, post_states):
-                step.visit(st, out_frag)
-            rD = cute.make_rmem_tensor(self.rD_shape, g.d_dtype)
-            rD.store(chain.store.convert(self.states[-1], out_frag))
-
-            buf = self.buf0 + j % g.cfg.epi_stages
-            cute.copy(self.r2s, rD, self.tRS_sD[(None, None, None, buf)])
-            # make the generic-proxy smem writes visible to the TMA (async proxy), then store
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.barrier.arrive_and_wait()
-            if self.is_store_warp:
-                cute.copy(self.tma_d, self.bSG_sD[(None, buf)], self.bSG_gD[(None, slab, tile.out_col0 // g.epi_n + j)])
-                cute.arch.cp_async_bulk_commit_group()
-                # this buffer is written again epi_stages subtiles later: allow that many in flight - 1
-                cute.arch.cp_async_bulk_wait_group(g.cfg.epi_stages - 1, read=True)
-            self.barrier.arrive_and_wait()
+            if tile.out_col0 + j * g.epi_n < self.n_out:   # uniform over the warpgroup
+                self._subtile(acc, tile, slab, j, pre_states, post_states)
 
         for step, st in zip(chain.steps, self.states):
             step.end_tile(st, tile)
 
     @cute.jit
+    def _subtile(self, acc: cute.Tensor, tile, slab: Int32, j: int, pre_states, post_states):
+        """Output subtile j: gather -> maps / pair / maps -> convert -> stmatrix -> TMA store."""
+        g, chain, S = self.g, self.chain, self.S
+        vals = cute.make_rmem_tensor((S,), Float32)
+        if const_expr(chain.pair is None):
+            for e in cutlass.range_constexpr(S):
+                vals[e] = acc[j * S + e]
+            frag = self._frag(vals, lambda i: j * S + i, tile, tile.col0)
+            frag.subtile = j
+            for step, st in zip(chain.pre, pre_states):
+                step.visit(st, frag)
+        else:
+            self._pair(acc, vals, j, tile)
+        # output subtile j: the accumulator layout of chunk 0, shifted by j * epi_n output columns
+        out_frag = self._frag(vals, lambda i: i, tile, tile.out_col0, col_shift=j * g.epi_n)
+        out_frag.subtile = j
+        for step, st in zip(chain.post, post_states):
+            step.visit(st, out_frag)
+        rD = cute.make_rmem_tensor(self.rD_shape, g.d_dtype)
+        rD.store(chain.store.convert(self.states[-1], out_frag))
+
+        buf = self.buf0 + j % g.cfg.epi_stages
+        cute.copy(self.r2s, rD, self.tRS_sD[(None, None, None, buf)])
+        # make the generic-proxy smem writes visible to the TMA (async proxy), then store
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.barrier.arrive_and_wait()
+        if self.is_store_warp:
+            cute.copy(self.tma_d, self.bSG_sD[(None, buf)], self.bSG_gD[(None, slab, tile.out_col0 // g.epi_n + j)])
+            cute.arch.cp_async_bulk_commit_group()
+            # this buffer is written again epi_stages subtiles later: allow that many in flight - 1
+            cute.arch.cp_async_bulk_wait_group(g.cfg.epi_stages - 1, read=True)
+        self.barrier.arrive_and_wait()
+
+    @cute.jit
     def _pair(self, acc, out, j, tile):
         """Gather gate/up accumulators for output subtile j, run pre-pair maps, combine into `out`."""
         g, chain, S = self.g, self.chain, self.S
-        pair_states = self.states[: len(chain.pre) + 1]
+        pair_states = self.states[chain.n_tile : chain.n_tile + len(chain.pre) + 1]
         both = cute.make_rmem_tensor((2 * S,), Float32)
         if const_expr(chain.pair.layout == "interleaved"):
             # GEMM columns 2c (gate) and 2c+1 (up) are adjacent registers of one thread
@@ -609,7 +715,7 @@ def _quad_permute_pairs(src: cute.Tensor, dst: cute.Tensor):
 
 
 def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cluster_m: int = 2,
-                   chain: str | None = None):
+                   schedule: str = "coop", chain: str | None = None):
     """Factory for the futx runtime: (jit_callable, fake_args) of one variant.
 
     M, N, K are symbolic (K, N multiples of 16 elements for TMA); the caller passes
@@ -623,7 +729,7 @@ def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cl
         chain = getattr(importlib.import_module(module), attr)()
     else:
         chain = resolve(policy)
-    cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m)
+    cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m, schedule=schedule)
     gemm = PrefillGemm(ab, chain, cfg)
     dt = AB_DTYPES[ab]
     m = cute.sym_int()

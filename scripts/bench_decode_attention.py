@@ -1,40 +1,52 @@
-"""Decode attention alone: futx over the INT4 / E4M3 mirrors and the BF16 cache vs PyTorch SDPA on a compact
-BF16 cache (and FlashAttention's decode kernel when it is installed), for the 8B and 70B head shapes.
+"""Decode attention alone: futx over the INT4 / E4M3 mirrors and the BF16 cache vs PyTorch SDPA on a compact BF16
+cache (and FlashAttention's decode kernel when it is installed), for the 8B and 70B head shapes.
 
-    python scripts/bench_decode_attention.py [--quick] [--rounds 7]
+    python scripts/bench_decode_attention.py [--quick] [--rounds 7] [--no-ablation]
 
-For the 8B shape the INT4 kernel also runs its dequantization ablations: [valu] = keys through the
-256-entry table, values by prmt/lop3/f16 FMA; [alu] = both arithmetic. Each candidate runs as a CUDA graph of back-to-back calls; candidates are interleaved round by round and
-the median per call is reported. Small caches are replicated (each call in the graph reads a different
-copy) so that every call streams from HBM, not from the 50 MB L2. Achieved bandwidth = cache bytes the
-call must read (K, V and their scales for the context) / time, as a fraction of the 4.36 TB/s read
-floor measured on this H200. The futx calls also write the new row (main copy + mirror), as in a
-real decode step; SDPA does not. Markdown and JSON go to $OUT when it is set; the table prints last.
+For the 8B shape the INT4 kernel also runs its benchmark-only variants (futx.runtime.catalog.decode_attention):
+[valu] values by prmt/lop3/f16 FMA instead of the table, [alu] keys and values so, [s2] 2-deep rings (three
+CTAs per SM), [w12] one 12-warp CTA per SM.
+Each candidate runs as a CUDA graph of back-to-back calls; candidates are interleaved round by round and the
+median per call is reported. Small caches are replicated (each call in the graph reads a different copy) so
+that every call streams from HBM, not from the 50 MB L2. Achieved bandwidth = cache bytes the call must read
+(K, V and their scales for the context) / time; "floor" is that byte count at the 4.36 TB/s read rate measured
+on this H200. The futx calls also write the new row (main copy + mirror), as in a real decode step; SDPA does not.
+
+Robustness: the points run in a child process. Before its first call every candidate is announced, called once
+eagerly and synchronized (output must be finite). A CUDA fault poisons a process, so when a child dies the
+parent records the announced candidate as failed and starts a new child for the rest (without it). Markdown and
+JSON go to $OUT when it is set; the table prints last.
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-
-import torch
-import torch.nn.functional as F
 
 FLOOR_TBS = 4.36
 SHAPES = {"8B": (32, 8, 128), "70B": (64, 8, 128)}  # query heads, KV heads, head dim
 POINTS = [(1, 1024), (8, 1024), (32, 1024), (32, 4096), (8, 32768)]
 L2_BYTES = 50 * 2 ** 20
+BENCH_VARIANTS = ("valu", "alu", "s2", "w12")
+PER_TOKEN = {"int4": lambda d: d + 8, "e4m3": lambda d: 2 * d + 8, "bf16": lambda d: 4 * d}  # per KV head
 
 
+def _labels(model: str, ablate: bool) -> list[str]:
+    out = ["futx int4 rot"] + ([f"futx int4 rot [{v}]" for v in BENCH_VARIANTS] if ablate and model == "8B" else [])
+    return out + ["futx e4m3 rot", "futx bf16", "torch sdpa (compact bf16)", "flash-attn kvcache"]
+
+
+# ---- child: one process measures points until done or a CUDA fault ------------------------------------------
 def _graph(fn, calls: int):
-    fn(0)  # warm up (loads or compiles the kernel) outside the capture
-    torch.cuda.synchronize()
+    import torch
+
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -46,6 +58,8 @@ def _graph(fn, calls: int):
 
 
 def _time_us(g, calls: int) -> float:
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     g.replay()
@@ -55,6 +69,8 @@ def _time_us(g, calls: int) -> float:
 
 
 def _fill_cache(cache, fmt):
+    import torch
+
     with torch.no_grad():
         cache.k_cache.normal_()
         cache.v_cache.normal_()
@@ -69,97 +85,264 @@ def _fill_cache(cache, fmt):
             cache.v_scale.fill_(0.02)
 
 
-def _flash_attn():
-    try:
-        from flash_attn import flash_attn_with_kvcache  # noqa: F401
+def _candidates(model, batch, ctx, ablate):
+    """label -> build() -> (call(i) -> output, bytes read per call, splits); built lazily, one at a time."""
+    import torch
+    import torch.nn.functional as F
 
-        return flash_attn_with_kvcache
-    except Exception:  # not installed (no internet on the H200), or built for another torch
-        return None
-
-
-def bench_point(name, hq, hkv, d, batch, ctx, rounds, min_calls, ablate=False):
+    from decode.attn_plan import choose_splits, default_plan
     from futx.ops import decode_attention as da
+    from futx.runtime.catalog.decode_attention import VARIANTS
 
+    hq, hkv, d = SHAPES[model]
     cap = -(-ctx // 64) * 64
     dev = "cuda"
-    per_token = {"int4": d + 8, "e4m3": 2 * d + 8, "bf16": 4 * d, "sdpa": 4 * d, "flash": 4 * d}
-    read = {k: batch * ctx * hkv * v for k, v in per_token.items()}
-    copies = max(1, min(64, math.ceil(2 * L2_BYTES / read["int4"])))
-    calls = max(min_calls, copies)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     q = torch.randn(batch, hq, d, device=dev).bfloat16()
     k_new, v_new = torch.randn(batch, hkv, d, device=dev).bfloat16(), torch.randn(batch, hkv, d, device=dev).bfloat16()
     positions = torch.full((batch,), ctx - 1, dtype=torch.int32, device=dev)
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
-    graphs = {}
-    for fmt in ("int4", "e4m3", "bf16"):
-        n_copies = max(1, min(copies, math.ceil(2 * L2_BYTES / read[fmt])))
-        caches = [da.DecodeCache.allocate(fmt, batch, hkv, cap, d) for _ in range(n_copies)]
-        for c in caches:
-            _fill_cache(c, fmt)
-        rotate = fmt != "bf16"
-        for variant in (("", "valu", "alu") if fmt == "int4" and ablate else ("",)):
-            def call(i, caches=caches, fmt=fmt, rotate=rotate, variant=variant):
-                c = caches[i % len(caches)]
-                torch.ops.futx.decode_attention_(q, k_new, v_new, positions, slots, *c.tensors(), out, fmt,
-                                                 rotate, max_context=ctx, check_positions_on_host=False,
-                                                 variant=variant)
-            label = f"futx {fmt}" + (" rot" if rotate else "") + (f" [{variant}]" if variant else "")
-            graphs[label] = (_graph(call, calls), read[fmt])
-    n_copies = max(1, min(copies, math.ceil(2 * L2_BYTES / read["sdpa"])))
-    kv = [(torch.randn(batch, hkv, ctx, d, device=dev).bfloat16(), torch.randn(batch, hkv, ctx, d, device=dev).bfloat16())
-          for _ in range(n_copies)]
-    q4 = q.unsqueeze(2)
+    read = {fmt: batch * ctx * hkv * f(d) for fmt, f in PER_TOKEN.items()}
 
-    def sdpa(i):
-        k, v = kv[i % len(kv)]
-        F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
-    graphs["torch sdpa (compact bf16)"] = (_graph(sdpa, calls), read["sdpa"])
-    fa = _flash_attn()
-    if fa is not None:
-        kvf = [(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) for k, v in kv]
+    def n_copies(fmt):
+        return max(1, min(64, math.ceil(2 * L2_BYTES / read[fmt])))
+
+    def futx(fmt, variant=""):
+        def build():
+            caches = [da.DecodeCache.allocate(fmt, batch, hkv, cap, d) for _ in range(n_copies(fmt))]
+            for c in caches:
+                _fill_cache(c, fmt)
+            rotate = fmt != "bf16"
+
+            def call(i):
+                torch.ops.futx.decode_attention_(q, k_new, v_new, positions, slots, *caches[i % len(caches)].tensors(),
+                                                 out, fmt, rotate, max_context=ctx, check_positions_on_host=False,
+                                                 variant=variant)
+                return out
+            plan = default_plan(fmt, d, rotate, 0, **VARIANTS[variant])
+            return call, read[fmt], choose_splits(plan, batch, hkv, ctx, sms)
+        return build
+
+    def bf16_pairs(shape):
+        return [tuple(torch.randn(*shape, device=dev).bfloat16() for _ in range(2)) for _ in range(n_copies("bf16"))]
+
+    def sdpa_build():
+        kv = bf16_pairs((batch, hkv, ctx, d))
+
+        def call(i):
+            k, v = kv[i % len(kv)]
+            return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
+        return call, read["bf16"], ""
+
+    def flash_build():
+        from flash_attn import flash_attn_with_kvcache  # ImportError: not installed (no internet on the H200)
+
+        kv = bf16_pairs((batch, ctx, hkv, d))
         seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
 
-        def flash(i):
-            k, v = kvf[i % len(kvf)]
-            fa(q.unsqueeze(1), k, v, cache_seqlens=seqlens)
-        graphs["flash-attn kvcache"] = (_graph(flash, calls), read["flash"])
+        def call(i):
+            k, v = kv[i % len(kv)]
+            return flash_attn_with_kvcache(q.unsqueeze(1), k, v, cache_seqlens=seqlens)
+        return call, read["bf16"], ""
 
+    builders = {"futx int4 rot": futx("int4")}
+    for v in BENCH_VARIANTS:
+        builders[f"futx int4 rot [{v}]"] = futx("int4", v)
+    builders.update({"futx e4m3 rot": futx("e4m3"), "futx bf16": futx("bf16"),
+                     "torch sdpa (compact bf16)": sdpa_build, "flash-attn kvcache": flash_build})
+    return {k: builders[k] for k in _labels(model, ablate)}
+
+
+def _cuda_dead() -> bool:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return False
+    except Exception:  # noqa: BLE001 - a sticky error (illegal address, ...) poisons the context
+        return True
+
+
+def bench_point(model, batch, ctx, rounds, min_calls, ablate, skip, progress):
+    import torch
+
+    graphs, meta, failed = {}, {}, {}
+    # A graph only records addresses: the buffers its calls use must outlive it. (Letting them go with the
+    # closure, as the first version did, freed them; the next capture's empty_cache() unmapped them and
+    # the first replay hit an illegal address.)
+    keep = {}
+    for label, build in _candidates(model, batch, ctx, ablate).items():
+        if label in skip:
+            failed[label] = skip[label]
+            continue
+        with open(progress, "w") as f:  # the parent blames this candidate if the process dies now
+            json.dump({"point": [model, batch, ctx], "candidate": label}, f)
+        print(f"[bench] {model} B={batch} ctx={ctx}: {label}", file=sys.stderr, flush=True)
+        try:
+            call, nbytes, splits = build()
+            copies = max(1, min(64, math.ceil(2 * L2_BYTES / nbytes)))
+            calls = max(min_calls, copies)
+            out = call(0)  # eager first call: loads the kernel, surfaces faults with a name on them
+            torch.cuda.synchronize()
+            if not bool(torch.isfinite(out).all()):
+                raise RuntimeError("non-finite output")
+            keep[label] = call  # holds the caches and inputs the graph reads and writes
+            graphs[label] = _graph(call, calls)
+            graphs[label].replay()
+            torch.cuda.synchronize()
+            meta[label] = (calls, nbytes, splits)
+        except ImportError as exc:
+            failed[label] = f"not available ({exc.name})"
+        except Exception as exc:  # noqa: BLE001 - record it and keep the other candidates
+            failed[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            print(f"[bench]   failed: {failed[label]}", file=sys.stderr, flush=True)
+            if _cuda_dead():
+                sys.exit(3)  # the parent restarts without this candidate
+    with open(progress, "w") as f:
+        json.dump({"point": [model, batch, ctx], "candidate": "timing"}, f)
     times = {k: [] for k in graphs}
     keys = list(graphs)
     for r in range(rounds):
-        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[k].append(_time_us(graphs[k][0], calls))
-    from decode.attn_plan import choose_splits, default_plan
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = {fmt: choose_splits(default_plan(fmt, d, fmt != "bf16"), batch, hkv, ctx, sms)
-              for fmt in ("int4", "e4m3", "bf16")}
+        for k in keys[r % max(1, len(keys)):] + keys[:r % max(1, len(keys))]:
+            times[k].append(_time_us(graphs[k], meta[k][0]))
     rows = []
     for k in keys:
         us = statistics.median(times[k])
-        tbs = graphs[k][1] / (us * 1e-6) / 1e12
-        fmt = k.split()[1] if k.startswith("futx") else None
-        rows.append(dict(model=name, batch=batch, context=ctx, candidate=k, us=us, cache_mb=graphs[k][1] / 1e6,
-                         tb_s=tbs, floor_frac=tbs / FLOOR_TBS, spread=(max(times[k]) - min(times[k])) / us,
-                         splits=splits.get(fmt, "")))
-    del graphs, kv
+        calls, nbytes, splits = meta[k]
+        tbs = nbytes / (us * 1e-6) / 1e12
+        rows.append(dict(model=model, batch=batch, context=ctx, candidate=k, us=us, cache_mb=nbytes / 1e6,
+                         floor_us=nbytes / (FLOOR_TBS * 1e12) * 1e6, tb_s=tbs, floor_frac=tbs / FLOOR_TBS,
+                         spread=(max(times[k]) - min(times[k])) / us, splits=splits))
+    rows += [dict(model=model, batch=batch, context=ctx, candidate=k, error=e) for k, e in failed.items()]
+    del graphs, keep
     torch.cuda.empty_cache()
     return rows
 
 
+def child(args) -> int:
+    import faulthandler
+
+    import futx.ops  # noqa: F401
+
+    todo = json.loads(args.child_points)
+    skip = json.loads(args.child_skip)
+    for model, batch, ctx in todo:
+        if time.time() > float(args.child_deadline):
+            break  # out of budget: the parent lists the rest as skipped
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)  # a hung point must not hang the run
+        key = f"{model}/{batch}/{ctx}"
+        rows = bench_point(model, batch, ctx, args.rounds, args.calls, not args.no_ablation, skip.get(key, {}),
+                           args.child_progress)
+        faulthandler.cancel_dump_traceback_later()
+        with open(args.child_results, "a") as f:
+            f.write(json.dumps({"point": [model, batch, ctx], "rows": rows}) + "\n")
+    return 0
+
+
+# ---- parent: runs children, survives their faults ------------------------------------------------------------
+def _read_jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def supervise(args) -> int:
+    points = [(m, b, c) for m in SHAPES for b, c in POINTS]
+    if args.quick:
+        points = [("8B", 8, 1024), ("8B", 32, 4096), ("8B", 8, 32768)]
+    t0 = time.time()
+    work = tempfile.mkdtemp(prefix="bench-attn-")
+    results, progress = os.path.join(work, "results.jsonl"), os.path.join(work, "progress.json")
+    skip: dict[str, dict[str, str]] = {}
+    rows, skipped = [], []
+    for restart in range(8):
+        done = {tuple(r["point"]) for r in _read_jsonl(results)}
+        todo = [p for p in points if p not in done]
+        if not todo:
+            break
+        if time.time() - t0 > args.budget_s:
+            skipped += todo
+            break
+        cmd = [sys.executable, os.path.abspath(__file__), "--child-points", json.dumps(todo), "--child-skip",
+               json.dumps(skip), "--child-results", results, "--child-progress", progress,
+               "--child-deadline", str(t0 + args.budget_s), "--rounds",
+               str(args.rounds), "--calls", str(args.calls), "--watchdog-s", str(args.watchdog_s)]
+        cmd += ["--no-ablation"] if args.no_ablation else []
+        try:
+            rc = subprocess.run(cmd, timeout=max(30.0, args.budget_s - (time.time() - t0) + 60)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        if rc == 0:
+            if time.time() - t0 > args.budget_s:  # the child stopped at the deadline
+                skipped += [p for p in points if p not in {tuple(r["point"]) for r in _read_jsonl(results)}]
+                break
+            continue
+        try:
+            with open(progress) as f:
+                where = json.load(f)
+        except (OSError, ValueError):
+            print(f"[bench] child died (rc={rc}) before any point started; giving up", file=sys.stderr)
+            break
+        key = "/".join(map(str, where["point"]))
+        why = "CUDA fault (process poisoned)" if rc == 3 else f"child died (rc={rc})"
+        print(f"[bench] {key} {where['candidate']}: {why}; restarting without it", file=sys.stderr, flush=True)
+        if where["candidate"] == "timing":  # the fault was not in a first call: drop the whole point
+            skipped.append(tuple(where["point"]))
+            points.remove(tuple(where["point"]))
+        else:
+            skip.setdefault(key, {})[where["candidate"]] = why
+        os.remove(progress)
+    for rec in _read_jsonl(results):
+        rows += rec["rows"]
+    md = table(rows)
+    if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        with open(os.path.join(os.environ["OUT"], "bench_decode_attention.md"), "w") as f:
+            f.write(md + "\n")
+        with open(os.path.join(os.environ["OUT"], "bench_decode_attention.json"), "w") as f:
+            json.dump({"rows": rows, "skipped": skipped, "floor_tb_s": FLOOR_TBS}, f, indent=1)
+    errors = [r for r in rows if "error" in r and not r["error"].startswith("not available")]
+    for r in errors:
+        print(f"FAILED {r['model']} B={r['batch']} ctx={r['context']} {r['candidate']}: {r['error']}")
+    if skipped:
+        print(f"skipped (budget or fault): {skipped}")
+    print(md)
+    print(summary(rows))
+    return 1 if errors or skipped else 0
+
+
+def summary(rows) -> str:
+    """One line per point: futx INT4 (and its % of the floor), the best variant, E4M3, BF16, SDPA."""
+    short = {"futx int4 rot": "int4", "futx e4m3 rot": "e4m3", "futx bf16": "bf16", "torch sdpa (compact bf16)": "sdpa"}
+    lines = []
+    for point in dict.fromkeys((r["model"], r["batch"], r["context"]) for r in rows):
+        got = {r["candidate"]: r for r in rows if (r["model"], r["batch"], r["context"]) == point and "us" in r}
+        parts = [f"{short[k]} {got[k]['us']:.1f}us" + (f" ({100 * got[k]['floor_frac']:.0f}%)" if k != "torch sdpa "
+                 "(compact bf16)" else "") for k in short if k in got]
+        variants = [k for k in got if k.startswith("futx int4 rot [")]
+        if variants:
+            best = min(variants, key=lambda k: got[k]["us"])
+            parts.insert(1, f"{best[15:-1]} {got[best]['us']:.1f}us")
+        lines.append(f"{point[0]} B={point[1]} ctx={point[2]}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
-    lines = ["| model | B | context | candidate | splits | us | cache MB | TB/s | % of 4.36 | vs futx bf16 | vs sdpa |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | B | context | candidate | splits | us | floor us | cache MB | TB/s | % of 4.36 | vs futx bf16 "
+             "| vs sdpa |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        same = [x for x in rows if (x["model"], x["batch"], x["context"]) == (r["model"], r["batch"], r["context"])]
+        if "error" in r:
+            continue
+        same = [x for x in rows if (x["model"], x["batch"], x["context"]) == (r["model"], r["batch"], r["context"])
+                and "us" in x]
         base = {x["candidate"]: x["us"] for x in same}
         vs_bf16 = base.get("futx bf16", float("nan")) / r["us"]
         vs_sdpa = base.get("torch sdpa (compact bf16)", float("nan")) / r["us"]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['candidate']} | {r['splits']} | {r['us']:.1f} | "
-                     f"{r['cache_mb']:.1f} | {r['tb_s']:.2f} | {100 * r['floor_frac']:.0f}% | {vs_bf16:.2f}x | "
-                     f"{vs_sdpa:.2f}x |")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['candidate']} | {r['splits']} | "
+                     f"{r['us']:.1f} | {r['floor_us']:.1f} | {r['cache_mb']:.1f} | {r['tb_s']:.2f} | "
+                     f"{100 * r['floor_frac']:.0f}% | {vs_bf16:.2f}x | {vs_sdpa:.2f}x |")
     return "\n".join(lines)
 
 
@@ -168,43 +351,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20, help="calls per graph replay (at least)")
     ap.add_argument("--quick", action="store_true", help="8B only, three points")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new points after this")
-    ap.add_argument("--watchdog-s", type=float, default=180.0, help="abort if one point takes longer")
-    ap.add_argument("--no-ablation", action="store_true",
-                    help="skip the INT4 dequantization ablations ([valu]: values arithmetic, [alu]: both)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="start no new point after this")
+    ap.add_argument("--watchdog-s", type=float, default=120.0, help="abort a child if one point takes longer")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the benchmark-only INT4 variants")
+    for name in ("points", "skip", "results", "progress", "deadline"):  # internal: parent -> child
+        ap.add_argument(f"--child-{name}", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    import futx.ops  # noqa: F401
-
-    t0 = time.time()
-    points = [(m, b, c) for m in SHAPES for b, c in POINTS]
-    if args.quick:
-        points = [("8B", 8, 1024), ("8B", 32, 4096), ("8B", 8, 32768)]
-    rows, skipped = [], []
-    for name, b, c in points:
-        if time.time() - t0 > args.budget_s:
-            skipped.append((name, b, c))
-            continue
-        hq, hkv, d = SHAPES[name]
-        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)  # a hung point must not hang the run
-        try:
-            rows += bench_point(name, hq, hkv, d, b, c, args.rounds, args.calls,
-                                ablate=not args.no_ablation and name == "8B")
-        except Exception as exc:  # keep going: one bad point must not lose the table
-            print(f"[bench] {name} B={b} ctx={c} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            skipped.append((name, b, c))
-        faulthandler.cancel_dump_traceback_later()
-        print(f"[bench] {name} B={b} ctx={c} done at {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    md = table(rows)
-    if os.environ.get("OUT"):
-        os.makedirs(os.environ["OUT"], exist_ok=True)
-        with open(os.path.join(os.environ["OUT"], "bench_decode_attention.md"), "w") as f:
-            f.write(md + "\n")
-        with open(os.path.join(os.environ["OUT"], "bench_decode_attention.json"), "w") as f:
-            json.dump({"rows": rows, "skipped": skipped, "device": torch.cuda.get_device_name()}, f, indent=1)
-    if skipped:
-        print(f"skipped (budget or error): {skipped}")
-    print(md)
-    return 0
+    return child(args) if args.child_points else supervise(args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Decode projections as they run inside a decode step: weights not in L2, one CUDA-graph replay each.
 
     python scripts/bench_decode_linear.py [--layers layer-8b,layer-70b] [--m 1,8,16,32] [--quack]
+                                          [--cands futx-int4,torch-bf16,...]
 
 For each projection (QKV, O, gate/up, down) of each layer and each M, every candidate is captured in a
 CUDA graph as `reps` x [L2 flush, projection]; a graph of `reps` flushes alone is timed in the same
@@ -8,9 +9,11 @@ rounds and subtracted. The flush *reads* a 128 MB buffer (2.5x the L2) (clean li
 Rounds are interleaved across candidates; medians are reported, with achieved bandwidth = bytes of
 weights + scales / time and its fraction of the 4.36 TB/s HBM read floor measured on this H200.
 
-Candidates: futx INT4 (g128) / E4M3 / BF16 (and the skinny kernel with register-streamed weights,
-`int4-regs`, and the GEMV with 8 warps per tile, `int4-w8`: design comparisons), torch._weight_int4pack_mm (g128, the gpt-fast/torchao kernel),
-torch BF16 matmul, and quack's gemm_w4a16 `int4` (optional: --quack, needs quack-kernels and the DSL).
+Candidates: futx INT4 (g128) / E4M3 / BF16 as the ops pick them (decode.plan), design comparisons
+(`int4-nofold`, `int4-nopdl`: the M = 1 GEMV without the folded nibble bias / without programmatic
+dependent launch; `int4-skinny`: the skinny kernel where the GEMV runs), torch._weight_int4pack_mm (g128,
+the gpt-fast/torchao kernel), torch BF16 matmul, and quack's gemm_w4a16 `int4` (optional: --quack, needs
+quack-kernels and the DSL).
 Writes decode_linear.{json,md} to $OUT when set; prints a compact table last.
 """
 
@@ -26,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from decode import plan
 
 FLOOR_TBPS = 4.36
 GROUP = 128
@@ -51,21 +56,27 @@ def futx_candidates(n, k, m, proj, gen):
     e4s = torch.rand(n, device="cuda", generator=gen) * 1e-3
     wb = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
 
-    def call(fmt, w, s, weights="smem", gemv_warps=4):
-        return lambda: run_variant(fmt, x, w, s, GROUP, epi, res, weights, out=out, workspace=ws,
-                                   gemv_warps=gemv_warps)
+    def call(fmt, w, s, kernel="auto", variant=""):
+        return lambda: run_variant(fmt, x, w, s, GROUP, epi, res, kernel, variant, out=out, workspace=ws)
 
+    int4_bytes = n * k // 2 + n * (k // GROUP) * 2
     cands = {
-        "futx-int4": (call("int4", packed, scales), n * k // 2 + n * (k // GROUP) * 2),
+        "futx-int4": (call("int4", packed, scales), int4_bytes),
         "futx-e4m3": (call("e4m3", e4, e4s), n * k + 4 * n),
         "futx-bf16": (call("bf16", wb, None), 2 * n * k),
     }
-    int4_bytes = n * k // 2 + n * (k // GROUP) * 2
-    if m > 1:
-        cands["futx-int4-regs"] = (call("int4", packed, scales, "regs"), int4_bytes)
-    else:
-        cands["futx-int4-w8"] = (call("int4", packed, scales, gemv_warps=8), int4_bytes)
+    if m == 1:
+        for v in ("nofold", "nopdl"):
+            cands[f"futx-int4-{v}"] = (call("int4", packed, scales, "gemv", v), int4_bytes)
+    elif plan.choose("int4", GROUP, epi, m, n, k).kind == "gemv":
+        cands["futx-int4-skinny"] = (call("int4", packed, scales, "skinny"), int4_bytes)
     return x, cands
+
+
+def plan_note(n, k, m, proj) -> str:
+    """Which kernel and launch shape the ops pick for INT4 (reported with the timings)."""
+    c = plan.choose("int4", GROUP, EPILOGUE[proj], m, n, k)
+    return f"gemv tiles={c.tiles}" if c.kind == "gemv" else f"skinny split={c.split}"
 
 
 def torch_candidates(x, n, k, gen):
@@ -205,6 +216,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--quack", action="store_true", help="add quack gemm_w4a16 (int4, g128); JIT compiles")
     ap.add_argument("--watchdog", type=float, default=240.0, help="seconds per shape before aborting")
+    ap.add_argument("--cands", default="", help="comma list: time only these candidates (e.g. a JIT run with "
+                    "quack: torch-bf16,quack-w4a16 keeps futx kernels from compiling)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     import futx.ops  # noqa: F401
@@ -234,15 +247,20 @@ def main() -> None:
                         print(f"  quack unavailable ({type(exc).__name__}: {str(exc)[:120]}); dropping it",
                               file=sys.stderr)
                         use_quack = False
+                if args.cands:
+                    cands = {c: v for c, v in cands.items() if c in args.cands.split(",")}
                 res = bench(cands, flush, args.reps, args.rounds)
                 faulthandler.cancel_dump_traceback_later()
                 for c in res:
                     if not c.startswith("_") and c not in names:
                         names.append(c)
-                results.append({"layer": layer, "proj": proj, "n": n, "k": k, "m": m, "cands": res})
+                results.append({"layer": layer, "proj": proj, "n": n, "k": k, "m": m, "cands": res,
+                                "plan": plan_note(n, k, m, proj)})
                 best = min((v["us"], c) for c, v in res.items() if not c.startswith("_") and "us" in v)
                 errs = {c: v["error"] for c, v in res.items() if isinstance(v, dict) and "error" in v}
-                print(f"{layer} {proj:7s} M={m:2d} N={n} K={k}: fastest {best[1]} {best[0]:.1f} us "
+                print(f"{layer} {proj:7s} M={m:2d} N={n} K={k} [{plan_note(n, k, m, proj)}]: "
+                      f"futx-int4 {res.get('futx-int4', {}).get('us', float('nan')):.1f} us, "
+                      f"fastest {best[1]} {best[0]:.1f} us "
                       f"({time.time() - t0:.1f} s){' errors: ' + json.dumps(errs) if errs else ''}", flush=True)
                 del x, cands
                 torch.cuda.empty_cache()

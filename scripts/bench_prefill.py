@@ -5,7 +5,10 @@ paper's layer presets (futx.config: layer-1b/8b/70b/405b) for several M.
     python scripts/bench_prefill.py [--m 512,2048,8192] [--presets layer-8b,...] [--quick]
 
 futx FP8 runs the `scale_bf16` policy (per-row x per-column scale restore, BF16 out: the same work as
-row-wise `_scaled_mm`); both tile widths are timed and the one `choose_tile_n` picks is reported.
+row-wise `_scaled_mm`); every variant (tile width, coop/pingpong/stagger schedule, cluster; catalog
+`variants(..., bench=True)`) is timed; the table reports the one `choose_variant` picks and the best.
+At the QKV shapes the QKV epilogue (scales + RoPE + K/V straight into a KV cache, `prefill.qkv`) is
+timed too, against the plain `scale_bf16` GEMM of the same shape (its cost over a plain store).
 Candidates are interleaved in rounds (CUDA-graph replay, CUDA events, medians). Prints a compact table
 last; writes bench_prefill.json / bench_prefill.md to $OUT (or --out).
 """
@@ -28,15 +31,36 @@ E4M3 = torch.float8_e4m3fn
 def shapes(ms, presets):
     from futx.config import preset
 
-    out = [("8192^3", 8192, 8192, 8192)]
+    out = [("8192^3", 8192, 8192, 8192, None)]
     for p in presets:
-        for proj, (n, k) in preset(p).projection_shapes().items():
+        cfg = preset(p)
+        for proj, (n, k) in cfg.projection_shapes().items():
             for m in ms:
-                out.append((f"{p.replace('layer-', '')}.{proj}", m, n, k))
+                out.append((f"{p.replace('layer-', '')}.{proj}", m, n, k, cfg if proj == "qkv" else None))
     return out
 
 
-def candidates(m, n, k, widths):
+def qkv_candidates(cfg, a8, w8, sa, names):
+    """prefill.qkv on one request of M tokens: Q out, K/V into a BF16 cache [1, Hkv, M, hd]."""
+    from futx.ops import prefill
+    from futx.rope import inv_freq
+
+    m, hd, hkv = a8.shape[0], cfg.head_dim, cfg.num_key_value_heads
+    kc = torch.zeros(1, hkv, m, hd, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    slot = torch.zeros(m, device="cuda", dtype=torch.int32)
+    pos = torch.arange(m, device="cuda", dtype=torch.int32)
+    freq = inv_freq(cfg).float().cuda()
+    rho = torch.ones(m, device="cuda")
+    sb = torch.ones(w8.shape[0], device="cuda")
+    q = torch.empty(m, cfg.num_attention_heads * hd, device="cuda", dtype=torch.bfloat16)
+    pol = f"scale_rho_qkv{hd}_bf16"
+    return {f"futxqkv_fp8_{v}": (lambda v=v: prefill.qkv(a8, w8, kc, vc, slot, pos, freq, rho=rho, a_scale=sa.view(-1),
+                                                          b_scale=sb, out=q, variant=v))
+            for v in names.get(pol, ())}
+
+
+def candidates(m, n, k, names, qkv_cfg=None):
     from futx.ops import prefill
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,18 +73,20 @@ def candidates(m, n, k, widths):
     out8 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     out16 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     c = {}
-    for wd in widths["fp8"]:
-        c[f"futx_fp8_n{wd}"] = (lambda wd=wd: prefill.gemm(a8, w8, "scale_bf16", out=out8, tile_n=wd,
-                                                          a_scale=sa.view(-1), b_scale=sb.view(-1)))
+    for v in names["fp8"]:
+        c[f"futx_fp8_{v}"] = (lambda v=v: prefill.gemm(a8, w8, "scale_bf16", out=out8, variant=v,
+                                                       a_scale=sa.view(-1), b_scale=sb.view(-1)))
     for fast in (True, False):
         sfx = "_fast" if fast else ""
         c[f"cublas_fp8_row{sfx}"] = (lambda fast=fast: torch._scaled_mm(
             a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast))
         c[f"cublas_fp8_tensor{sfx}"] = (lambda fast=fast: torch._scaled_mm(
             a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast))
-    for wd in widths["bf16"]:
-        c[f"futx_bf16_n{wd}"] = (lambda wd=wd: prefill.gemm(a, w, "bf16", out=out16, tile_n=wd))
+    for v in names["bf16"]:
+        c[f"futx_bf16_{v}"] = (lambda v=v: prefill.gemm(a, w, "bf16", out=out16, variant=v))
     c["torch_bf16"] = lambda: torch.matmul(a, w.t())
+    if qkv_cfg is not None:
+        c.update(qkv_candidates(qkv_cfg, a8, w8, sa, names))
     return c
 
 
@@ -75,28 +101,39 @@ def main(argv=None) -> int:
 
     import futx.ops  # noqa: F401
     from futx.ops.prefill import _num_sms
-    from futx.runtime.catalog.prefill import choose_tile_n, tile_widths
+    from futx.runtime.catalog.prefill import POLICIES, choose_variant, variants
 
     ms = [int(x) for x in args.m.split(",")]
     presets = [p for p in args.presets.split(",") if p]
     todo = shapes([2048], ["layer-8b"]) if args.quick else shapes(ms, presets)
-    widths = {"fp8": tile_widths("e4m3", "scale_bf16"), "bf16": tile_widths("bf16", "bf16")}
+    names = {"fp8": variants("e4m3", "scale_bf16", bench=True), "bf16": variants("bf16", "bf16", bench=True)}
+    for hd in (64, 128):
+        if f"scale_rho_qkv{hd}_bf16" in POLICIES:
+            names[f"scale_rho_qkv{hd}_bf16"] = variants("e4m3", f"scale_rho_qkv{hd}_bf16", bench=True)
     sms = _num_sms(0)
     info = bc.gpu_info()
     print(f"# bench_prefill on {info['gpu']} ({sms} SMs), torch {info['torch']}, {info['date']}", flush=True)
     rows = []
-    for name, m, n, k in todo:
+    for name, m, n, k, qkv_cfg in todo:
         bc.arm_watchdog(300)
         flops = 2.0 * m * n * k
-        res = bc.time_candidates(candidates(m, n, k, widths), flops=flops, rounds=args.rounds)
+        res = bc.time_candidates(candidates(m, n, k, names, qkv_cfg), flops=flops, rounds=args.rounds)
         torch.cuda.empty_cache()
-        pick = {"fp8": choose_tile_n("e4m3", "scale_bf16", m, n, sms), "bf16": choose_tile_n("bf16", "bf16", m, n, sms)}
+        pick = {"fp8": choose_variant("e4m3", "scale_bf16", m, n, sms), "bf16": choose_variant("bf16", "bf16", m, n, sms)}
         row = {"shape": name, "m": m, "n": n, "k": k, "results": res, "pick": pick}
         rows.append(row)
-        f8 = res.get(f"futx_fp8_n{pick['fp8']}", {})
+        f8 = res.get(f"futx_fp8_{pick['fp8']}", {})
         cb = res.get("cublas_fp8_row_fast", {})
+        alts = "  ".join(f"{key.split('_', 2)[2]} {r['tflops']:.0f}" for key, r in res.items()
+                         if key.startswith("futx_fp8_") and "tflops" in r)
         print(f"  {name:14s} M={m:5d} N={n:6d} K={k:5d}  futx fp8 {f8.get('tflops', float('nan')):7.1f}  "
-              f"cuBLAS fast {cb.get('tflops', float('nan')):7.1f} TF/s", flush=True)
+              f"cuBLAS fast {cb.get('tflops', float('nan')):7.1f} TF/s   [fp8 variants: {alts}]", flush=True)
+        qkv = {key.split("_", 2)[2]: r for key, r in res.items() if key.startswith("futxqkv_") and "us" in r}
+        if qkv:
+            plain = res.get(f"futx_fp8_{pick['fp8']}", {}).get("us")
+            print("  " + " " * 14 + "  QKV epilogue (RoPE + KV-cache placement): " + "  ".join(
+                f"{v} {r['us']:.1f} us ({r['tflops']:.0f} TF/s" + (f", +{100 * (r['us'] / plain - 1):.1f}% vs plain)"
+                                                                  if plain else ")") for v, r in qkv.items()), flush=True)
     bc.disarm_watchdog()
 
     table = render(rows, info)
@@ -115,42 +152,58 @@ def _tf(res, key):
     return r.get("tflops")
 
 
+def _best(res, prefix):
+    """(TFLOP/s, variant) of the fastest futx variant with this key prefix."""
+    return max(((r["tflops"], k[len(prefix):]) for k, r in res.items() if k.startswith(prefix) and "tflops" in r),
+               default=(None, "—"))
+
+
 def render(rows, info) -> dict:
     """Compact text table (printed last) and a fuller markdown table."""
-    head = (f"{'shape':14s} {'M':>5s} {'N':>6s} {'K':>5s} | {'futx8':>6s} {'n':>3s} {'cuB8f':>6s} {'x':>5s} "
-            f"{'%pk8':>4s} | {'cuB8':>6s} {'cuB8tf':>6s} | {'futx16':>6s} {'mm16':>6s} {'x':>5s} {'%pk16':>5s}")
-    lines = [f"prefill GEMM TFLOP/s on {info['gpu']} ({info['date']}); x = futx / cuBLAS; "
-             f"%pk vs measured peaks FP8 {PEAK['fp8']:.0f}, BF16 {PEAK['bf16']:.0f}", head, "-" * len(head)]
+    head = (f"{'shape':14s} {'M':>5s} {'N':>6s} {'K':>5s} | {'futx8':>6s} {'best8':>6s} {'variant':>8s} {'cuB8f':>6s} "
+            f"{'x':>5s} {'xbest':>5s} | {'cuB8':>6s} {'cuB8tf':>6s} | {'futx16':>6s} {'best16':>6s} {'variant':>8s} "
+            f"{'mm16':>6s} {'x':>5s}")
+    lines = [f"prefill GEMM TFLOP/s on {info['gpu']} ({info['date']}); futx = the variant the rule picks, best = the "
+             f"fastest variant; x = / cuBLAS fast accum (FP8), / torch.matmul (BF16); FP8 peak {PEAK['fp8']:.0f}",
+             head, "-" * len(head)]
     md = [f"Prefill GEMM, {info['gpu']}, torch {info['torch']}, {info['date']}. TFLOP/s (median of interleaved rounds, "
-          "CUDA-graph replay). futx FP8 = `scale_bf16` policy (row x column scales, BF16 out) at the tile width the rule "
-          "picks (best width in brackets); cuBLAS = `torch._scaled_mm` row-wise / tensor-wise scales, f = use_fast_accum.",
+          "CUDA-graph replay). futx FP8 = `scale_bf16` policy (row x column scales, BF16 out) at the variant the rule "
+          "picks (fastest variant in brackets); cuBLAS = `torch._scaled_mm` row-wise / tensor-wise scales, "
+          "f = use_fast_accum.",
           "", "| shape | M | N | K | futx FP8 | cuBLAS row f | futx/cuBLAS f | % FP8 peak | cuBLAS row | cuBLAS tensor f "
           "| cuBLAS tensor | futx BF16 | torch.matmul BF16 | futx/torch BF16 |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "—" if v is None else f"{v:.0f}"
+    ratio = lambda a, b: "—" if not a or not b else f"{a / b:.2f}"
     for row in rows:
         res, p = row["results"], row["pick"]
-        f8 = _tf(res, f"futx_fp8_n{p['fp8']}")
-        best8 = max(((_tf(res, k) or 0), k.split("_n")[-1]) for k in res if k.startswith("futx_fp8_n"))
-        f16 = _tf(res, f"futx_bf16_n{p['bf16']}")
+        f8, f16 = _tf(res, f"futx_fp8_{p['fp8']}"), _tf(res, f"futx_bf16_{p['bf16']}")
+        best8, best16 = _best(res, "futx_fp8_"), _best(res, "futx_bf16_")
         cbf, cb = _tf(res, "cublas_fp8_row_fast"), _tf(res, "cublas_fp8_row")
         ctf, ct = _tf(res, "cublas_fp8_tensor_fast"), _tf(res, "cublas_fp8_tensor")
         mm = _tf(res, "torch_bf16")
-        x8 = f8 / cbf if f8 and cbf else None
-        x16 = f16 / mm if f16 and mm else None
         pk8 = 100 * f8 / PEAK["fp8"] if f8 else None
-        pk16 = 100 * f16 / PEAK["bf16"] if f16 else None
-        lines.append(f"{row['shape']:14s} {row['m']:5d} {row['n']:6d} {row['k']:5d} | {fmt(f8):>6s} {p['fp8']:3d} "
-                     f"{fmt(cbf):>6s} {'—' if x8 is None else f'{x8:.2f}':>5s} {fmt(pk8):>4s} | {fmt(cb):>6s} "
-                     f"{fmt(ctf):>6s} | {fmt(f16):>6s} {fmt(mm):>6s} {'—' if x16 is None else f'{x16:.2f}':>5s} "
-                     f"{fmt(pk16):>5s}")
-        md.append(f"| {row['shape']} | {row['m']} | {row['n']} | {row['k']} | {fmt(f8)} (best {best8[0]:.0f} @n{best8[1]}) | "
-                  f"{fmt(cbf)} | {'—' if x8 is None else f'{x8:.2f}×'} | {fmt(pk8)}% | {fmt(cb)} | {fmt(ctf)} | {fmt(ct)} | "
-                  f"{fmt(f16)} | {fmt(mm)} | {'—' if x16 is None else f'{x16:.2f}×'} |")
+        lines.append(f"{row['shape']:14s} {row['m']:5d} {row['n']:6d} {row['k']:5d} | {fmt(f8):>6s} {fmt(best8[0]):>6s} "
+                     f"{best8[1]:>8s} {fmt(cbf):>6s} {ratio(f8, cbf):>5s} {ratio(best8[0], cbf):>5s} | {fmt(cb):>6s} "
+                     f"{fmt(ctf):>6s} | {fmt(f16):>6s} {fmt(best16[0]):>6s} {best16[1]:>8s} {fmt(mm):>6s} "
+                     f"{ratio(f16, mm):>5s}")
+        md.append(f"| {row['shape']} | {row['m']} | {row['n']} | {row['k']} | {fmt(f8)} ({fmt(best8[0])} @{best8[1]}) | "
+                  f"{fmt(cbf)} | {ratio(f8, cbf)}× | {fmt(pk8)}% | {fmt(cb)} | {fmt(ctf)} | {fmt(ct)} | "
+                  f"{fmt(f16)} ({fmt(best16[0])} @{best16[1]}) | {fmt(mm)} | {ratio(f16, mm)}× |")
         errs = {k: v["error"] for k, v in res.items() if "error" in v}
         if errs:
             lines.append(f"    errors: {errs}")
             md.append(f"| | | | | errors: {errs} |")
+    qkv = [(row, k.split("_", 2)[2], r) for row in rows for k, r in row["results"].items()
+           if k.startswith("futxqkv_") and "us" in r]
+    if qkv:
+        md += ["", "QKV epilogue (`prefill.qkv`: scales + RoPE on Q/K + K/V written straight into a BF16 KV cache, "
+               "Q out) vs the plain `scale_bf16` GEMM at the variant the rule picks:", "",
+               "| shape | M | variant | QKV µs | plain µs | overhead |", "|---|---|---|---|---|---|"]
+        for row, v, r in qkv:
+            plain = row["results"].get(f"futx_fp8_{row['pick']['fp8']}", {}).get("us")
+            over = "—" if not plain else f"{100 * (r['us'] / plain - 1):+.1f}%"
+            md.append(f"| {row['shape']} | {row['m']} | {v} | {r['us']:.1f} | {fmt(plain)} | {over} |")
     return {"text": "\n".join(lines), "md": "\n".join(md) + "\n"}
 
 

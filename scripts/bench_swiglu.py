@@ -8,12 +8,15 @@ CODA needs its own DSL (4.6.0) bundle, so it runs in a separate process/GPU run;
 same compiled PyTorch BF16 row, which the merge step uses as a cross-run anchor. CODA is an optional
 import (`coda.kernels.functional.swiglu.linear_swiglu`), never a futx dependency.
 
-Work per row: y = x @ W^T with W = [2I, K]; out = silu(gate) * up, [M, I].
-  futx BF16:    rho_swiglu_bf16        (interleaved gate/up rows, RMSNorm factor rho applied, BF16 out)
+Work per row: y = rho * (x @ W^T) with W = [2I, K]; out = silu(gate) * up, [M, I]. rho is the RMSNorm
+row factor of the *input* (paper 3.2.2: the gain is folded into W), so it scales gate and up before the
+SiLU: out = silu(rho g) * (rho u).
+  futx BF16:    rho_swiglu_bf16        (interleaved gate/up rows, rho applied, BF16 out)
   futx FP8:     scale_rho_swiglu_fp8   (E4M3 x E4M3, row/column scales + rho, E4M3 out with delayed scale)
-  PyTorch BF16: torch.compile(x @ W^T -> silu(g) * up * rho), split halves (its best layout)
-  PyTorch FP8:  torch.compile(_scaled_mm(row-wise, fast accum) -> silu * up * rho -> E4M3)
-  CODA BF16:    linear_swiglu(x, W) (interleaved rows; also stores the pre-activation for backward)
+                (each futx row also runs its benchmark variants, e.g. futx_fp8@n256.pp = pingpong schedule)
+  PyTorch BF16: torch.compile(x @ W^T -> rho * . -> silu(g) * u), split halves (its best layout)
+  PyTorch FP8:  torch.compile(_scaled_mm(row-wise, fast accum) -> rho * . -> silu(g) * u -> E4M3)
+  CODA BF16:    linear_swiglu(x, W) (interleaved rows, no rho; also stores the pre-activation for backward)
 """
 
 from __future__ import annotations
@@ -45,14 +48,15 @@ def torch_rows(x, w, rho):
     i = w.shape[0] // 2
 
     def bf16(x, w, rho):
-        y = x @ w.t()
+        y = (x @ w.t()).float() * rho[:, None]
         g, u = y[:, :i], y[:, i:]
-        return (torch.nn.functional.silu(g.float()) * u.float() * rho[:, None]).to(torch.bfloat16)
+        return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
 
     def fp8(x8, w8, sa, sb, rho, s_out):
         y = torch._scaled_mm(x8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
-        g, u = y[:, :i].float(), y[:, i:].float()
-        z = torch.nn.functional.silu(g) * u * rho[:, None]
+        y = y.float() * rho[:, None]
+        g, u = y[:, :i], y[:, i:]
+        z = torch.nn.functional.silu(g) * u
         return (z / s_out).clamp(-448.0, 448.0).to(E4M3)
 
     x8, w8 = x.to(E4M3), w.mul(64).to(E4M3)
@@ -66,6 +70,7 @@ def torch_rows(x, w, rho):
 
 def futx_rows(x, w, rho):
     from futx.ops import prefill
+    from futx.runtime.catalog.prefill import choose_variant, variants
 
     m, n2 = x.shape[0], w.shape[0]
     x8, w8 = x.to(E4M3), w.mul(64).to(E4M3)
@@ -76,11 +81,19 @@ def futx_rows(x, w, rho):
     sat = torch.zeros(1, device="cuda", dtype=torch.int32)
     out16 = torch.empty(m, n2 // 2, device="cuda", dtype=torch.bfloat16)
     out8 = torch.empty(m, n2 // 2, device="cuda", dtype=E4M3)
-    return {
-        "futx_bf16": lambda: prefill.gemm(x, w, "rho_swiglu_bf16", out=out16, rho=rho),
-        "futx_fp8": lambda: prefill.gemm(x8, w8, "scale_rho_swiglu_fp8", out=out8, a_scale=a_scale,
-                                         b_scale=b_scale, rho=rho, scale=scale, amax=amax, saturated=sat),
-    }
+    rows = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, ab, pol in (("futx_bf16", "bf16", "rho_swiglu_bf16"), ("futx_fp8", "e4m3", "scale_rho_swiglu_fp8")):
+        default = choose_variant(ab, pol, m, n2, sms)
+        for v in variants(ab, pol, bench=True):   # the default variant is the plain row
+            key = name if v == default else f"{name}@{v}"
+            if ab == "bf16":
+                rows[key] = lambda v=v: prefill.gemm(x, w, "rho_swiglu_bf16", out=out16, variant=v, rho=rho)
+            else:
+                rows[key] = lambda v=v: prefill.gemm(x8, w8, "scale_rho_swiglu_fp8", out=out8, variant=v,
+                                                     a_scale=a_scale, b_scale=b_scale, rho=rho, scale=scale,
+                                                     amax=amax, saturated=sat)
+    return rows
 
 
 def coda_rows(x, w, rho):
@@ -100,18 +113,17 @@ def check_agreement(x, w, rho, fns) -> dict:
     """Sanity: every implementation computes the same SwiGLU (rows use different gate/up layouts)."""
     i = w.shape[0] // 2
     y = (x[:256].float() @ w.float().t())
-    ref_split = torch.nn.functional.silu(y[:, :i]) * y[:, i:]
-    ref_inter = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
+    swiglu = {"split": lambda y: torch.nn.functional.silu(y[:, :i]) * y[:, i:],
+              "inter": lambda y: torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]}
     errs = {}
     for name, fn in fns.items():
         out = fn()
         out = out[0] if isinstance(out, tuple) else out
         got = out[:256].float()
-        if name in ("torch_fp8", "futx_fp8"):
+        if "fp8" in name:
             got = got * OUT_SCALE
-        ref = ref_split if name.startswith("torch") else ref_inter
-        if name in ("torch_bf16", "torch_fp8", "futx_bf16", "futx_fp8"):
-            ref = ref * rho[:256, None]
+        yr = y if name.startswith("coda") else y * rho[:256, None]   # CODA has no rho
+        ref = swiglu["split" if name.startswith("torch") else "inter"](yr)
         errs[name] = float((got - ref).abs().max() / ref.abs().max())
     return errs
 
@@ -182,6 +194,10 @@ def merge(paths) -> str:
              f"{us[label]['torch_fp8']:.0f} µs" for label in SHAPES if "torch_fp8" in us.get(label, {})]
     if extra:
         lines += ["", "Also measured: " + "; ".join(extra) + "."]
+    alt = [f"{label}: {name} {t:.0f} µs" for label in SHAPES for name, t in us.get(label, {}).items() if "@" in name
+           and not name.endswith("@coda")]
+    if alt:
+        lines += ["", "futx variants (the table's futx column is the default variant): " + "; ".join(alt) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -37,5 +37,5 @@ if [ -f "$OUT/tests.log" ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 15
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 1
 fi
-[ -f "$OUT/bench_gemm.log" ] && sed -n '/^prefill GEMM TFLOP/,$p' "$OUT/bench_gemm.log" | cut -c1-118 | head -n 60
+[ -f "$OUT/bench_gemm.log" ] && sed -n '/^prefill GEMM TFLOP/,$p' "$OUT/bench_gemm.log" | cut -c1-140 | head -n 60
 [ -f "$OUT/swiglu_table2.md" ] || { [ -f "$OUT/bench_swiglu.log" ] && grep -E "^\||^Also|^  (8B|405B)" "$OUT/bench_swiglu.log"; }

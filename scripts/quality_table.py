@@ -8,8 +8,10 @@ Subcommands (all CPU-capable, float32, windows batched, decode in exact chunks):
   origin    how SmolLM2's own Q4_1 grid (groups of 32) meets the INT4 g64 and E4M3 formats
   render    Markdown tables from the JSON-lines files
 
-Example (the subset recorded in docs/results.md):
-  python scripts/quality_table.py ppl --windows 2 --gptq runs/smollm2-gptq-g64.safetensors --out runs/ppl.jsonl
+Example (docs/results.md lists the exact commands of the recorded subset):
+  python -m futx.quant.gptq --out runs/gptq-g64.safetensors --group-size 64 --windows 16 --seq-len 512
+  python scripts/quality_table.py ppl --windows 4 --gptq runs/gptq-g64.safetensors --out runs/ppl.jsonl
+  python scripts/quality_table.py render --ppl runs/ppl.jsonl
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from futx.eval import Runner, join_rows, make_windows, read_rows  # noqa: E402
 from futx.kvcache import KVCache  # noqa: E402
 from futx.quant import gptq  # noqa: E402
 from futx.quant.kv_mirror import CacheMirror  # noqa: E402
-from futx.quant.simulated import quantized_weights  # noqa: E402
 from futx.quant.formats import cache_format  # noqa: E402
-from futx.reference import PackedBatch, block, rms_norm  # noqa: E402
+from futx.quant.simulated import quantized_weights  # noqa: E402
+from futx.reference import PackedBatch, block  # noqa: E402
 from futx.rope import cos_sin  # noqa: E402
 
 TEST_TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
@@ -66,8 +68,15 @@ class Models:
 
 
 def parse_config(spec: str):
-    protocol, weights, cache = spec.split(":")
-    prefill, decode = weights.split("/")
+    try:
+        protocol, weights, cache = spec.split(":")
+        prefill, decode = weights.split("/")
+    except ValueError:
+        raise ValueError(f"bad configuration {spec!r}: expected protocol:prefill/decode:cache") from None
+    if protocol not in ("all-decode", "serving"):
+        raise ValueError(f"bad protocol in {spec!r}: all-decode or serving")
+    if prefill not in ("bf16", "e4m3") or decode not in ("bf16", "e4m3", "int4-rtn", "int4-gptq"):
+        raise ValueError(f"bad weights in {spec!r}: prefill bf16|e4m3, decode bf16|e4m3|int4-rtn|int4-gptq")
     cache_format(cache)
     return protocol, prefill, decode, cache
 

@@ -20,13 +20,39 @@ SHAPES = [preset(p).projection_shapes()[proj] + (64 if p.startswith("smollm2") e
 
 @pytest.mark.parametrize("fmt", plan.FORMATS)
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16, 17, 31, 32])
-def test_every_shape_picks_a_registered_variant_and_a_valid_split(fmt, m):
+def test_every_shape_picks_a_registered_variant_and_a_valid_shape(fmt, m):
     for n, k, group in SHAPES:
         for epilogue in plan.EPILOGUES:
             choice = plan.choose(fmt, group, epilogue, m, n, k)
             assert get_spec(choice.key).ci
-            units = k // plan.unit_k(fmt, group)
-            assert 1 <= choice.split <= max(1, units // plan.MIN_UNITS)  # every CTA keeps a few units
+            if choice.kind == "gemv":
+                assert m <= plan.GEMV_MAX_M and 1 <= choice.tiles <= n // 16
+                assert -(-(n // 16) // choice.tiles) <= 132, "one CTA per SM at most"
+            else:
+                units = k // plan.unit_k(fmt, group)
+                assert 1 <= choice.split <= max(1, units // plan.MIN_UNITS)  # every CTA keeps a few units
+                if choice.split > 1:
+                    assert -(-n // plan.TILE_N) * choice.split <= plan.CTAS_PER_SM * 132, "no partial second wave"
+
+
+def test_m1_always_runs_the_gemv_with_balanced_tiles():
+    for n, k, group in SHAPES:
+        choice = plan.choose("int4", group, "store", 1, n, k)
+        assert choice.kind == "gemv"
+        ctas = -(-(n // 16) // choice.tiles)
+        assert ctas * choice.tiles - n // 16 < choice.tiles, "only the last CTA may be short"
+
+
+def test_gemv_smem_layout_is_aligned_and_bounded():
+    from decode.gemv_layout import SMEM_LIMIT
+
+    for fmt, group in (("int4", 128), ("int4", 64), ("e4m3", 128), ("bf16", 128)):
+        for epilogue in plan.EPILOGUES:
+            for m in (1, 5, 8, 9, 16):
+                params = plan.gemv_params(fmt, group, epilogue, m)
+                offs = plan.gemv_smem(params).offsets(m, 4096 // plan.unit_k(fmt, group), 14)
+                assert all(v % 16 == 0 for v in offs.values()), offs
+                assert offs["total"] <= SMEM_LIMIT
 
 
 def test_plan_rejects_what_no_kernel_serves():
@@ -38,6 +64,8 @@ def test_plan_rejects_what_no_kernel_serves():
         plan.fmt_tag("int4", 256)
     with pytest.raises(ValueError, match="unknown decode weight format"):
         plan.fmt_tag("int8")
+    with pytest.raises(ValueError, match="shared memory"):
+        plan.choose("int4", 128, "store", 16, 8192, 28672, kernel="gemv")
 
 
 def test_ops_reject_cpu_tensors_before_launch():
@@ -83,20 +111,29 @@ def _ops(sass: str) -> list[str]:
     return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
 
 
+def _count(ops, prefix):
+    return sum(1 for op in ops if op.startswith(prefix))
+
+
 @pytest.mark.slow
-def test_int4_gemv_sass(tmp_path):
-    ops = _ops(_sass("decode.gemv.int4.store", tmp_path))
-    n = {op: ops.count(op) for op in set(ops)}
-    hmma = sum(v for op, v in n.items() if op.startswith("HMMA.16816.F32.BF16"))
-    bias_fma = sum(v for op, v in n.items() if op.startswith("HFMA2.BF16"))
-    stream = sum(v for op, v in n.items() if op.startswith("LDG.E") and ".128" in op)
-    assert hmma and stream, n
-    assert bias_fma == 4 * hmma, "one packed bf16 FMA per nibble pair: 4 pairs per word, one word per MMA"
+@pytest.mark.parametrize("fold", [True, False])
+def test_int4_gemv_sass(tmp_path, fold):
+    from decode.gemv import Gemv
+
+    key = "decode.gemv.int4.m8.store" + ("" if fold else ".nofold")
+    ops = _ops(_sass(key, tmp_path))
+    depth = Gemv("int4", 128, "store", 1, plan.GEMV_WARPS, fold).depth
+    step_mmas = 8  # two 64-k blocks x four k16 steps per 128-k group
+    assert _count(ops, "HMMA.16816.F32.BF16") == depth * step_mmas + (step_mmas if fold else 0)  # + the sums
+    # the register trick: one LOP3 per register; the nibble bias is one packed FMA per register, or folded away
+    assert _count(ops, "HFMA2.BF16") == (0 if fold else 4 * depth * step_mmas)
+    assert _count(ops, "LDG.E") and _count(ops, "LDSM") and _count(ops, "BAR.SYNC")
     assert not any(op.startswith(("LDL", "STL")) for op in ops), "local-memory spills"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key,expect", [("decode.gemv.e4m3.residual", ("HMMA", "HMUL2.BF16")),
+@pytest.mark.parametrize("key,expect", [("decode.gemv.e4m3.m8.residual", ("HMMA", "HMUL2.BF16", "LDGSTS")),
+                                        ("decode.gemv.int4.m16.swiglu", ("HMMA", "LDSM", "BAR.SYNC")),
                                         ("decode.skinny.int4.m32.swiglu", ("HMMA", "LDGSTS", "LDSM", "SHFL")),
                                         ("decode.skinny.bf16.m16.store", ("HMMA", "LDGSTS", "LDS.128"))])
 def test_variant_sass(tmp_path, key, expect):

@@ -131,6 +131,12 @@ def emulate(fmt, w_bytes: np.ndarray, x: torch.Tensor, n: int, k: int, scales=No
             part = np.zeros((16, 8))
             for a, b in zip(fmt.a_operands(regs, consts, OPS), fmt.b_operands(xr, OPS)):
                 part = mma(a, b, part)
+            if fmt.fold:  # the kernel's correction: -bias * (activation sums from an all-ones MMA)
+                ones = (np.full(32, OPS.imm(dequant.bf16_pair(1.0)), dtype=np.int32),) * 4
+                sums = np.zeros((16, 8))
+                for b in fmt.b_operands(xr, OPS):
+                    sums = mma(ones, b, sums)
+                part = part - fmt.bias * sums
             if fmt.grouped:
                 grp = kb * 64 // group
                 lo, hi = fmt.scale_addrs(0, nb, grp, k // group, np.arange(8), i64=int)
@@ -141,14 +147,15 @@ def emulate(fmt, w_bytes: np.ndarray, x: torch.Tensor, n: int, k: int, scales=No
     return out[:, :m].T
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("group", [64, 128])
-def test_int4_fragments_match_reference(group, seeded):
+def test_int4_fragments_match_reference(group, fold, seeded):
     n, k, m = 32, 256, 3
     w = torch.randn(n, k, generator=seeded)
     x = torch.randn(m, k, generator=seeded).to(torch.bfloat16)
     q = int4.quantize_int4(w, group)
     mem = q.packed.numpy().view(np.uint8).reshape(-1)
-    got = emulate(dequant.Int4Format(group), mem, x, n, k, q.scales.float().numpy(), group)
+    got = emulate(dequant.Int4Format(group, fold), mem, x, n, k, q.scales.float().numpy(), group)
     ref = x.double() @ q.dequantize(torch.float64).T
     np.testing.assert_allclose(got, ref.numpy(), rtol=1e-12, atol=1e-12)
 

@@ -87,7 +87,7 @@ def _reference(x, w_ref, epilogue, r):
     return y
 
 
-def _run(fmt, stored, x, group, epilogue, r, split=None, weights="smem", gemv_warps=4):
+def _run(fmt, stored, x, group, epilogue, r, split=None, kernel="auto", variant="", tiles=None):
     """One launch with a NaN-poisoned output and split-K workspace."""
     from futx.ops.decode_linear import run_variant
 
@@ -96,8 +96,8 @@ def _run(fmt, stored, x, group, epilogue, r, split=None, weights="smem", gemv_wa
     out = torch.full((x.shape[0], n // 2 if epilogue == "swiglu" else n), float("nan"), dtype=torch.bfloat16,
                      device="cuda")
     ws = torch.full((32 * n * 32,), float("nan"), device="cuda")
-    return run_variant(fmt, x, w, s, group, epilogue, r if epilogue == "residual" else None, weights, split,
-                       out=out, workspace=ws, gemv_warps=gemv_warps)
+    return run_variant(fmt, x, w, s, group, epilogue, r if epilogue == "residual" else None, kernel, variant,
+                       tiles, split, out=out, workspace=ws)
 
 
 def _check(y, want, what):
@@ -141,24 +141,66 @@ def test_split_k_is_exact_and_leaves_counters_zero(split):
     n, k = 2048, 4096
     stored, w_ref = _weights("int4", n, k, 128, 11)
     x, r = _inputs(20, k, n, 3)
-    y = _run("int4", stored, x, 128, "store", r, split=split)
-    y2 = _run("int4", stored, x, 128, "store", r, split=split)
+    y = _run("int4", stored, x, 128, "store", r, split=split, kernel="skinny")
+    y2 = _run("int4", stored, x, 128, "store", r, split=split, kernel="skinny")
     torch.cuda.synchronize()
     _check(y, _reference(x, w_ref, "store", r), f"split={split}")
     assert torch.equal(y, y2), "split-K result is not deterministic"
     assert int(dl._counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
 
 
+# GEMV geometry: a short last CTA (N/16 = 131 blocks), K shorter than the 16 warps (units < warps: fewer
+# warps, several output passes per round), uneven K shares (17 units), group 64 with 9 units
+GEMV_CASES = [(2096, 4096, 128, 1), (2096, 4096, 128, 3), (2096, 4096, 128, 7), (512, 256, 128, None),
+              (1024, 2176, 128, None), (576, 576, 64, None)]
+
+
+@pytest.mark.parametrize("fmt", ["int4", "e4m3", "bf16"])
+@pytest.mark.parametrize("n,k,group,tiles", GEMV_CASES, ids=[f"{c[0]}x{c[1]}g{c[2]}t{c[3]}" for c in GEMV_CASES])
+def test_gemv_geometry(fmt, n, k, group, tiles):
+    stored, w_ref = _weights(fmt, n, k, group, n + k + (tiles or 0))
+    for epilogue in ("store", "residual", "swiglu"):
+        for m in (1, 5, 8, 16):
+            x, r = _inputs(m, k, n, 40 + m)
+            y = _run(fmt, stored, x, group, epilogue, r, kernel="gemv", tiles=tiles)
+            torch.cuda.synchronize()
+            _check(y, _reference(x, w_ref, epilogue, r), f"gemv {fmt} {n}x{k} tiles={tiles} M={m} {epilogue}")
+
+
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
-@pytest.mark.parametrize("m", [1, 2, 16, 32])
-def test_design_variants_match(m, epilogue):
-    """Benchmark-only variants: skinny with register-streamed weights, GEMV with 8 warps."""
+def test_design_variants_match(epilogue):
+    """Benchmark-only GEMV variants (no fold, no PDL) at M = 1; the skinny kernel on shapes the GEMV serves."""
     n, k = 4096, 14336
     stored, w_ref = _weights("int4", n, k, 128, 5)
-    x, r = _inputs(m, k, n, m)
-    y = _run("int4", stored, x, 128, epilogue, r, weights="regs", gemv_warps=8)
+    x, r = _inputs(1, k, n, 1)
+    for variant in ("nofold", "nopdl"):
+        y = _run("int4", stored, x, 128, epilogue, r, kernel="gemv", variant=variant)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"gemv {variant} {epilogue}")
+    for m in (2, 16):
+        x, r = _inputs(m, k, n, m)
+        y = _run("int4", stored, x, 128, epilogue, r, kernel="skinny")
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"skinny M={m} {epilogue}")
+
+
+def test_back_to_back_launches_respect_the_dependency():
+    """PDL: each kernel may start before the previous one ends; it must still read the previous kernel's
+    finished output (a chain of projections into NaN-poisoned buffers, one synchronize at the end)."""
+    from futx.ops.decode_linear import run_variant
+
+    k = 2048
+    stored, w_ref = _weights("int4", k, k, 128, 9)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    outs = [torch.full((1, k), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    y, want = x, x.float()
+    for o in outs:
+        y = run_variant("int4", y, stored[0], stored[1], 128, out=o)
+        want = (want @ w_ref.T).bfloat16().float()
     torch.cuda.synchronize()
-    _check(y, _reference(x, w_ref, epilogue, r), f"design variant M={m} {epilogue}")
+    assert not torch.isnan(y).any(), "a kernel read its input before the previous kernel wrote it"
+    err = (y.float() - want).abs().max().item()
+    assert err <= 5e-2 * want.abs().max().item(), f"chained projections off by {err:.3g}"
 
 
 def test_public_ops_and_cuda_graph():

@@ -23,21 +23,37 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_shipped_variant_is_registered():
     from futx.runtime import select
 
-    keys = {s.key for s in select("prefill.gemm.*")}
+    specs = {s.key: s for s in select("prefill.gemm.*")}
     for ab, table in cat._SHIPPED.items():
-        for pol, widths in table.items():
+        for pol, names in table.items():
             assert pol in cat.POLICIES
-            for w in widths:
-                assert cat.kernel_key(ab, pol, w) in keys
-    assert len(keys) == sum(len(ws) for t in cat._SHIPPED.values() for ws in t.values())
+            for v in names:
+                assert specs[cat.kernel_key(ab, pol, v)].ci
+    bench = [cat.kernel_key(ab, p, v) for ab, t in cat._BENCH.items() for p, vs in t.items() for v in vs]
+    assert all(not specs[k].ci for k in bench)     # benchmark candidates stay out of the CI compile
+    assert len(specs) == sum(len(vs) for t in cat._SHIPPED.values() for vs in t.values()) + len(bench)
+    assert sum(s.ci for s in specs.values()) <= 26  # CI budget: ~15 s per variant on one core
+
+
+def test_variant_names():
+    assert cat.Variant.parse("n256") == cat.Variant(256, "coop", 2)
+    assert cat.Variant.parse("n128.pp") == cat.Variant(128, "pingpong", 2)
+    assert cat.Variant.parse("n256.c1") == cat.Variant(256, "coop", 1)
+    assert cat.kernel_key("e4m3", "scale_bf16", "n256") == "prefill.gemm.e4m3.scale_bf16"
+    assert cat.kernel_key("e4m3", "scale_bf16", "n256.pp") == "prefill.gemm.e4m3.scale_bf16.n256.pp"
+    for bad in ("256", "n64", "n256.xx", "n256.c4", "n256.pp.pp2"):
+        with pytest.raises(ValueError, match="bad prefill variant"):
+            cat.Variant.parse(bad)
 
 
 def test_tile_rule():
     # big problems: the efficient 128x256 tile; few tiles: the 128-wide tile doubles the parallelism
-    assert cat.choose_tile_n("e4m3", "scale_bf16", 8192, 8192, 132) == 256
-    assert cat.choose_tile_n("e4m3", "scale_bf16", 4096, 28672, 132) == 256
-    assert cat.choose_tile_n("e4m3", "scale_bf16", 512, 4096, 132) == 128    # 8B o-proj at M=512
+    assert cat.choose_variant("e4m3", "scale_bf16", 8192, 8192, 132) == "n256"
+    assert cat.choose_variant("e4m3", "scale_bf16", 4096, 28672, 132) == "n256"
+    assert cat.choose_variant("e4m3", "scale_bf16", 512, 4096, 132) == "n128"    # 8B o-proj at M=512
     assert cat.choose_tile_n("e4m3", "scale_rho_swiglu_split_fp8", 512, 4096, 132) == 256  # only width
+    assert "n256.pp" in cat.variants("e4m3", "scale_bf16", bench=True)
+    assert "n256.pp" not in cat.variants("e4m3", "scale_bf16")
     with pytest.raises(ValueError, match="no prefill GEMM variant"):
         cat.tile_widths("bf16", "scale_fp8")
 
@@ -99,11 +115,13 @@ def test_validation_accepts_good_input(check):
     a, w = _t(70, 256, dtype=torch.float8_e4m3fn), _t(512, 256, dtype=torch.float8_e4m3fn)
     out = _t(70, 256, dtype=torch.float8_e4m3fn)
     args = [_t(70), _t(512), _t(70), _t(1), _t(1), _t(1, dtype=torch.int32)]
-    assert check(a, w, out, "scale_rho_swiglu_fp8", 256, args) == "prefill.gemm.e4m3.scale_rho_swiglu_fp8"
+    assert check(a, w, out, "scale_rho_swiglu_fp8", "n256", args) == "prefill.gemm.e4m3.scale_rho_swiglu_fp8"
+    assert check(a, w, out, "scale_rho_swiglu_fp8", "n256.pp", args) == "prefill.gemm.e4m3.scale_rho_swiglu_fp8.n256.pp"
 
 
 @pytest.mark.parametrize("case,err,match", [
     ("k_align", ValueError, "K .* multiple of 16"),
+    ("k_zero", ValueError, "K = 0"),
     ("n_align", ValueError, "N .* multiple of 32"),
     ("dtype", TypeError, "w must have dtype"),
     ("out_shape", ValueError, "out must have shape"),
@@ -111,16 +129,18 @@ def test_validation_accepts_good_input(check):
     ("rho_dtype", TypeError, "rho must have dtype float32"),
     ("noncontig", ValueError, "contiguous"),
     ("split", ValueError, "split SwiGLU needs I"),
-    ("tile", ValueError, "ships tile widths"),
+    ("tile", ValueError, "ships variants"),
     ("policy", ValueError, "unknown prefill policy"),
 ])
 def test_validation_rejects(check, case, err, match):
     m, n, k = 64, 512, 256
     a, w = _t(m, k, dtype=torch.bfloat16), _t(n, k, dtype=torch.bfloat16)
     out = _t(m, n // 2, dtype=torch.bfloat16)
-    pol, tile, args = "rho_swiglu_bf16", 256, [_t(m)]
+    pol, tile, args = "rho_swiglu_bf16", "n256", [_t(m)]
     if case == "k_align":
         a, w = _t(m, 200, dtype=torch.bfloat16), _t(n, 200, dtype=torch.bfloat16)
+    elif case == "k_zero":
+        a, w = _t(m, 0, dtype=torch.bfloat16), _t(n, 0, dtype=torch.bfloat16)
     elif case == "n_align":
         w, out = _t(n - 16, k, dtype=torch.bfloat16), _t(m, (n - 16) // 2, dtype=torch.bfloat16)
     elif case == "dtype":
@@ -136,11 +156,68 @@ def test_validation_rejects(check, case, err, match):
     elif case == "split":
         pol, w, out, args = "swiglu_split_bf16", _t(320, k, dtype=torch.bfloat16), _t(m, 160, dtype=torch.bfloat16), []
     elif case == "tile":
-        tile = 128
+        tile = "n128"
     elif case == "policy":
         pol = "gelu_bf16"
     with pytest.raises(err, match=match):
         check(a, w, out, pol, tile, args)
+
+
+def _qkv_args(m, slots=3, hkv=2, cap=64, hd=128, pos=None):
+    pos = torch.arange(m, dtype=torch.int32) if pos is None else pos
+    return [_t(m), _t(128 * (4 + 2 * hkv)), _t(m), _t(hd // 2), torch.zeros(m, dtype=torch.int32), pos,
+            _t(slots, hkv, cap, hd, dtype=torch.bfloat16), _t(slots, hkv, cap, hd, dtype=torch.bfloat16)]
+
+
+def test_qkv_validation(check):
+    m, k, hkv, hd = 40, 256, 2, 128
+    n = (4 + 2 * hkv) * hd                             # 4 Q heads + 2 K + 2 V
+    a, w = _t(m, k, dtype=torch.float8_e4m3fn), _t(n, k, dtype=torch.float8_e4m3fn)
+    q = _t(m, 4 * hd, dtype=torch.bfloat16)
+    pol = "scale_rho_qkv128_bf16"
+    assert check(a, w, q, pol, "n256", _qkv_args(m)) == "prefill.gemm.e4m3.scale_rho_qkv128_bf16"
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        check(a, w, q, pol, "n256", _qkv_args(m, pos=torch.arange(m, dtype=torch.int32) + 30))
+    with pytest.raises(ValueError, match="need N = Q width"):         # Q one head too narrow
+        check(a, w, _t(m, 3 * hd, dtype=torch.bfloat16), pol, "n256", _qkv_args(m))
+    bad = _qkv_args(m)
+    bad[-1] = _t(3, hkv, 32, hd, dtype=torch.bfloat16)                  # V cache shaped unlike K
+    with pytest.raises(ValueError, match="v_cache must have shape"):
+        check(a, w, q, pol, "n256", bad)
+    bad = _qkv_args(m)
+    bad[-2] = _t(3, hkv, 64, 64, dtype=torch.bfloat16)                  # head_dim 64 cache, qkv128 policy
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        check(a, w, q, pol, "n256", bad)
+
+
+def test_rope_partner_registers():
+    """QKVPlacement's register facts (epilogues/qkv.py): in the WGMMA accumulator layout register i of
+    lane q holds row slot (i // 2) % 2 and column 8 (i // 4) + 2 q + i % 2, so channel c < hd/2 of a
+    head and its rotate-half partner c + hd/2 are registers i and i + hd/4 of the same thread."""
+    for hd in (64, 128, 256):
+        for q in range(4):
+            col = lambda i: 8 * (i // 4) + 2 * q + i % 2
+            for i in range(256 // 2):                  # tile_n = 256: 128 registers per thread
+                if col(i) % hd < hd // 2:
+                    j = i + hd // 4
+                    assert col(j) == col(i) + hd // 2 and (j // 2) % 2 == (i // 2) % 2
+
+
+def test_whole_tile_chain_rules():
+    pytest.importorskip("cutlass")
+    sys.path.insert(0, str(REPO))
+    from epilogues.base import Chain
+    from epilogues.qkv import QKVPlacement
+    from epilogues.scale import ScaleRestore
+    from epilogues.store import StoreBF16
+    from epilogues.swiglu import SwiGLU
+
+    c = Chain(ScaleRestore(rho=True), QKVPlacement(128), StoreBF16())
+    assert c.n_tile == 2 and c.pre == () and c.key() == "scale_abrho+qkv128+bf16"
+    with pytest.raises(ValueError, match="whole-tile"):
+        Chain(QKVPlacement(128), SwiGLU(), StoreBF16())
+    with pytest.raises(ValueError, match="head_dim"):
+        QKVPlacement(96)
 
 
 def test_gemm_names_the_policy_tensors():

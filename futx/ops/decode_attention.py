@@ -22,11 +22,13 @@ import torch
 
 from decode.attn_plan import MAX_GROUP, choose_splits, default_plan
 from futx.ops import checks
+from futx.ops.registration import futx_op
 from futx.quant import layouts
 from futx.runtime import get_kernel
 from futx.runtime.catalog.decode_attention import VARIANTS, attn_key
 
 FORMATS = ("bf16", "int4", "e4m3")
+MAX_SPLITS = 64  # choose_splits never asks for more; a larger explicit count is a caller error
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _LUT: dict[torch.device, torch.Tensor] = {}
@@ -152,13 +154,16 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
     checks.aligned("out", out)
     b, hq, d = q.shape
     s, hkv, cap, _ = k_cache.shape
-    if num_splits < 0 or max_context < 0:
-        raise ValueError("decode_attention: num_splits and max_context must be >= 0")
+    if not 0 <= num_splits <= MAX_SPLITS or max_context < 0:
+        raise ValueError(f"decode_attention: num_splits must be in [0, {MAX_SPLITS}] (0 = automatic) and "
+                         f"max_context >= 0, got {num_splits} and {max_context}")
     if check_positions_on_host and not torch.cuda.is_current_stream_capturing():
         check_positions(positions, slots, cap, s)
-    if variant not in VARIANTS or (variant and cache_format != "int4"):
-        raise ValueError(f"decode_attention: unknown kernel variant {variant!r} for {cache_format!r}")
-    plan = default_plan(cache_format, d, rotate, 0, *VARIANTS[variant])
+    if variant not in VARIANTS or (variant and (cache_format, d, rotate) != ("int4", 128, True)):
+        raise ValueError(f"decode_attention: kernel variant {variant!r} does not exist for {cache_format!r} "
+                         f"d{d} rotate={rotate}; variants {sorted(VARIANTS)} ('' everywhere, the others for "
+                         "rotated INT4 at head dim 128)")
+    plan = default_plan(cache_format, d, rotate, 0, **VARIANTS[variant])
     if num_splits == 0:
         num_splits = choose_splits(plan, b, hkv, max_context or cap, _sm_count(q.device))
     scale = softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(d)
@@ -179,7 +184,7 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
 _MUTATED = ("k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror", "v_scale")
 
 
-@torch.library.custom_op("futx::decode_attention", mutates_args=_MUTATED)
+@futx_op("decode_attention", mutates_args=_MUTATED)
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor,
                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
@@ -188,7 +193,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      max_context: int = 0, check_positions_on_host: bool = True, variant: str = "") -> torch.Tensor:
     """See the module docstring. softmax_scale 0 means 1/sqrt(D); num_splits 0 chooses the split-KV
     count from batch, KV heads and max_context (0 = the capacity) for this GPU's SM count; variant
-    selects an INT4 dequantization ablation ("valu", "alu"; "" = the table for keys and values)."""
+    selects a benchmark-only kernel variant (futx.runtime.catalog.decode_attention.VARIANTS; "" = the
+    shipped kernel)."""
     out = torch.empty_like(q)
     _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
             cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out)
@@ -201,7 +207,7 @@ def _(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("futx::decode_attention_", mutates_args=(*_MUTATED, "out"))
+@futx_op("decode_attention_", mutates_args=(*_MUTATED, "out"))
 def decode_attention_(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],

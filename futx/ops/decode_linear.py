@@ -9,7 +9,10 @@ x [M, K] bf16; weights as `futx.quant` stores them (Int4Weight: packed [N/16, K/
 float16 scales [N/16, K/G, 16]; E4M3Weight: float8_e4m3fn [N, K] + float32 [N]; bf16 [N, K]).
 epilogue: "store" -> y [M, N]; "residual" -> y = x @ W^T + residual; "swiglu" -> y [M, N/2] =
 silu(gate) * up with gate/up rows interleaved (row 2j gate j, row 2j + 1 up j).
-Every input is validated before launch. M = 1 runs the GEMV, larger M the skinny kernel (decode.plan).
+Every input is validated before launch. decode.plan picks the kernel (the persistent GEMV up to M = 16
+where the activation rows fit in shared memory, else the skinny kernel) and its launch shape.
+The kernels launch with programmatic dependent launch: they may start reading the weights and scales
+before the previous kernel on the stream has finished, so that kernel must not write them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from decode import plan
 from futx.ops import checks
+from futx.ops.registration import futx_op
 from futx.quant import layouts
 from futx.runtime import get_kernel
 
@@ -56,8 +60,6 @@ def _check_common(x: torch.Tensor, n: int, k_w: int, epilogue: str, residual: Op
     checks.multiple("weight", n, layouts.INT4_WEIGHT.block_n, "N (output features)")
     checks.contiguous("x", x)
     checks.aligned("x", x)
-    if m == 1 and k > plan.GEMV_MAX_K:
-        raise ValueError(f"K = {k} exceeds the GEMV's shared-memory activation row (max {plan.GEMV_MAX_K})")
     if epilogue not in plan.EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; known: {', '.join(plan.EPILOGUES)}")
     if (epilogue == "residual") != (residual is not None):
@@ -70,9 +72,9 @@ def _check_common(x: torch.Tensor, n: int, k_w: int, epilogue: str, residual: Op
         checks.aligned("residual", residual)
 
 
-def _launch(fmt: str, group: int, epilogue: str, x, w, s, residual, n: int, weights: str = "smem",
-            split: Optional[int] = None, out: Optional[torch.Tensor] = None,
-            workspace: Optional[torch.Tensor] = None, gemv_warps: int = 4) -> torch.Tensor:
+def _launch(fmt: str, group: int, epilogue: str, x, w, s, residual, n: int, kernel: str = "auto",
+            variant: str = "", tiles: Optional[int] = None, split: Optional[int] = None,
+            out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
     m, k = x.shape
     shape = (m, n // 2 if epilogue == "swiglu" else n)
     if out is None:
@@ -82,19 +84,19 @@ def _launch(fmt: str, group: int, epilogue: str, x, w, s, residual, n: int, weig
         checks.dtype("out", out, torch.bfloat16)
         checks.shape("out", out, shape)
         checks.contiguous("out", out)
-    choice = plan.choose(fmt, group, epilogue, m, n, k, _sms(x.device), weights, gemv_warps)
-    kernel = get_kernel(choice.key)
-    if m == 1:
-        kernel(x, w, s, residual, out)
+    choice = plan.choose(fmt, group, epilogue, m, n, k, _sms(x.device), kernel, variant, tiles, split)
+    fn = get_kernel(choice.key)
+    if choice.kind == "gemv":
+        checks.in_range("tiles", choice.tiles, 1, n // layouts.INT4_WEIGHT.block_n)
+        fn(x, w, s, residual, out, choice.tiles)
         return out
-    sp = split or choice.split
-    checks.in_range("split", sp, 1, k // plan.unit_k(fmt, group))
-    need = sp * n * plan.m_bucket(m) if sp > 1 else 4
+    checks.in_range("split", choice.split, 1, k // plan.unit_k(fmt, group))
+    need = choice.split * n * plan.m_bucket(m) if choice.split > 1 else 4
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     elif workspace.numel() < need or workspace.dtype != torch.float32:
         raise ValueError(f"workspace must hold {need} float32 values")
-    kernel(x, w, s, residual, out, workspace, _counters(x.device), sp)
+    fn(x, w, s, residual, out, workspace, _counters(x.device), choice.split)
     return out
 
 
@@ -120,7 +122,7 @@ def _check_int4(x, packed, scales, group_size, epilogue, residual) -> int:
     return n
 
 
-@torch.library.custom_op("futx::decode_linear_int4", mutates_args=())
+@futx_op("decode_linear_int4")
 def decode_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
                        epilogue: str = "store", residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     n = _check_int4(x, packed, scales, group_size, epilogue, residual)
@@ -151,7 +153,7 @@ def _check_e4m3(x, data, scale, epilogue, residual) -> int:
     return n
 
 
-@torch.library.custom_op("futx::decode_linear_e4m3", mutates_args=())
+@futx_op("decode_linear_e4m3")
 def decode_linear_e4m3(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, epilogue: str = "store",
                        residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     n = _check_e4m3(x, data, scale, epilogue, residual)
@@ -177,7 +179,7 @@ def _check_bf16(x, weight, epilogue, residual) -> int:
     return weight.shape[0]
 
 
-@torch.library.custom_op("futx::decode_linear_bf16", mutates_args=())
+@futx_op("decode_linear_bf16")
 def decode_linear_bf16(x: torch.Tensor, weight: torch.Tensor, epilogue: str = "store",
                        residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     n = _check_bf16(x, weight, epilogue, residual)
@@ -207,11 +209,12 @@ def decode_linear(x: torch.Tensor, weight, epilogue: str = "store",
 
 
 def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Tensor], group_size: int = 128,
-                epilogue: str = "store", residual: Optional[torch.Tensor] = None, weights: str = "smem",
-                split: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                workspace: Optional[torch.Tensor] = None, gemv_warps: int = 4) -> torch.Tensor:
-    """Test/benchmark hook: the ops' validation and launch, with the design variant (skinny weight path,
-    GEMV warps), the split count and the output/workspace buffers chosen by the caller."""
+                epilogue: str = "store", residual: Optional[torch.Tensor] = None, kernel: str = "auto",
+                variant: str = "", tiles: Optional[int] = None, split: Optional[int] = None,
+                out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Test/benchmark hook: the ops' validation and launch with the kernel ("auto", "gemv", "skinny"), a
+    benchmark-only GEMV variant (decode.plan.GEMV_VARIANTS), the launch shape (GEMV tiles per CTA,
+    skinny split) and the output/workspace buffers chosen by the caller."""
     if fmt == "int4":
         n = _check_int4(x, w, s, group_size, epilogue, residual)
     elif fmt == "e4m3":
@@ -219,4 +222,4 @@ def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Te
         w = w.view(torch.uint8)
     else:
         n = _check_bf16(x, w, epilogue, residual)
-    return _launch(fmt, group_size, epilogue, x, w, s, residual, n, weights, split, out, workspace, gemv_warps)
+    return _launch(fmt, group_size, epilogue, x, w, s, residual, n, kernel, variant, tiles, split, out, workspace)

@@ -1,34 +1,33 @@
-"""Decode projection variants (issue 5): GEMV for M = 1, skinny kernel for 2 <= M <= 32, each for INT4
-(group 128 and 64), E4M3 and BF16 weights and the three fused epilogues. Keys come from decode.plan,
-which the torch ops use to pick them."""
+"""Decode projection variants (issue 5): the persistent GEMV for M <= 16 (token buckets 8 and 16) and the
+skinny kernel (buckets 16 and 32), for INT4 (group 128 and 64), E4M3 and BF16 weights and the three fused
+epilogues. Keys and compile parameters come from decode.plan, which the torch ops use to pick them."""
 
 from decode import plan
 from futx.runtime.registry import KernelSpec
 
-_SOURCES = tuple(f"decode/{f}.py" for f in ("__init__", "plan", "ptx", "dequant", "stream", "epilogue", "signature",
-                                             "gemv", "skinny")) + ("futx/quant/layouts.py",)
+_SOURCES = tuple(f"decode/{f}.py" for f in ("__init__", "plan", "gemv_layout", "ptx", "dequant", "stream",
+                                             "epilogue", "signature", "gemv", "skinny")) + ("futx/quant/layouts.py",)
 _FORMATS = (("int4", 128), ("int4", 64), ("e4m3", 128), ("bf16", 128))
 
 
-def _gemv(fmt, group, epilogue, warps=4, ci=True):
-    return KernelSpec(key=plan.gemv_key(fmt, group, epilogue, warps), module="decode.gemv",
-                      params=(("fmt", fmt), ("group_size", group), ("epilogue", epilogue), ("warps", warps)),
-                      sources=_SOURCES, expect_sass=("HMMA",), ci=ci,
-                      doc=f"M=1 register-streaming GEMV, {plan.fmt_tag(fmt, group)} weights, {epilogue}, {warps} warps")
+def _gemv(fmt, group, epilogue, m, variant="", ci=True):
+    params = plan.gemv_params(fmt, group, epilogue, m, variant)
+    return KernelSpec(key=plan.gemv_key(fmt, group, epilogue, m, variant), module="decode.gemv",
+                      params=tuple(sorted(params.items())), sources=_SOURCES, expect_sass=("HMMA",), ci=ci,
+                      doc=f"M<={m} persistent register-streaming GEMV, {plan.fmt_tag(fmt, group)} weights, "
+                          f"{epilogue}{', ' + variant if variant else ''}")
 
 
-def _skinny(fmt, group, epilogue, m, weights="smem", ci=True):
-    return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, weights), module="decode.skinny",
+def _skinny(fmt, group, epilogue, m):
+    return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m), module="decode.skinny",
                       params=(("fmt", fmt), ("group_size", group), ("epilogue", epilogue),
-                              ("m_tiles", plan.M_TILES[m]), ("warps", plan.SKINNY_WARPS),
-                              ("nb_per_warp", plan.SKINNY_NB_PER_WARP), ("weights", weights)),
-                      sources=_SOURCES, expect_sass=("HMMA",), ci=ci,
-                      doc=f"M<={m} skinny GEMM, {plan.fmt_tag(fmt, group)} weights ({weights}), {epilogue}")
+                              ("m_tiles", plan.SKINNY_M_TILES[m]), ("warps", plan.SKINNY_WARPS),
+                              ("nb_per_warp", plan.SKINNY_NB_PER_WARP)),
+                      sources=_SOURCES, expect_sass=("HMMA",),
+                      doc=f"M<={m} skinny GEMM, {plan.fmt_tag(fmt, group)} weights, {epilogue}")
 
 
-SPECS = [_gemv(f, g, e) for f, g in _FORMATS for e in plan.EPILOGUES]
-SPECS += [_skinny(f, g, e, m) for f, g in _FORMATS for e in plan.EPILOGUES for m in plan.M_TILES]
-# benchmark-only design comparisons: skinny weights streamed into registers instead of cp.async stages;
-# the GEMV with 8 warps (half the K share per warp, twice the warps per output tile)
-SPECS += [_skinny("int4", 128, e, m, weights="regs", ci=False) for e in plan.EPILOGUES for m in plan.M_TILES]
-SPECS += [_gemv("int4", 128, e, warps=8, ci=False) for e in plan.EPILOGUES]
+SPECS = [_gemv(f, g, e, m) for f, g in _FORMATS for e in plan.EPILOGUES for m in plan.GEMV_M_TILES]
+SPECS += [_skinny(f, g, e, m) for f, g in _FORMATS for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]
+# benchmark-only design comparisons at M = 1: INT4 without the fold, and without PDL
+SPECS += [_gemv("int4", 128, e, 8, v, ci=False) for v in plan.GEMV_VARIANTS if v for e in plan.EPILOGUES]

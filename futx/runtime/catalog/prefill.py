@@ -1,7 +1,9 @@
-"""Prefill GEMM variants: operand dtype x epilogue policy chain x tile width (no DSL imports here).
+"""Prefill GEMM variants: operand dtype x epilogue policy chain x schedule variant (no DSL imports here).
 
-Key: prefill.gemm.<ab>.<policy>[.n128]. `POLICIES` describes each chain's runtime tensors for the op's
-validation (futx/ops/prefill.py); tests/test_prefill_cpu.py checks it against epilogues/catalog.py.
+Key: prefill.gemm.<ab>.<policy>[.<variant>] with the variant name omitted for the default "n256".
+A *variant* is the kernel's shape and schedule (`Variant`): tile width, cooperative or pingpong consumer
+warpgroups, cluster size. `POLICIES` describes each chain's runtime tensors for the op's validation
+(futx/ops/prefill.py); tests/test_prefill_cpu.py checks it against epilogues/catalog.py.
 User-written policy chains join through `register_policy` (see epilogues/README.md).
 """
 
@@ -17,14 +19,66 @@ SOURCES = ("futx/mainloop.py", "epilogues/")
 
 @dataclass(frozen=True)
 class PolicyInfo:
-    """args: (name, dtype, shape) in kernel order, shape symbols m / n / n_out / t (output tiles)."""
+    """args: (name, dtype, shape) in kernel order; shape symbols m / n / n_out / t (output tiles) / others
+    (free, the op checks only their rank and dtype). `qkv`: D holds only the Q columns (n_out < N)."""
 
     args: tuple
     out: str              # dtype of D: "bf16" | "e4m3"
     n_ratio: int = 1      # GEMM columns per output column (2 for SwiGLU)
     split: bool = False   # split gate/up halves (needs I = N/2 divisible by tile_n / 2)
     writes: tuple = ()    # names of the args the kernel writes
+    qkv: bool = False     # QKV placement: D = Q [M, Hq*hd]; K/V go to the cache tensors
 
+
+@dataclass(frozen=True)
+class Variant:
+    """Shape and schedule of one compiled kernel.
+
+    coop:     both consumer warpgroups work on one 128 x tile_n tile (64 rows each); the tensor cores
+              idle while they run the epilogue.
+    pingpong: each consumer warpgroup owns a whole 64 x tile_n tile and the two take turns on the
+              tensor cores, so one's epilogue overlaps the other's mainloop (more L2/smem traffic per
+              FLOP: the weight tile is loaded per 64 rows instead of per 128).
+    stagger:  coop tiles with warpgroup 1 running a few k-tiles behind warpgroup 0, so each one's
+              epilogue overlaps the other's last k-tiles (coop's traffic, pingpong's overlap).
+    """
+
+    tile_n: int = 256
+    schedule: str = "coop"
+    cluster_m: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"n{self.tile_n}" + _SCHED_SUFFIX[self.schedule] + (
+            "" if self.cluster_m == 2 else f".c{self.cluster_m}")
+
+    @property
+    def tile_m(self) -> int:
+        return 128 if self.schedule == "coop" else 64
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        parts = name.split(".")
+        try:
+            if not parts[0].startswith("n"):
+                raise ValueError
+            tile_n, schedule, cluster = int(parts[0][1:]), "coop", 2
+            for p in parts[1:]:
+                if p in ("pp", "st"):
+                    schedule = {"pp": "pingpong", "st": "stagger"}[p]
+                elif p.startswith("c"):
+                    cluster = int(p[1:])
+                else:
+                    raise ValueError
+        except ValueError:
+            raise ValueError(f"bad prefill variant name {name!r} (e.g. 'n256', 'n128', 'n256.pp', 'n256.c1')") from None
+        v = cls(tile_n, schedule, cluster)
+        if v.name != name or tile_n not in (128, 256) or cluster not in (1, 2):
+            raise ValueError(f"bad prefill variant name {name!r} (e.g. 'n256', 'n128', 'n256.pp', 'n256.c1')")
+        return v
+
+
+_SCHED_SUFFIX = {"coop": "", "pingpong": ".pp", "stagger": ".st"}
 
 _A = ("a_scale", "f32", ("m",))
 _AT = ("a_scale", "f32", (1,))
@@ -34,6 +88,14 @@ _RES = ("residual", "bf16", ("m", "n_out"))
 _RMS = ("sumsq", "f32", ("t", "m"))
 _FP8 = (("scale", "f32", (1,)), ("amax", "f32", (1,)), ("saturated", "i32", (1,)))
 _FP8_W = ("amax", "saturated")
+_QKV_W = ("k_cache", "v_cache")
+
+
+def _qkv(hd: int) -> tuple:
+    """QKV placement: RoPE frequencies, per-row cache slot and position, the layer's K and V caches."""
+    return (("inv_freq", "f32", (hd // 2,)), ("row_slot", "i32", ("m",)), ("row_pos", "i32", ("m",)),
+            ("k_cache", "bf16", ("slots", "hkv", "cap", hd)), ("v_cache", "bf16", ("slots", "hkv", "cap", hd)))
+
 
 POLICIES = {
     "bf16": PolicyInfo((), "bf16"),
@@ -50,93 +112,138 @@ POLICIES = {
     "scale_res_bf16": PolicyInfo((_A, _B, _RES), "bf16"),
     "scale_res_rms_bf16": PolicyInfo((_A, _B, _RES, _RMS), "bf16", writes=("sumsq",)),
     "scalet_res_rms_bf16": PolicyInfo((_AT, _B, _RES, _RMS), "bf16", writes=("sumsq",)),
+    # QKV projection: scales (+ rho), RoPE on Q and K, Q -> D, K/V straight into the cache (head_dim 64/128)
+    "scale_rho_qkv128_bf16": PolicyInfo((_A, _B, _RHO, *_qkv(128)), "bf16", writes=_QKV_W, qkv=True),
+    "scale_rho_qkv64_bf16": PolicyInfo((_A, _B, _RHO, *_qkv(64)), "bf16", writes=_QKV_W, qkv=True),
+    "rho_qkv128_bf16": PolicyInfo((_RHO, *_qkv(128)), "bf16", writes=_QKV_W, qkv=True),
 }
 
-# (ab, policy, tile widths): what ships. CI compiles all of them (about 10-20 s each on one core).
+# (ab, policy) -> variants that ship: CI compiles each (about 10-20 s on one core) and the GPU tests run
+# each. The first variant is the default when the tile rule has no other candidate.
 _SHIPPED = {
     "e4m3": {
-        "bf16": (256, 128),
-        "scale_bf16": (256, 128),
-        "scale_rho_bf16": (256, 128),
-        "scale_fp8": (256,),
-        "scale_rho_swiglu_bf16": (256,),
-        "scale_rho_swiglu_fp8": (256, 128),
-        "scale_rho_swiglu_split_fp8": (256,),
-        "scale_res_bf16": (256,),
-        "scale_res_rms_bf16": (256, 128),
-        "scalet_res_rms_bf16": (256, 128),
+        "bf16": ("n256", "n128"),
+        "scale_bf16": ("n256", "n128"),
+        "scale_rho_bf16": ("n256", "n128"),
+        "scale_fp8": ("n256",),
+        "scale_rho_swiglu_bf16": ("n256",),
+        "scale_rho_swiglu_fp8": ("n256", "n128"),
+        "scale_rho_swiglu_split_fp8": ("n256",),
+        "scale_res_bf16": ("n256",),
+        "scale_res_rms_bf16": ("n256", "n128"),
+        "scalet_res_rms_bf16": ("n256", "n128"),
+        "scale_rho_qkv128_bf16": ("n256",),
+        "scale_rho_qkv64_bf16": ("n256",),
     },
     "bf16": {
-        "bf16": (256, 128),
-        "swiglu_bf16": (256,),
-        "swiglu_split_bf16": (256,),
-        "rho_swiglu_bf16": (256,),
-        "res_bf16": (256,),
+        "bf16": ("n256", "n128"),
+        "swiglu_bf16": ("n256",),
+        "swiglu_split_bf16": ("n256",),
+        "rho_swiglu_bf16": ("n256",),
+        "res_bf16": ("n256",),
+        "rho_qkv128_bf16": ("n256",),
     },
 }
 
-TILE_M = 128
+# Benchmark candidates (registry entries with ci=False; built with `futx build --only 'prefill.*'`, run by
+# the GPU tests and scripts/bench_prefill.py / bench_swiglu.py): the schedule and cluster alternatives.
+_BENCH = {
+    "e4m3": {
+        "scale_bf16": ("n256.st", "n256.pp", "n128.pp", "n256.c1"),
+        "scale_rho_swiglu_fp8": ("n256.st", "n256.pp"),
+        "scale_rho_qkv128_bf16": ("n256.pp",),
+    },
+    "bf16": {
+        "bf16": ("n256.st", "n256.pp"),
+        "rho_swiglu_bf16": ("n256.st", "n256.pp"),
+    },
+}
+
 _CHAIN_PATHS: dict = {}   # policy -> "module:factory" for chains registered from outside epilogues/
 
 
-def kernel_key(ab: str, policy: str, tile_n: int = 256) -> str:
-    return f"prefill.gemm.{ab}.{policy}" + ("" if tile_n == 256 else f".n{tile_n}")
+def kernel_key(ab: str, policy: str, variant: str = "n256") -> str:
+    return f"prefill.gemm.{ab}.{policy}" + ("" if variant == "n256" else f".{variant}")
 
 
-def tile_widths(ab: str, policy: str) -> tuple:
+def variants(ab: str, policy: str, bench: bool = False) -> tuple:
+    """Variant names of (ab, policy): the shipped ones, plus the benchmark candidates if `bench`."""
     try:
-        return _SHIPPED[ab][policy]
+        shipped = _SHIPPED[ab][policy]
     except KeyError:
         raise ValueError(f"no prefill GEMM variant for ab={ab!r}, policy={policy!r}; shipped: "
                          + ", ".join(f"{a}.{p}" for a in _SHIPPED for p in _SHIPPED[a])) from None
+    return shipped + (_BENCH.get(ab, {}).get(policy, ()) if bench else ())
 
 
-def choose_tile_n(ab: str, policy: str, m: int, n: int, num_sms: int) -> int:
-    """The tile-width rule: fewest estimated tile-waves, a 128-wide tile costing 0.55 of a 256-wide one.
+def tile_widths(ab: str, policy: str) -> tuple:
+    """Tile widths of the shipped variants (kept for callers that think in widths)."""
+    return tuple(dict.fromkeys(Variant.parse(v).tile_n for v in variants(ab, policy)))
+
+
+def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
+    """Estimated time of a persistent launch in units of one 128x256 coop tile: tile-waves x tile cost.
+
+    Work items are clusters of `cluster_m` CTA tiles over one weight tile. A 128-wide tile costs ~0.55 of
+    a 256-wide one (~10% less efficient per FLOP); a pingpong CTA runs two 64-row tiles at once, each
+    at half the cost, so its work rate per SM is that of coop.
+    """
+    clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
+    slots = max(1, num_sms // v.cluster_m) * (2 if v.schedule == "pingpong" else 1)
+    cost = (1.0 if v.tile_n == 256 else 0.55) * (0.5 if v.schedule == "pingpong" else 1.0)
+    return math.ceil(clusters / slots) * cost
+
+
+def choose_variant(ab: str, policy: str, m: int, n: int, num_sms: int) -> str:
+    """The variant rule over the shipped variants: fewest estimated tile-waves (`_waves`), ties to the first.
 
     128x256 tiles are the most efficient per FLOP (largest WGMMA, least smem traffic per FLOP); when
-    they leave most SMs idle (few tiles: small M and N), 128x128 tiles double the parallelism. With a
-    persistent grid the time is ~ ceil(tiles / SMs) * cost(tile). 0.55 (a 128-wide tile is ~10% less
-    efficient per FLOP) is a starting estimate; scripts/bench_prefill.py measures both widths.
+    they leave most SMs idle (few tiles: small M and N), 128x128 tiles double the parallelism.
+    scripts/bench_prefill.py measures every variant.
     """
-    widths = tile_widths(ab, policy)
-    if len(widths) == 1:
-        return widths[0]
-    cost = {256: 1.0, 128: 0.55}
-    best, best_t = widths[0], math.inf
-    for w in widths:
-        # work items are 2-CTA clusters (two 128-row tiles over the same weight tile)
-        clusters = math.ceil(m / (2 * TILE_M)) * math.ceil(n / w)
-        t = math.ceil(clusters / max(1, num_sms // 2)) * cost[w]
+    names = variants(ab, policy)
+    best, best_t = names[0], math.inf
+    for name in names:
+        t = _waves(Variant.parse(name), m, n, num_sms)
         if t < best_t - 1e-9:
-            best, best_t = w, t
+            best, best_t = name, t
     return best
 
 
-def _spec(ab: str, policy: str, w: int, chain: str | None = None, ci: bool = True) -> KernelSpec:
-    params = (("ab", ab), ("policy", policy), ("tile_n", w)) + ((("chain", chain),) if chain else ())
+def choose_tile_n(ab: str, policy: str, m: int, n: int, num_sms: int) -> int:
+    return Variant.parse(choose_variant(ab, policy, m, n, num_sms)).tile_n
+
+
+def _spec(ab: str, policy: str, variant: str, chain: str | None = None, ci: bool = True) -> KernelSpec:
+    v = Variant.parse(variant)
+    params = (("ab", ab), ("policy", policy), ("tile_n", v.tile_n), ("schedule", v.schedule),
+              ("cluster_m", v.cluster_m)) + ((("chain", chain),) if chain else ())
     return KernelSpec(
-        key=kernel_key(ab, policy, w),
+        key=kernel_key(ab, policy, variant),
         module="futx.mainloop",
         params=params,
         sources=SOURCES,
         expect_sass=("QGMMA",) if ab == "e4m3" else ("HGMMA",),
-        doc=f"prefill GEMM {ab} x {ab} -> {POLICIES[policy].out}, epilogue {policy}, tile 128x{w}",
+        doc=f"prefill GEMM {ab} x {ab} -> {POLICIES[policy].out}, epilogue {policy}, "
+            f"{v.schedule} {v.tile_m}x{v.tile_n} tiles, cluster {v.cluster_m}x1",
         ci=ci,
         tags=("prefill",),
     )
 
 
-SPECS = [_spec(ab, policy, w) for ab, table in _SHIPPED.items() for policy, widths in table.items() for w in widths]
+SPECS = ([_spec(ab, p, v) for ab, table in _SHIPPED.items() for p, vs in table.items() for v in vs]
+         + [_spec(ab, p, v, ci=False) for ab, table in _BENCH.items() for p, vs in table.items() for v in vs])
 
 
-def register_policy(name: str, info: PolicyInfo, chain: str, ab: tuple = ("e4m3",), widths: tuple = (256,)) -> list:
+def register_policy(name: str, info: PolicyInfo, chain: str, ab: tuple = ("e4m3",), variants: tuple = ("n256",),
+                    widths: tuple | None = None) -> list:
     """Add a user policy chain: `chain` = "module:factory" returning an epilogues.base.Chain.
 
-    Registers the op validation data and one kernel variant per (ab, width); the kernels compile on
-    first use (JIT) or with `futx build --only 'prefill.gemm.*.<name>*'` in a process that imported
-    the registering module. The fingerprint covers futx's sources, not the user module: give a
-    changed policy a new name (or clear the kernel cache).
+    Registers the op validation data and one kernel variant per (ab, variant) (`widths`, e.g. (256, 128),
+    is shorthand for cooperative variants of those tile widths); the kernels compile on first use (JIT)
+    or with `futx build --only 'prefill.gemm.*.<name>*'` in a process that imported the registering
+    module. The fingerprint covers futx's sources, not the user module: give a changed policy a new
+    name (or clear the kernel cache).
     """
     from futx.runtime.registry import register
 
@@ -144,11 +251,15 @@ def register_policy(name: str, info: PolicyInfo, chain: str, ab: tuple = ("e4m3"
         raise ValueError(f"prefill policy {name!r} already exists")
     if ":" not in chain:
         raise ValueError(f"chain must be 'module:factory', got {chain!r}")
+    if widths is not None:
+        variants = tuple(f"n{w}" for w in widths)
+    for v in variants:
+        Variant.parse(v)
     POLICIES[name] = info
     _CHAIN_PATHS[name] = chain
     specs = []
     for a in ab:
-        _SHIPPED.setdefault(a, {})[name] = tuple(widths)
-        specs += [_spec(a, name, w, chain=chain, ci=False) for w in widths]
+        _SHIPPED.setdefault(a, {})[name] = tuple(variants)
+        specs += [_spec(a, name, v, chain=chain, ci=False) for v in variants]
     register(*specs)
     return specs
