@@ -66,6 +66,9 @@ def load_model(args: argparse.Namespace):
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    from futx.eval.device import setup_device
+
+    setup_device(args.device)  # CUDA: TF32 off, so float32 means float32
     dtype = getattr(torch, DTYPES[args.dtype])
     return load(args.model, dtype=dtype, device=args.device), load_tokenizer(args.model)
 
@@ -175,10 +178,15 @@ def _run_ppl(args: argparse.Namespace) -> int:
     windows = make_windows(ids, args.window, args.max_windows)
     runner = Runner(weights)
 
+    from futx.eval.device import describe
+
+    where = describe(weights.device)
+
     def record(r) -> dict:
         return {"protocol": r.protocol, "windows": r.windows, "window": r.window, "scored_tokens": r.tokens,
                 "decode": r.decode, "nll_sum": r.nll_sum, "mean_nll": r.mean_nll, "ppl": r.ppl,
-                "seconds": r.seconds, "model": weights.config.name, "dtype": args.dtype, "text": str(text)}
+                "seconds": r.seconds, "model": weights.config.name, "dtype": args.dtype, "text": str(text),
+                "text_tokens": len(ids), **where}
 
     def on_batch(r) -> None:
         if args.jsonl:

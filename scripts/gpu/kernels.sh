@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU run over the AOT-staged kernels (after `source scripts/gpu/remote.sh`):
+#   bash scripts/gpu/kernels.sh runtime decode attention prefill     (any subset, in that order)
+# Each part runs its GPU tests, then its benchmark; every step is time-boxed; logs -> $OUT/logs.tgz.
+set -u
+source scripts/gpu/steps.sh
+P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+for part in "$@"; do
+  case "$part" in
+    runtime)
+      step runtime 90 $P tests/test_runtime_gpu.py tests/test_ops_compile_gpu.py
+      TAILN=30 step deploy 60 python3 scripts/aot_deploy_demo.py --aot "$FUTX_AOT_DIR"
+      TAILN=5 step overhead 40 python3 scripts/bench_runtime_overhead.py --calls 5000 ;;
+    decode)
+      timeout -k 5 90 $P -x tests/test_decode_linear_gpu.py -k "public_ops or back_to_back or (gemv_geometry and int4)" \
+        > "$LOGS/dlin_smoke.log" 2>&1; rc=$?; echo "== dlin_smoke rc=$rc"; tail -n 2 "$LOGS/dlin_smoke.log"
+      if [ $rc -ne 124 ] && [ $rc -ne 137 ]; then
+        TAILN=8 step dlin 200 $P tests/test_decode_linear_gpu.py
+        TAILN=14 step bench_dlin 240 python3 scripts/bench_decode_linear.py
+      fi ;;
+    attention)
+      TAILN=12 step attn_tests 170 $P --maxfail=30 tests/test_decode_attention_gpu.py
+      TAILN=16 step bench_attn 200 python3 scripts/bench_decode_attention.py --budget-s 150 ;;
+    prefill)
+      TAILN=8 step prefill_tests 180 $P tests/test_prefill_gpu.py
+      TAILN=12 step bench_gemm 150 python3 scripts/bench_prefill.py --quick
+      TAILN=14 step bench_swiglu 240 python3 scripts/bench_swiglu.py --only futx ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+cp "$OUT"/*.md "$OUT"/*.json "$LOGS"/ 2>/dev/null
+pack
