@@ -56,8 +56,6 @@ def test_fingerprint_tracks_sources(tmp_path, monkeypatch):
     (tmp_path / "pkg").mkdir()
     src = tmp_path / "pkg" / "kern.py"
     src.write_text("A = 1\n")
-    (tmp_path / "futx" / "runtime").mkdir(parents=True)
-    (tmp_path / "futx" / "runtime" / "compiler.py").write_text("# compiler\n")
     monkeypatch.setattr(fp_mod, "REPO_ROOT", tmp_path)
     spec = KernelSpec(key="t.k", module="pkg.kern")
     a = fp_mod.spec_fingerprint(spec, "sm_90a", "4.8.1")

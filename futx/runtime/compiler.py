@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from futx.runtime.dsl_libs import installed_runtime_lib, tvm_ffi_lib_dir
+from futx.runtime.fingerprint import COMPILE_OPTIONS
 from futx.runtime.registry import KernelSpec
-
-COMPILE_OPTIONS = "--enable-tvm-ffi"
 SASS_OPCODES = ("QGMMA", "HGMMA", "HMMA", "LDL", "STL", "LDG.E.128", "LDS", "STS", "SHFL", "BAR")
 
 
@@ -66,14 +65,18 @@ def link_shared(obj: Path, out: Path, runtime_lib: Path) -> None:
         raise RuntimeError(f"link failed ({' '.join(cmd)}):\n{res.stderr}")
 
 
-def export_spec(spec: KernelSpec, out_dir: str | Path, arch: str = "sm_90a") -> dict[str, Any]:
-    """Compile `spec`, write `<out>/obj/<key>.o` and `<out>/lib/<key>.so`; return its manifest entry."""
+def export_spec(spec: KernelSpec, out_dir: str | Path, arch: str = "sm_90a", sass: bool = True) -> dict[str, Any]:
+    """Compile `spec`, write `<out>/obj/<key>.o` and `<out>/lib/<key>.so`; return its manifest entry.
+
+    `sass=True` (futx build, CI) also dumps and counts the SASS, which needs nvdisasm >= 13.4; the JIT path
+    at run time passes False so a machine with an older CUDA toolkit can still compile."""
     out_dir = Path(out_dir)
     (out_dir / "obj").mkdir(parents=True, exist_ok=True)
     (out_dir / "lib").mkdir(parents=True, exist_ok=True)
     dump = Path(tempfile.mkdtemp(prefix=f"futx-sass-{spec.key}-"))
-    os.environ["CUTE_DSL_KEEP"] = "cubin,sass"
-    os.environ["CUTE_DSL_DUMP_DIR"] = str(dump)
+    if sass:
+        os.environ["CUTE_DSL_KEEP"] = "cubin,sass"
+        os.environ["CUTE_DSL_DUMP_DIR"] = str(dump)
     t0 = time.time()
     try:
         compiled = compile_spec(spec, arch)
@@ -85,16 +88,16 @@ def export_spec(spec: KernelSpec, out_dir: str | Path, arch: str = "sm_90a") -> 
             raise RuntimeError("libcute_dsl_runtime.so not found: install nvidia-cutlass-dsl[cu13]")
         lib = out_dir / "lib" / f"{spec.key}.so"
         link_shared(obj, lib, runtime_lib)
-        sass = "\n".join(p.read_text(errors="replace") for p in sorted(dump.glob("*.sass")))
+        sass_text = "\n".join(p.read_text(errors="replace") for p in sorted(dump.glob("*.sass")))
     finally:
         shutil.rmtree(dump, ignore_errors=True)
-    stats = sass_stats(sass) if sass else {}
+    stats = sass_stats(sass_text) if sass_text else {}
     return {
         "object": f"obj/{spec.key}.o",
         "library": f"lib/{spec.key}.so",
         "symbol": spec.symbol,
         "params": {k: v for k, v in spec.params},
         "sass": stats,
-        "sass_found": bool(sass),
+        "sass_found": bool(sass_text),
         "compile_s": round(compile_s, 2),
     }

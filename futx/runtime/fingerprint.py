@@ -10,8 +10,8 @@ from futx.runtime.registry import KernelSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Files every variant depends on: how we compile and export.
-_COMMON_SOURCES = ("futx/runtime/compiler.py",)
+# What every variant's binary depends on besides its own sources: the DSL compile options.
+COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 
 def _expand(rel: str) -> list[Path]:
@@ -30,9 +30,10 @@ def _file_digest(path: Path, mtime_ns: int, size: int) -> str:
 
 def spec_fingerprint(spec: KernelSpec, arch: str, dsl_version: str) -> str:
     h = hashlib.sha256()
-    h.update(f"{spec.key}|{spec.module}|{spec.factory}|{spec.params!r}|{arch}|{dsl_version}".encode())
+    h.update(f"{spec.key}|{spec.module}|{spec.factory}|{spec.params!r}|{arch}|{dsl_version}|{COMPILE_OPTIONS}"
+             .encode())
     files: set[Path] = set()
-    for rel in (spec.module_file, *_COMMON_SOURCES, *spec.sources):
+    for rel in (spec.module_file, *spec.sources):
         files.update(_expand(rel))
     for path in sorted(files):
         st = path.stat()

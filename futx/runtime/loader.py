@@ -140,7 +140,7 @@ def _jit(spec: KernelSpec, arch: str) -> Callable:
     try:  # compile once, export to the disk cache, load that (the next process skips the compile)
         from futx.runtime.compiler import export_spec
 
-        entry = export_spec(spec, target, arch)
+        entry = export_spec(spec, target, arch, sass=False)
         version = installed_dsl_version() or "?"
         entry.update(fingerprint=spec_fingerprint(spec, arch, version), module=spec.module)
         manifest = read_manifest(target) or {"format": FORMAT, "arch": arch, "dsl_version": version,

@@ -1,8 +1,9 @@
 """Prefill GEMM variants: operand dtype x epilogue policy chain x schedule variant (no DSL imports here).
 
-Key: prefill.gemm.<ab>.<policy>[.<variant>] with the variant name omitted for the default "n256".
-A *variant* is the kernel's shape and schedule (`Variant`): tile width, cooperative or pingpong consumer
-warpgroups, cluster size. `POLICIES` describes each chain's runtime tensors for the op's validation
+Key: prefill.gemm.<ab>.<policy>[.<variant>] with the variant name omitted for "n256" (coop 128x256).
+A *variant* is the kernel's shape and schedule (`Variant`): tile width, cooperative, pingpong or stagger
+consumer warpgroups, cluster size, raster group height. The first shipped variant of a policy is its
+default; the pingpong "n256.pp" measured fastest on the H200 (docs/results-prefill.md) and leads every list. `POLICIES` describes each chain's runtime tensors for the op's validation
 (futx/ops/prefill.py); tests/test_prefill_cpu.py checks it against epilogues/catalog.py.
 User-written policy chains join through `register_policy` (see epilogues/README.md).
 """
@@ -46,11 +47,12 @@ class Variant:
     tile_n: int = 256
     schedule: str = "coop"
     cluster_m: int = 2
+    group_m: int = 8      # cluster rows per raster group (L2 reuse; futx/mainloop.py); ".g<N>" if not 8
 
     @property
     def name(self) -> str:
-        return f"n{self.tile_n}" + _SCHED_SUFFIX[self.schedule] + (
-            "" if self.cluster_m == 2 else f".c{self.cluster_m}")
+        return (f"n{self.tile_n}" + _SCHED_SUFFIX[self.schedule] + ("" if self.cluster_m == 2 else f".c{self.cluster_m}")
+                + ("" if self.group_m == 8 else f".g{self.group_m}"))
 
     @property
     def tile_m(self) -> int:
@@ -59,22 +61,25 @@ class Variant:
     @classmethod
     def parse(cls, name: str) -> "Variant":
         parts = name.split(".")
+        bad = f"bad prefill variant name {name!r} (e.g. 'n256', 'n128', 'n256.pp', 'n256.c1', 'n256.pp.g16')"
         try:
             if not parts[0].startswith("n"):
                 raise ValueError
-            tile_n, schedule, cluster = int(parts[0][1:]), "coop", 2
+            tile_n, schedule, cluster, group = int(parts[0][1:]), "coop", 2, 8
             for p in parts[1:]:
                 if p in ("pp", "st"):
                     schedule = {"pp": "pingpong", "st": "stagger"}[p]
                 elif p.startswith("c"):
                     cluster = int(p[1:])
+                elif p.startswith("g"):
+                    group = int(p[1:])
                 else:
                     raise ValueError
         except ValueError:
-            raise ValueError(f"bad prefill variant name {name!r} (e.g. 'n256', 'n128', 'n256.pp', 'n256.c1')") from None
-        v = cls(tile_n, schedule, cluster)
-        if v.name != name or tile_n not in (128, 256) or cluster not in (1, 2):
-            raise ValueError(f"bad prefill variant name {name!r} (e.g. 'n256', 'n128', 'n256.pp', 'n256.c1')")
+            raise ValueError(bad) from None
+        v = cls(tile_n, schedule, cluster, group)
+        if v.name != name or tile_n not in (128, 256) or cluster not in (1, 2) or group not in (4, 8, 16, 32):
+            raise ValueError(bad)
         return v
 
 
@@ -118,44 +123,66 @@ POLICIES = {
     "rho_qkv128_bf16": PolicyInfo((_RHO, *_qkv(128)), "bf16", writes=_QKV_W, qkv=True),
 }
 
-# (ab, policy) -> variants that ship: CI compiles each (about 10-20 s on one core) and the GPU tests run
-# each. The first variant is the default when the tile rule has no other candidate.
+# (ab, policy) -> variants that ship: CI compiles each (about 15 s on one core) and the GPU tests run each.
+# The first is the default (choose_variant breaks ties toward it). Pingpong 64x256 ("n256.pp") leads every
+# list: on the H200 it measured fastest at every benchmarked shape (run 2: 8192^3 FP8 1322 vs 1277 TF/s
+# coop, 8B projections +2-9%, gate/up+SwiGLU 8B 363 vs 411 us FP8, 708 vs 762 us BF16; QKV epilogue
+# 86 vs 98 us; BF16 GEMM +0-4%), because each warpgroup's epilogue overlaps the other's mainloop. The coop
+# 128x256 "n256" stays shipped (CI-compiled) for the plain, scale, FP8-store, residual/RMS, QKV-128 and
+# main SwiGLU policies; for the others it is a benchmark-only alternative (_BENCH): CI compiles 28 variants.
+# (The coop 128x128 "n128" variants are benchmark-only now: 64-row pingpong tiles give the same
+# parallelism at the 256-wide tile's efficiency, so the rule never picks them.)
 _SHIPPED = {
     "e4m3": {
-        "bf16": ("n256", "n128"),
-        "scale_bf16": ("n256", "n128"),
-        "scale_rho_bf16": ("n256", "n128"),
-        "scale_fp8": ("n256",),
-        "scale_rho_swiglu_bf16": ("n256",),
-        "scale_rho_swiglu_fp8": ("n256", "n128"),
-        "scale_rho_swiglu_split_fp8": ("n256",),
-        "scale_res_bf16": ("n256",),
-        "scale_res_rms_bf16": ("n256", "n128"),
-        "scalet_res_rms_bf16": ("n256", "n128"),
-        "scale_rho_qkv128_bf16": ("n256",),
-        "scale_rho_qkv64_bf16": ("n256",),
+        "bf16": ("n256.pp", "n256"),
+        "scale_bf16": ("n256.pp", "n256"),
+        "scale_rho_bf16": ("n256.pp", "n256"),
+        "scale_fp8": ("n256.pp", "n256"),
+        "scale_rho_swiglu_bf16": ("n256.pp",),
+        "scale_rho_swiglu_fp8": ("n256.pp", "n256"),
+        "scale_rho_swiglu_split_fp8": ("n256.pp",),
+        "scale_res_bf16": ("n256.pp", "n256"),
+        "scale_res_rms_bf16": ("n256.pp", "n256"),
+        "scalet_res_rms_bf16": ("n256.pp",),
+        "scale_rho_qkv128_bf16": ("n256.pp", "n256"),
+        "scale_rho_qkv64_bf16": ("n256.pp",),
     },
     "bf16": {
-        "bf16": ("n256", "n128"),
-        "swiglu_bf16": ("n256",),
-        "swiglu_split_bf16": ("n256",),
-        "rho_swiglu_bf16": ("n256",),
-        "res_bf16": ("n256",),
-        "rho_qkv128_bf16": ("n256",),
+        "bf16": ("n256.pp", "n256"),
+        "swiglu_bf16": ("n256.pp",),
+        "swiglu_split_bf16": ("n256.pp",),
+        "rho_swiglu_bf16": ("n256.pp", "n256"),
+        "res_bf16": ("n256.pp",),
+        "rho_qkv128_bf16": ("n256.pp",),
     },
 }
 
 # Benchmark candidates (registry entries with ci=False; built with `futx build --only 'prefill.*'`, run by
-# the GPU tests and scripts/bench_prefill.py / bench_swiglu.py): the schedule and cluster alternatives.
+# the GPU tests and scripts/bench_prefill.py / bench_swiglu.py): schedule, cluster and raster alternatives.
+#   n256      coop 128x256 where it is not shipped (the alternative schedule of every policy)
+#   n256.st   stagger (coop traffic, partial overlap; run 2: between coop and pingpong)
+#   n128      coop 128x128 (run 2: 0.5-1% below n256 at M >= 2048; the rule never prefers it to n256.pp)
+#   experiment for the final run (prediction in docs/results-prefill.md):
+#   n256.pp.g16  pingpong with 16 cluster rows per raster group (2048 rows, like coop's 8 x 256): the
+#                weight matrix is streamed from HBM once per 2048 rows instead of once per 1024
+#   n256.pp.c1   pingpong without the 2x1 cluster (no B multicast): how much the multicast buys pingpong
+# (run 2 also measured n128.pp, 6-16% slower than n256.pp, and coop n256.c1, within 1% of n256: dropped)
 _BENCH = {
     "e4m3": {
-        "scale_bf16": ("n256.st", "n256.pp", "n128.pp", "n256.c1"),
-        "scale_rho_swiglu_fp8": ("n256.st", "n256.pp"),
-        "scale_rho_qkv128_bf16": ("n256.pp",),
+        "scale_bf16": ("n256.st", "n128", "n256.pp.g16", "n256.pp.c1"),
+        "scale_rho_swiglu_bf16": ("n256",),
+        "scale_rho_swiglu_fp8": ("n256.st", "n128", "n256.pp.g16"),
+        "scale_rho_swiglu_split_fp8": ("n256",),
+        "scalet_res_rms_bf16": ("n256",),
+        "scale_rho_qkv64_bf16": ("n256",),
     },
     "bf16": {
-        "bf16": ("n256.st", "n256.pp"),
-        "rho_swiglu_bf16": ("n256.st", "n256.pp"),
+        "bf16": ("n256.st", "n256.pp.g16"),
+        "swiglu_bf16": ("n256",),
+        "swiglu_split_bf16": ("n256",),
+        "rho_swiglu_bf16": ("n256.st", "n256.pp.g16"),
+        "res_bf16": ("n256",),
+        "rho_qkv128_bf16": ("n256",),
     },
 }
 
@@ -184,12 +211,13 @@ def tile_widths(ab: str, policy: str) -> tuple:
 def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
     """Estimated time of a persistent launch in units of one 128x256 coop tile: tile-waves x tile cost.
 
-    Work items are clusters of `cluster_m` CTA tiles over one weight tile. A 128-wide tile costs ~0.55 of
-    a 256-wide one (~10% less efficient per FLOP); a pingpong CTA runs two 64-row tiles at once, each
-    at half the cost, so its work rate per SM is that of coop.
+    Work items are clusters of `cluster_m` CTA tiles over one weight tile, dealt round-robin to the
+    num_sms / cluster_m resident clusters. A 128-wide tile costs ~0.55 of a 256-wide one (~10% less
+    efficient per FLOP). A pingpong CTA's 64-row tiles take turns on the tensor cores, so each costs
+    half a coop tile: the same rate per SM, at half the granularity (fewer idle SMs in the last wave).
     """
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
-    slots = max(1, num_sms // v.cluster_m) * (2 if v.schedule == "pingpong" else 1)
+    slots = max(1, num_sms // v.cluster_m)
     cost = (1.0 if v.tile_n == 256 else 0.55) * (0.5 if v.schedule == "pingpong" else 1.0)
     return math.ceil(clusters / slots) * cost
 
@@ -197,9 +225,10 @@ def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
 def choose_variant(ab: str, policy: str, m: int, n: int, num_sms: int) -> str:
     """The variant rule over the shipped variants: fewest estimated tile-waves (`_waves`), ties to the first.
 
-    128x256 tiles are the most efficient per FLOP (largest WGMMA, least smem traffic per FLOP); when
-    they leave most SMs idle (few tiles: small M and N), 128x128 tiles double the parallelism.
-    scripts/bench_prefill.py measures every variant.
+    64x256 pingpong tiles (first in every list) never estimate slower than 128x256 coop tiles (same
+    rate, finer granularity), and measured faster; a 128x128 coop tile wins only where its wave
+    quantization is better by more than its ~10% per-FLOP cost. scripts/bench_prefill.py measures
+    every variant.
     """
     names = variants(ab, policy)
     best, best_t = names[0], math.inf
@@ -217,7 +246,8 @@ def choose_tile_n(ab: str, policy: str, m: int, n: int, num_sms: int) -> int:
 def _spec(ab: str, policy: str, variant: str, chain: str | None = None, ci: bool = True) -> KernelSpec:
     v = Variant.parse(variant)
     params = (("ab", ab), ("policy", policy), ("tile_n", v.tile_n), ("schedule", v.schedule),
-              ("cluster_m", v.cluster_m)) + ((("chain", chain),) if chain else ())
+              ("cluster_m", v.cluster_m)) + ((("group_m", v.group_m),) if v.group_m != 8 else ()) + (
+        (("chain", chain),) if chain else ())
     return KernelSpec(
         key=kernel_key(ab, policy, variant),
         module="futx.mainloop",
@@ -225,7 +255,8 @@ def _spec(ab: str, policy: str, variant: str, chain: str | None = None, ci: bool
         sources=SOURCES,
         expect_sass=("QGMMA",) if ab == "e4m3" else ("HGMMA",),
         doc=f"prefill GEMM {ab} x {ab} -> {POLICIES[policy].out}, epilogue {policy}, "
-            f"{v.schedule} {v.tile_m}x{v.tile_n} tiles, cluster {v.cluster_m}x1",
+            f"{v.schedule} {v.tile_m}x{v.tile_n} tiles, cluster {v.cluster_m}x1"
+            + ("" if v.group_m == 8 else f", raster groups of {v.group_m} cluster rows"),
         ci=ci,
         tags=("prefill",),
     )
