@@ -5,8 +5,11 @@ sequence's cache range through their own cp.async rings (keys, values and per-to
 travel together) and run the two products on tensor cores (see attn_plan.py for the formulation):
   * INT4 keys arrive in mma.sync B-fragment byte order: each lane loads its own contiguous segment and
     turns every byte into one f16x2 operand register through a 256-entry shared-memory table; values
-    stay in natural order and are regrouped from shared memory (two tokens' bytes -> nibble pairs ->
-    the same table). The K scale multiplies the finished q.k dot product, the V scale the probability.
+    stay in natural order and are regrouped from shared memory (two tokens' bytes -> one prmt -> f16
+    magic-number arithmetic by default, or the same table). The K scale multiplies the finished q.k dot
+    product, the V scale the probability. Variant "pair" dequantization (plan k_dequant / v_dequant)
+    drops the table: one lop3 + one hadd2 per register, on nibbles 16 bits apart (the query fragment is
+    permuted to match).
   * E4M3 uses cvt.e4m3x2 instead of the table, BF16 the raw registers and ldmatrix.trans for V.
 The CTA owning the last split of a sequence writes the new K/V row first (BF16 main copy, and for the
 mirrors the Hadamard rotation + quantization + packing), so no separate quantization kernel runs.
@@ -30,6 +33,7 @@ from decode.attn_plan import (E4M3_PAIR_SELECTORS, MAX_GROUP, QMAX, AttnPlan, de
 from decode.splitkv_combine import merge_splits, merge_warps
 
 LOG2E = math.log2(math.e)
+PAIR_CONST_OFFSET = 64  # bytes into the 128-byte flag area after the ring (the split flag uses the first 4)
 XOR8 = 0x88888888  # signed nibbles -> offset binary (n + 8), for the arithmetic dequantization
 
 
@@ -104,6 +108,10 @@ class DecodeAttention:
                     self.write_row(mVn, mVc, mVq, mVs, b, kvh, slot, pos, lane, False)
             if cutlass.const_expr(p.uses_lut):
                 self.fill_lut(mLut, s_lut, tidx, lane)
+            if cutlass.const_expr(p.uses_pair):
+                if tidx == 0:  # the "pair" constants, read back in attend() (see there)
+                    ptx.sts32(s_flag + PAIR_CONST_OFFSET, Uint32(ptx.ALU_CONSTANTS["p_lo"]))
+                    ptx.sts32(s_flag + PAIR_CONST_OFFSET + 4, Uint32(ptx.ALU_CONSTANTS["p_hi"]))
             for j in range(warp, MAX_GROUP, NW):
                 self.stage_query(mQ, s_q, b, kvh, group, j, lane, scale_log2)
             cute.arch.sync_threads()  # new row in global memory, table and query in shared memory
@@ -229,6 +237,12 @@ class DecodeAttention:
         D, TT, NS, NW, SB = p.head_dim, p.tile_tokens, p.stages, p.warps, p.stage_bytes
         qa = self.query_fragments(s_q, lane)
         self.consts = {k: ptx.const_u32(v) for k, v in ptx.ALU_CONSTANTS.items()}
+        if cutlass.const_expr(p.uses_pair):
+            # Loaded from shared memory, so ptxas cannot see that they are constants: otherwise it
+            # re-materializes them (one MOV per LOP3, ~120 per tile) instead of keeping two registers.
+            s_flag = s_ring + p.ring_bytes
+            self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
+            self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
         if cutlass.const_expr(p.fmt == "bf16"):
             k_glob = _row_addr(mKc, slot, kvh, 2)
             v_glob = _row_addr(mVc, slot, kvh, 2)
@@ -282,6 +296,43 @@ class DecodeAttention:
         """cp.async one tile (keys, values, scales) into stage `sb`; rows at or past `ctx` are zero-filled
         (their source address is clamped to the row start, which is always valid)."""
         p = self.p
+        if cutlass.const_expr(p.lean_issue):
+            if tok0 + p.tile_tokens <= ctx:  # a whole tile (all but a sequence's last): no per-chunk tests
+                self.issue_full(sb, tok0, lane, k_glob, v_glob, ks_glob, vs_glob)
+            else:
+                self.issue_tail(sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+        else:
+            self.issue_tail(sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+
+    @cute.jit
+    def issue_full(self, sb, tok0, lane, k_glob, v_glob, ks_glob, vs_glob):
+        """issue() for a tile that lies wholly inside the context: one base address per region."""
+        p = self.p
+        R = p.k_row_bytes
+        kb = k_glob + Int64(tok0 * R)
+        vb = v_glob + Int64(tok0 * R)
+        for i in cutlass.range_constexpr(p.chunks_per_lane(p.k_region)):
+            off = (lane + 32 * i) * 16
+            dst = sb + off
+            if cutlass.const_expr(p.fmt != "int4"):
+                dst = sb + p.k_smem_offset(off // R, (off % R) // 16)
+            ptx.cp_async_16(dst, kb + Int64(off), 16)
+        for i in cutlass.range_constexpr(p.chunks_per_lane(p.tile_tokens * R)):
+            off = (lane + 32 * i) * 16
+            ptx.cp_async_16(sb + p.v_offset + (off // R) * p.v_stride + off % R, vb + Int64(off), 16)
+        if cutlass.const_expr(p.quantized):
+            q4 = p.tile_tokens // 4
+            if lane < 2 * q4:
+                j = lane % q4
+                is_v = lane >= q4
+                src = cutlass.select_(is_v, vs_glob, ks_glob) + Int64((tok0 + 4 * j) * 4)
+                dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
+                ptx.cp_async_16(dst, src, 16)
+
+    @cute.jit
+    def issue_tail(self, sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
+        """issue() with every chunk tested against the context end."""
+        p = self.p
         R = p.k_row_bytes
         for i in cutlass.range_constexpr(p.chunks_per_lane(p.k_region)):
             off = (lane + 32 * i) * 16
@@ -320,8 +371,14 @@ class DecodeAttention:
         for tile in range(p.ktiles):
             regs = []
             for r in range(2):
-                base, step = p.q_channel_parts(tile, r)
-                regs.append(ptx.lds32(s_q + (g * p.head_dim + base + step * t) * 2))
+                if cutlass.const_expr(p.key_pairs_split):  # halves from two aligned channel pairs
+                    lb, hb, step, sel = p.q_pair_loads(tile, r)
+                    lo = ptx.lds32(s_q + (g * p.head_dim + lb + step * t) * 2)
+                    hi = ptx.lds32(s_q + (g * p.head_dim + hb + step * t) * 2)
+                    regs.append(ptx.prmt(lo, hi, sel))
+                else:
+                    base, step = p.q_channel_parts(tile, r)
+                    regs.append(ptx.lds32(s_q + (g * p.head_dim + base + step * t) * 2))
             qa.append(regs)
         return qa
 
@@ -444,6 +501,13 @@ class DecodeAttention:
         if p.fmt == "int4":
             seg = sb + kb * 4 * D + lane * (D // 8)
             words = ptx.lds128(seg) if D // 8 == 16 else ptx.lds64(seg)
+            if p.k_dequant == "pair":
+                def reg_pair(tile, r):  # word tile // 2 -> registers m = 0..3 (attn_plan.int4_pair_key_channels)
+                    j, m, _ = p.int4_pair_map[(tile, r)]
+                    if j not in made:
+                        made[j] = ptx.int4_word_to_f16x2x4_pair(words[j], self.consts)
+                    return made[j][m]
+                return lambda tile: (reg_pair(tile, 0), reg_pair(tile, 1))
             if p.k_dequant == "alu":
                 words = [w ^ XOR8 for w in words]
             where = {frag: b for b, frag in enumerate(p.int4_key_frag)}
@@ -483,7 +547,12 @@ class DecodeAttention:
             return out
         for cc in range(p.value_passes()):
             w = [ptx.lds32(rows + tk * VS + 4 * p.value_word(g, cc)) for tk in p.value_tokens(t)]
-            if p.fmt == "int4" and p.v_dequant == "alu":
+            if p.fmt == "int4" and p.v_dequant == "pair":
+                for i in range(4):
+                    e01, o01 = ptx.int4_token_pair_to_f16x2_pair(w[0], w[1], i, self.consts)
+                    e23, o23 = ptx.int4_token_pair_to_f16x2_pair(w[2], w[3], i, self.consts)
+                    out[4 * cc + i] = (e01, o01, e23, o23)
+            elif p.fmt == "int4" and p.v_dequant == "alu":
                 wx = [x ^ XOR8 for x in w]
                 for i in range(4):
                     e01, o01 = ptx.int4_token_pair_to_f16x2_alu(wx[0], wx[1], i, self.consts)
@@ -577,11 +646,11 @@ def fake_args(plan: AttnPlan):
 
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, hadamard_block: int = 0,
-                   k_dequant: str = "lut", v_dequant: str = "lut", warps: int = 4, stages: int = 3,
-                   saturating_warps: int = 8):
+                   k_dequant: str = "lut", v_dequant: str = "alu", warps: int = 4, stages: int = 3,
+                   saturating_warps: int = 8, lean_issue: bool = False):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
     differ in it are distinct registry entries)."""
     plan = default_plan(fmt, head_dim, rotate, hadamard_block, k_dequant, v_dequant, warps, stages,
-                        saturating_warps)
+                        saturating_warps, lean_issue)
     return make_entry(plan), fake_args(plan)

@@ -23,6 +23,7 @@ from functools import cached_property
 from futx.quant import layouts
 
 FORMATS = ("int4", "e4m3", "bf16")
+DEQUANT = ("lut", "alu", "pair")
 QMAX = {"int4": 7.0, "e4m3": 448.0}
 MAX_GROUP = 8          # query heads per KV head handled by one n8 P.V tile
 LUT_COPIES = 32        # byte -> f16x2 table replicated per lane: lookups never conflict on a bank
@@ -72,6 +73,40 @@ def check_int4_key_formulas(head_dim: int) -> list[tuple[int, int]]:
     return frag
 
 
+def int4_pair_key_channels(head_dim: int) -> dict[tuple[int, int], tuple[int, int, list[tuple[int, int]]]]:
+    """The "pair" key dequantization (attn_ptx.int4_word_to_f16x2x4_pair) turns word j of a lane's segment
+    into four registers m = 0..3 whose halves are nibble m % 2 of bytes 4j + m // 2 and 4j + 2 + m // 2.
+    Register m feeds the A-fragment slot (k16 tile 2j + m // 2, register m % 2); the reduction is a sum over
+    channels, so any slot works as long as the query fragment holds the same two channels.
+    Returns (tile, reg) -> (j, m, [(channel of the low half, channel of the high half) for t = 0..3]),
+    derived from layouts.INT4_KEY.byte_coord (checked: one token per lane, every channel once per lane quad)."""
+    lay = layouts.INT4_KEY
+    words = lay.bytes_per_lane(head_dim) // 4
+    out = {}
+    for j in range(words):
+        for m in range(4):
+            h = m % 2
+            chans = []
+            for t in range(4):
+                pair = []
+                for byte in (4 * j + m // 2, 4 * j + 2 + m // 2):
+                    for g in range(8):  # every token row of the block sees the same channels
+                        tok, ch = lay.byte_coord(4 * g + t, byte, h)
+                        if tok != g:
+                            raise AssertionError(f"INT4 key layout: lane {4 * g + t} byte {byte} holds token {tok}")
+                        if g == 0:
+                            c0 = ch
+                        elif ch != c0:
+                            raise AssertionError("INT4 key layout: channel depends on the token row")
+                    pair.append(c0)
+                chans.append(tuple(pair))
+            out[(2 * j + m // 2, m % 2)] = (j, m, chans)
+    seen = sorted(c for _, _, chans in out.values() for pair in chans for c in pair)
+    if seen != list(range(head_dim)) or len(out) != 2 * (head_dim // 16):
+        raise AssertionError("INT4 pair key map does not cover every channel exactly once")
+    return out
+
+
 NIB_LO, NIB_HI = 0x0F0F0F0F, 0xF0F0F0F0
 E4M3_PAIR_SELECTORS = (0x5140, 0x7362)  # prmt: bytes (a0, b0, a1, b1) and (a2, b2, a3, b3)
 
@@ -95,9 +130,11 @@ class AttnPlan:
     tile_tokens: int = 32    # tokens per warp iteration (multiple of 16)
     stages: int = 3          # cp.async ring depth per warp
     warps: int = 4
-    k_dequant: str = "lut"   # INT4 keys: "lut" (256-entry shared table) or "alu" (prmt + lop3 + fma)
-    v_dequant: str = "lut"   # INT4 values, same choice (an ablation switch; see the benchmark)
+    k_dequant: str = "lut"   # INT4 keys: "lut" (256-entry shared table), "alu" (prmt + lop3 + fma) or
+                             # "pair" (lop3 + hadd2 on nibbles 16 bits apart, query permuted to match)
+    v_dequant: str = "alu"   # INT4 values, same choices ("alu": prmt + xor + lop3 + f16 ops; "pair": no xor)
     saturating_warps: int = 8  # split policy only: resident warps per SM assumed to reach full bandwidth
+    lean_issue: bool = False   # whole tiles skip the per-chunk context tests of the async copies
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -115,8 +152,8 @@ class AttnPlan:
             layouts.INT4_KEY.check(self.head_dim, 8)
             check_int4_key_formulas(self.head_dim)
         for which in (self.k_dequant, self.v_dequant):
-            if which not in ("lut", "alu"):
-                raise ValueError(f"decode attention: dequantization {which!r} must be 'lut' or 'alu'")
+            if which not in DEQUANT:
+                raise ValueError(f"decode attention: dequantization {which!r} must be one of {DEQUANT}")
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -178,6 +215,10 @@ class AttnPlan:
     @property
     def uses_lut(self) -> bool:
         return self.fmt == "int4" and "lut" in (self.k_dequant, self.v_dequant)
+
+    @property
+    def uses_pair(self) -> bool:
+        return self.fmt == "int4" and "pair" in (self.k_dequant, self.v_dequant)
 
     @property
     def lut_bytes(self) -> int:
@@ -262,6 +303,45 @@ class AttnPlan:
         base = self.q_channel(tile, reg, 0)
         return base, self.q_channel(tile, reg, 1) - base
 
+    @property
+    def key_pairs_split(self) -> bool:
+        """True when the two halves of a query register are not neighbouring channels (INT4 "pair" keys)."""
+        return self.fmt == "int4" and self.k_dequant == "pair"
+
+    @cached_property
+    def int4_pair_map(self):
+        return int4_pair_key_channels(self.head_dim)
+
+    def q_pair(self, tile: int, reg: int, t: int) -> tuple[int, int]:
+        """Channels of the (low, high) halves of the query B-fragment register (k16 tile, reg) of lane quad
+        position t; must be the channels of the key A-fragment register in the same slot."""
+        if self.key_pairs_split:
+            return self.int4_pair_map[(tile, reg)][2][t]
+        c = self.q_channel(tile, reg, t)
+        return c, c + 1
+
+    def q_pair_parts(self, tile: int, reg: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """q_pair = (base + step * t) per half, as ((lo base, lo step), (hi base, hi step)); checked linear."""
+        parts = []
+        for half in range(2):
+            base = self.q_pair(tile, reg, 0)[half]
+            step = self.q_pair(tile, reg, 1)[half] - base
+            if any(self.q_pair(tile, reg, t)[half] != base + step * t for t in range(4)):
+                raise AssertionError(f"query channel map of tile {tile} reg {reg} is not linear in t")
+            parts.append((base, step))
+        return parts[0], parts[1]
+
+    def q_pair_loads(self, tile: int, reg: int) -> tuple[int, int, int, int, int]:
+        """How the kernel builds a query register whose halves are not neighbours: two aligned 32-bit loads
+        of the row's f16 pairs holding them, at channels (lo_base + step t) and (hi_base + step t), then
+        prmt(lo_word, hi_word, selector). Returns (lo_base, hi_base, step, selector)."""
+        (lb, ls), (hb, hs) = self.q_pair_parts(tile, reg)
+        if ls != hs or ls % 2:
+            raise AssertionError(f"query map of tile {tile} reg {reg}: steps {ls}, {hs} must be equal and even")
+        lo_half, hi_half = lb & 1, hb & 1
+        sel = (2 * lo_half) | (2 * lo_half + 1) << 4 | (4 + 2 * hi_half) << 8 | (5 + 2 * hi_half) << 12
+        return lb - lo_half, hb - hi_half, ls, sel
+
     def out_channel(self, mt: int, upper: int, g: int) -> int:
         """Channel of value-MMA row g + 8*upper of m16 tile mt (rows of O^T)."""
         if self.fmt == "int4":   # word g + 8cc of a V row, byte i: low nibble -> row g, high -> g + 8
@@ -280,10 +360,12 @@ class AttnPlan:
     def check_maps(self) -> None:
         d = self.head_dim
         for tile in range(self.ktiles):  # query/key reduction order is a permutation of the channels
-            chans = sorted(self.q_channel(tile, r, t) + h for r in range(2) for t in range(4) for h in range(2))
+            chans = sorted(self.q_pair(tile, r, t)[h] for r in range(2) for t in range(4) for h in range(2))
             if len(set(chans)) != 16:
                 raise AssertionError(f"{self.fmt}: k16 tile {tile} channels repeat: {chans}")
-        allc = sorted(self.q_channel(tl, r, t) + h for tl in range(self.ktiles) for r in range(2)
+            for r in range(2):
+                self.q_pair_parts(tile, r)
+        allc = sorted(self.q_pair(tl, r, t)[h] for tl in range(self.ktiles) for r in range(2)
                       for t in range(4) for h in range(2))
         if allc != list(range(d)):
             raise AssertionError(f"{self.fmt}: query channel map is not a permutation")
@@ -310,18 +392,38 @@ class AttnPlan:
 
 
 def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: int = 0,
-                 k_dequant: str = "lut", v_dequant: str = "lut", warps: int = 4, stages: int = 3,
-                 saturating_warps: int = 8) -> AttnPlan:
+                 k_dequant: str = "lut", v_dequant: str = "alu", warps: int = 4, stages: int = 3,
+                 saturating_warps: int = 8, lean_issue: bool = False) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
     D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
-    The keywords after hadamard_block are the benchmark-only variants' overrides (catalog VARIANTS)."""
+    INT4 keys through the shared-memory table, values by arithmetic ("valu" in H200 run 2, 2026-11-30:
+    49.2 us against 50.9 us for table values at (B, context) = (32, 4096), 93.4 against 95.7 at (8, 32768),
+    equal or better at every other point; docs/results-decode-attention.md).
+    The keywords after hadamard_block are the variants' overrides (catalog VARIANTS)."""
     tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
     return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, hadamard_block=hadamard_block,
                     tile_tokens=tt, stages=stages, warps=warps, k_dequant=k_dequant, v_dequant=v_dequant,
-                    saturating_warps=saturating_warps)
+                    saturating_warps=saturating_warps, lean_issue=lean_issue)
 
 
 SMEM_PER_SM = 227 * 1024
+
+# Long contexts: the "s2" kernel (2-deep rings, three 4-warp CTAs = 12 warps per SM, splits chosen to fill
+# them) for rotated INT4 at head dim 128. H200 run 2 (2026-11-30), (B, context) = (8, 32768): 88.5 us
+# (74% of the floor) against 93.4 us for the default kernel with arithmetic values and 95.7 us with table
+# values; at 1024 and 4096 tokens it lost (28.9 / 57.4 us against 18.2 / 49.2 us: its three splits there).
+# Only (8, 32768) was measured at long context, so the threshold sits well below it.
+LONG_CONTEXT = 16384
+LONG_CONTEXT_VARIANT = "s2"
+
+
+def shipped_variant(fmt: str, head_dim: int, rotate: bool, max_context: int) -> str:
+    """The kernel variant the op launches when the caller asks for none: "s2" for rotated INT4 at head dim
+    128 once max_context (the longest context of the batch, or the capacity) reaches LONG_CONTEXT, else the
+    default kernel ("")."""
+    if fmt == "int4" and head_dim == 128 and rotate and max_context >= LONG_CONTEXT:
+        return LONG_CONTEXT_VARIANT
+    return ""
 
 
 def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, sms: int = 132) -> int:

@@ -213,6 +213,9 @@ ALU_CONSTANTS = {
     "k_mask": 0x00F0000F,     # low nibble of the low half, high nibble of the high half
     "v_lo": 0x000F000F,
     "v_hi": 0x00F000F0,
+    # the "pair" dequantization (below): nibble (xor 8) under an f16 exponent whose unit is exactly 1
+    "p_lo": 0x64086408,       # f16x2 (1024 + 8, ...): low nibble of each half, bits 0-3 (unit 1)
+    "p_hi": 0x54805480,       # f16x2 (64 + 8, ...): high nibble of each half, bits 4-7 (unit 16/16 = 1)
 }
 
 
@@ -278,3 +281,45 @@ def bits_f32(word, *, loc=None, ip=None):
 @dsl_user_op
 def f32_bits(x, *, loc=None, ip=None):
     return Uint32(_asm(T.i32(), [_f32(x, loc, ip)], "mov.b32 $0, $1;", "=r,f", False, loc, ip))
+
+
+# ---- "pair" dequantization: two instructions per f16x2 register, no table, no xor pass ----------------------
+# A nibble n (two's complement) sits at bits 0-3 (or 4-7) of each 16-bit half. (x & mask) ^ C with
+# C = magic | (8 << shift) places n ^ 8 = n + 8 under the f16 exponent of 1024 (bits 0-3, unit 1) or of 64
+# (bits 4-7, unit 1/16, so 16 (n + 8) reads n + 8); subtracting C as an f16x2 (1032 or 72) leaves n,
+# exactly. One LOP3 and one HADD2 per register (the constant C is both the xor mask and the subtrahend).
+@dsl_user_op
+def int4_word_to_f16x2x4_pair(word, c: dict, *, loc=None, ip=None):
+    """Key word (4 bytes = 8 nibbles n0..n7, n_k at bits 4k) -> four f16x2 registers
+    (n0, n4), (n1, n5), (n2, n6), (n3, n7): the halves of a register are nibbles 16 bits apart, i.e.
+    bytes b and b + 2 of the word, same nibble; the query fragment is permuted to match
+    (attn_plan.int4_pair_key_channels)."""
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 4),
+               [_u32(word, loc, ip), _u32(c["p_lo"], loc, ip), _u32(c["p_hi"], loc, ip)],
+               "{\n\t.reg .b32 s, a, b, e, f;\n\t"
+               "shr.b32 s, $4, 8;\n\t"
+               "and.b32 a, $4, 0x000F000F;\n\txor.b32 a, a, $5;\n\t"
+               "and.b32 b, $4, 0x00F000F0;\n\txor.b32 b, b, $6;\n\t"
+               "and.b32 e, s, 0x000F000F;\n\txor.b32 e, e, $5;\n\t"
+               "and.b32 f, s, 0x00F000F0;\n\txor.b32 f, f, $6;\n\t"
+               "sub.f16x2 a, a, $5;\n\tsub.f16x2 b, b, $6;\n\tsub.f16x2 e, e, $5;\n\tsub.f16x2 f, f, $6;\n\t"
+               "mov.b32 $0, a;\n\tmov.b32 $1, b;\n\tmov.b32 $2, e;\n\tmov.b32 $3, f;\n\t}",
+               "=r,=r,=r,=r,r,r,r", False, loc, ip)
+    return _unpack(res, 4, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def int4_token_pair_to_f16x2_pair(w_even, w_odd, byte: int, c: dict, *, loc=None, ip=None):
+    """Value words of tokens 2t, 2t+1 (raw, natural channel order), byte `byte` -> (f16x2 of the even channel
+    2 byte of both tokens, f16x2 of the odd channel): prmt + 2 x (lop3 + hadd2), no xor pass."""
+    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)  # token 2t -> bytes 0,1; 2t+1 -> 2,3
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2),
+               [_u32(w_even, loc, ip), _u32(w_odd, loc, ip), _u32(c["p_lo"], loc, ip), _u32(c["p_hi"], loc, ip)],
+               "{\n\t.reg .b32 x, a, b;\n\t"
+               f"prmt.b32 x, $2, $3, {sel};\n\t"
+               "and.b32 a, x, 0x000F000F;\n\txor.b32 a, a, $4;\n\t"
+               "and.b32 b, x, 0x00F000F0;\n\txor.b32 b, b, $5;\n\t"
+               "sub.f16x2 a, a, $4;\n\tsub.f16x2 b, b, $5;\n\t"
+               "mov.b32 $0, a;\n\tmov.b32 $1, b;\n\t}",
+               "=r,=r,r,r,r,r", False, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)

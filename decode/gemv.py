@@ -14,6 +14,10 @@ shared memory at the start, so no round waits on global memory.
 
 INT4 with `fold`: the A operands keep 128 + nibble (no per-register FMA); each group's partial is then
 corrected by -136 * (sum of the group's activations), sums that an all-ones MMA computes once per unit.
+INT4 group scales travel as float16 bits and are converted where their unit is consumed (`raw_scales`):
+converting them at the load (the 2026-11-30 run-2 code, `raw_scales=False`) made every step wait for the
+scale load it had just issued -- each step is its own basic block because of the round-end branch --
+so a warp streamed one unit per memory latency instead of `depth` (docs/results-decode-linear.md).
 PDL: weights and scales are requested before `griddepcontrol.wait` (they never depend on the previous
 kernel and must not be written by it); activations and the residual are read after it.
 """
@@ -39,10 +43,10 @@ ROUND_BARRIER = 1              # named barrier id (0 is __syncthreads)
 
 class Gemv:
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 1,
-                 warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0):
+                 warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0, raw_scales: bool = True):
         self.fmt = make_format(fmt, group_size, fold and fmt == "int4")
         self.epilogue = epi.check(epilogue)
-        self.m_tiles, self.warps, self.pdl = m_tiles, warps, pdl
+        self.m_tiles, self.warps, self.pdl, self.raw_scales = m_tiles, warps, pdl, raw_scales
         self.m_pad = TOKENS * m_tiles
         self.bpu, self.unit_k = stream.units_of(self.fmt)
         unit_regs = 4 * self.fmt.loads_per_block * self.bpu + (2 if self.fmt.grouped else 0)
@@ -69,7 +73,7 @@ class Gemv:
         w_base, s_base, nb0, lane, k, units, sa = geo
         nb = nb0 + j
         return stream.load_unit(self.fmt, self.bpu, self.fmt.lane_base(w_base, nb, lane, k), sa + u, valid,
-                                self.fmt.load_offsets(k), k, s_base, nb, units, lane // 4)
+                                self.fmt.load_offsets(k), k, s_base, nb, units, lane // 4, self.raw_scales)
 
     @staticmethod
     def _advance(pos, uw):
@@ -253,7 +257,7 @@ class Gemv:
                 sm = None
                 if cutlass.const_expr(fmt.fold):
                     sm = [ptx.lds_f32x2(sums + (unit * self.m_pad + mt * TOKENS + t2) * 4) for mt in range(MT)]
-                accs = stream.mma_unit(fmt, self.bpu, bufs[st], b_ops, accs, valid, consts, sm)
+                accs = stream.mma_unit(fmt, self.bpu, bufs[st], b_ops, accs, valid, consts, sm, self.raw_scales)
                 nxt[st] = self._load(pos_f, Int32(i + D < n_pos), geo)
                 pos_f = self._advance(pos_f, uw)
                 r_end = (valid != 0) & (pos_c[0] == uw - 1)
@@ -265,8 +269,9 @@ class Gemv:
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 1,
-                   warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0):
+                   warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0, raw_scales: bool = True):
     from .signature import fake_args
 
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
-    return Gemv(fmt, group_size, epilogue, m_tiles, warps, fold, pdl, depth), (x, w, s, r, y, Int32(1), stream_)
+    return (Gemv(fmt, group_size, epilogue, m_tiles, warps, fold, pdl, depth, raw_scales),
+            (x, w, s, r, y, Int32(1), stream_))

@@ -1,12 +1,30 @@
 """Variant choice and launch shape of the decode projections (no DSL import: used by the torch ops and the
 kernel catalog, so compile-time parameters and launch shapes come from one place).
 
-* 1 <= M <= 16 and the M activation rows fit in shared memory -> the persistent register-streaming kernel
-  (`gemv.py`): one CTA of 16 warps per SM, each CTA `tiles` = ceil(N/16 / SMs) consecutive 16-channel
-  n-blocks, so every SM streams the same number of bytes.
-* otherwise (up to M = 32) -> the skinny kernel (`skinny.py`): 128-channel tiles and an activation ring,
-  split K across CTAs until the resident CTA slots are filled (never a partial second wave), at least
-  `MIN_UNITS` units per CTA.
+The default routing (`kernel="auto"`) is the measured-fastest futx kernel per format and M bucket, from the
+two H200 runs of 2026-11-30 (CUDA-graph replay, L2 flushed, medians; docs/results-decode-linear.md):
+
+* INT4 (group 128), M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, the run-1 design), with 8 warps
+  when K > 8192 and 4 otherwise. Run 1 vs run 2 (persistent GEMV), 8B layer: 7.2/6.5/22.8/12.5 us against
+  11.8/8.2/30.6/17.0 us (QKV/O/gate-up/down); 70B: 18.7/13.8/69.9/37.2 against 20.9/20.1/94.2/49.1.
+  8 warps beat 4 only on the down projections (K = 14336: 12.5 vs 13.8 us; K = 28672: 37.2 vs 48.1 us)
+  and tied or lost at K <= 8192 (70B QKV 18.7 vs 18.7, O 15.6 vs 13.8, gate-up 79.6 vs 69.9 us).
+* INT4, 2 <= M <= 8 -> the persistent GEMV (`gemv.py`) where the activation rows fit in shared memory
+  (run 2: 8B QKV/O/gate-up 13.8/10.1/33.1 us, 70B 23.8/22.6/98.1 us; the skinny kernel 14.3/12.7/36.3 and
+  27.0/23.1/107.6), now with the scale-conversion fix (group scales converted where used, see gemv.py).
+* INT4, 9 <= M <= 32 -> the skinny kernel: at M = 16 it beat the persistent GEMV on 8B QKV (12.8 vs
+  14.5 us) and gate-up (29.7 vs 42.6 us) and lost only on O (13.4 vs 12.5); the GEMV's second token group
+  doubles its MMA and dequantization work (and turns the fold off).
+* BF16 and E4M3, 1 <= M <= 16 -> the persistent GEMV where the activation rows fit (run 2, M = 1, 8B
+  layer: BF16 122.2 us = 82 % of the floor vs 151.1 us for the run-1 GEMV; E4M3 84.9 vs 85.0 us, 70B 244.0
+  vs 281.4 us), else the skinny kernel.
+* otherwise (up to M = 32) -> the skinny kernel: 128-channel tiles and an activation ring, split K across
+  CTAs until the resident CTA slots are filled (never a partial second wave), at least `MIN_UNITS` units
+  per CTA.
+
+Variants the router never picks are benchmark-only (catalog `ci=False`): the persistent GEMV as measured
+in run 2 (`r2`: scales converted at the load) and without the fold (`nofold`), the INT4 GEMV with two
+token groups (M bucket 16), and the tile GEMV with a rolling prefetch (`rolling`).
 """
 
 from __future__ import annotations
@@ -20,13 +38,20 @@ from .gemv_layout import SMEM_LIMIT, GemvSmem
 FORMATS = ("int4", "e4m3", "bf16")
 GROUP_SIZES = (64, 128)           # INT4 group sizes with compiled variants
 EPILOGUES = ("store", "residual", "swiglu")
+KERNELS = ("auto", "tile", "gemv", "skinny")
 MAX_M = 32
 GEMV_MAX_M = 16
 GEMV_M_TILES = {8: 1, 16: 2}      # token columns -> 8-token MMA groups
+INT4_GEMV_MAX_M = 8               # INT4 with two token groups: the skinny kernel measured faster
 SKINNY_M_TILES = {16: 2, 32: 4}  # M <= 16 reaches the skinny kernel only where the GEMV cannot run
 GEMV_WARPS = 16
 # benchmark-only design comparisons of the GEMV (key suffix -> changed compile parameters)
-GEMV_VARIANTS = {"": {}, "nofold": {"fold": False}, "nopdl": {"pdl": False}}
+GEMV_VARIANTS = {"": {}, "nofold": {"fold": False}, "r2": {"raw_scales": False}}
+# the one-tile-per-CTA M = 1 GEMV (gemv_tile.py): formats with compiled variants, warps by K
+TILE_FORMATS = (("int4", 128),)
+TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
+TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
+TILE_VARIANTS = {"": {"pipeline": "batch"}, "rolling": {"pipeline": "rolling"}}
 SKINNY_WARPS, SKINNY_NB_PER_WARP = 4, 2
 TILE_N = SKINNY_WARPS * SKINNY_NB_PER_WARP * 16
 CTAS_PER_SM = 2
@@ -100,10 +125,44 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int) -> int:
     return max(1, min(CTAS_PER_SM * sms // n_tiles, units // MIN_UNITS))
 
 
+# ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
+def tile_warps(k: int) -> int:
+    return TILE_WARPS_LARGE_K if k > TILE_LARGE_K else TILE_WARPS_SMALL_K
+
+
+def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "") -> dict:
+    """Compile-time parameters of a tile GEMV variant (decode.gemv_tile.compile_target keywords)."""
+    if (fmt, group_size if fmt == "int4" else 128) not in TILE_FORMATS:
+        raise ValueError(f"no tile GEMV is compiled for {fmt_tag(fmt, group_size)} weights")
+    return dict(fmt=fmt, group_size=group_size, epilogue=epilogue, warps=warps, **TILE_VARIANTS[variant])
+
+
+def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "") -> str:
+    suffix = (f".w{warps}" if warps != TILE_WARPS_SMALL_K else "") + (f".{variant}" if variant else "")
+    return f"decode.gemv.{fmt_tag(fmt, group_size)}.m1.{epilogue}{suffix}"
+
+
+def tile_fits(k: int, warps: int) -> bool:
+    """The activation row and the warps' partials in shared memory (decode.gemv_tile.smem_bytes)."""
+    return k * 2 + warps * 16 * 4 <= SMEM_LIMIT
+
+
+def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int = 132,
+                   epilogue: str = "residual") -> str:
+    """The measured-fastest kernel for this format and M (the rule in the module docstring)."""
+    if m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS and tile_fits(k, tile_warps(k)):
+        return "tile"
+    if fmt == "int4" and m > INT4_GEMV_MAX_M:
+        return "skinny"
+    if m <= GEMV_MAX_M and gemv_tiles(gemv_params(fmt, group_size, epilogue, m), m, n, k, sms) is not None:
+        return "gemv"
+    return "skinny"
+
+
 @dataclass(frozen=True)
 class Launch:
     key: str
-    kind: str               # "gemv" or "skinny"
+    kind: str               # "tile", "gemv" or "skinny"
     tiles: int = 0          # gemv: n-blocks per CTA
     split: int = 1          # skinny: CTAs along K
 
@@ -111,17 +170,28 @@ class Launch:
 @lru_cache(maxsize=4096)
 def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132,
            kernel: str = "auto", variant: str = "", tiles: Optional[int] = None,
-           split: Optional[int] = None) -> Launch:
+           split: Optional[int] = None, warps: Optional[int] = None) -> Launch:
+    """Kernel and launch shape. `kernel` other than "auto", `variant`, `tiles`, `split` and `warps` (tile
+    GEMV) force a design for tests and benchmarks."""
     fmt_tag(fmt, group_size)
     m_bucket(m)  # validates M
-    if kernel not in ("auto", "gemv", "skinny"):
-        raise ValueError(f"kernel must be 'auto', 'gemv' or 'skinny', got {kernel!r}")
-    if kernel != "skinny" and m <= GEMV_MAX_M:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if kernel == "auto":
+        kernel = default_kernel(fmt, group_size, m, n, k, sms, epilogue)
+    if kernel == "tile":
+        wp = warps or tile_warps(k)
+        if m != 1:
+            raise ValueError(f"the tile GEMV serves M = 1, got M = {m}")
+        if not tile_fits(k, wp):
+            raise ValueError(f"the tile GEMV cannot serve K = {k} (activation row exceeds shared memory)")
+        tile_params(fmt, group_size, epilogue, wp, variant)  # validates format and variant
+        return Launch(tile_key(fmt, group_size, epilogue, wp, variant), "tile")
+    if kernel == "gemv":
         params = gemv_params(fmt, group_size, epilogue, m, variant)
         t = gemv_tiles(params, m, n, k, sms, tiles)
-        if t is not None:
-            return Launch(gemv_key(fmt, group_size, epilogue, m, variant), "gemv", tiles=t)
-    if kernel == "gemv":
-        raise ValueError(f"the GEMV cannot serve M = {m}, K = {k} (activation rows exceed shared memory)")
+        if t is None:
+            raise ValueError(f"the GEMV cannot serve M = {m}, K = {k} (activation rows exceed shared memory)")
+        return Launch(gemv_key(fmt, group_size, epilogue, m, variant), "gemv", tiles=t)
     sp = split or skinny_split(fmt, group_size, n, k, sms)
     return Launch(skinny_key(fmt, group_size, epilogue, m), "skinny", split=sp)

@@ -47,10 +47,32 @@ def ldg_stream_v4(addr: Int64, pred, *, loc=None, ip=None) -> tuple:
 
 @dsl_user_op
 def ldg_f16_to_f32(addr: Int64, pred, *, loc=None, ip=None) -> Float32:
-    """One float16 (a group scale) widened to float32; 0 when `pred` is 0."""
+    """One float16 (a group scale) widened to float32; 0 when `pred` is 0. The conversion waits for the
+    load where it is issued (see `ldg_u16`); kept for the measured run-1/run-2 designs."""
     res = _asm(T.f32(), [Int64(addr).ir_value(loc=loc, ip=ip), _i32(pred, loc, ip)],
                "{.reg .b16 h; .reg .pred p; setp.ne.b32 p, $2, 0; mov.b16 h, 0; "
                "@p ld.relaxed.gpu.global.b16 h, [$1]; cvt.f32.f16 $0, h;}", "=f,l,r", True, loc, ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def ldg_u16(addr: Int64, pred, *, loc=None, ip=None) -> Int32:
+    """One 16-bit value (a float16 group scale) as raw bits in a 32-bit register; 0 when `pred` is 0.
+
+    The conversion is left to the consumer (`h16_to_f32`): a conversion inside the load's own asm makes
+    ptxas wait for the load in the block that issues it, i.e. a register prefetch would stall the warp
+    for a full memory latency at the step that requests it (the INT4 regression of the 2026-11-30 run)."""
+    res = _asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), _i32(pred, loc, ip)],
+               "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; "
+               "@p ld.relaxed.gpu.global.u16 $0, [$1];}", "=r,l,r", True, loc, ip)
+    return Int32(res)
+
+
+@dsl_user_op
+def h16_to_f32(bits: Int32, *, loc=None, ip=None) -> Float32:
+    """float16 in the low half of a 32-bit register -> float32 (exact)."""
+    res = _asm(T.f32(), [_i32(bits, loc, ip)],
+               "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.f32.f16 $0, lo;}", "=f,r", loc=loc, ip=ip)
     return Float32(res)
 
 

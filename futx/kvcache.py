@@ -46,6 +46,8 @@ class KVCache:
         self.config = config
         self.slots, self.capacity, self.dtype = slots, capacity, dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N", as tensors report it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.mirror_fn = mirror
         shape = (slots, self.kv_heads, capacity, self.head_dim)
@@ -74,12 +76,16 @@ class KVCache:
 
     # ---- writes ---------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+              k: torch.Tensor, v: torch.Tensor, *, spans=None) -> None:
         """Store rows k, v [M, Hkv, D] of token m at (slots[m], positions[m]) in main and mirror.
 
         A slot's new positions may start anywhere up to its current length (appending, or rewinding
         to overwrite); a gap would leave unwritten positions inside the attended range and is an error,
         as is any position at or beyond capacity.
+
+        `spans`: optional host-side description of the same rows, one (slot, first position, end
+        position) per request with consecutive positions (PackedBatch.spans()). With it the checks
+        run on the host; without it they read slots/positions back from the device (a sync).
         """
         self._check_layer(layer)
         m = k.shape[0]
@@ -96,20 +102,38 @@ class KVCache:
                              f"got {tuple(slots.shape)} and {tuple(positions.shape)}")
         if m == 0:
             return
-        if int(slots.min()) < 0 or int(slots.max()) >= self.slots:
-            raise ValueError(f"KV write: request slot out of range [0, {self.slots}): "
-                             f"{int(slots.min())}..{int(slots.max())}")
-        if int(positions.min()) < 0:
-            raise ValueError(f"KV write: negative position {int(positions.min())}")
-        if int(positions.max()) >= self.capacity:
-            bad = int(positions.argmax())
+        if spans is not None:
+            if sum(e - f for _, f, e in spans) != m:
+                raise ValueError(f"KV write: spans describe {sum(e - f for _, f, e in spans)} rows, k has {m}")
+            span_slots = torch.tensor([s for s, _, _ in spans], dtype=torch.int64)
+            span_first = torch.tensor([f for _, f, _ in spans], dtype=torch.int64)
+            span_last = torch.tensor([e - 1 for _, _, e in spans], dtype=torch.int64)
+            slot_lo, slot_hi = int(span_slots.min()), int(span_slots.max())
+            pos_lo, pos_hi = int(span_first.min()), int(span_last.max())
+            hi = int(span_last.argmax())
+            bad_slot, bad_pos = int(span_slots[hi]), pos_hi
+        else:
+            slot_lo, slot_hi = int(slots.min()), int(slots.max())
+            pos_lo, pos_hi = int(positions.min()), int(positions.max())
+            if pos_hi >= self.capacity:
+                hi = int(positions.argmax())
+                bad_slot, bad_pos = int(slots[hi]), int(positions[hi])
+        if slot_lo < 0 or slot_hi >= self.slots:
+            raise ValueError(f"KV write: request slot out of range [0, {self.slots}): {slot_lo}..{slot_hi}")
+        if pos_lo < 0:
+            raise ValueError(f"KV write: negative position {pos_lo}")
+        if pos_hi >= self.capacity:
             raise ValueError(
-                f"KV cache overflow: request slot {int(slots[bad])} position {int(positions[bad])} does not fit "
+                f"KV cache overflow: request slot {bad_slot} position {bad_pos} does not fit "
                 f"capacity {self.capacity}; allocate a larger cache")
-        slots_cpu, pos_cpu = slots.cpu(), positions.cpu()
+        if spans is not None:
+            slots_cpu, first_cpu, end_cpu = span_slots, span_first, span_last + 1
+        else:
+            slots_cpu, pos_cpu = slots.cpu(), positions.cpu()
+            first_cpu, end_cpu = pos_cpu, pos_cpu + 1
         first = torch.full((self.slots,), self.capacity, dtype=torch.int64).scatter_reduce(
-            0, slots_cpu, pos_cpu, "amin")
-        end = torch.zeros(self.slots, dtype=torch.int64).scatter_reduce(0, slots_cpu, pos_cpu + 1, "amax")
+            0, slots_cpu, first_cpu, "amin")
+        end = torch.zeros(self.slots, dtype=torch.int64).scatter_reduce(0, slots_cpu, end_cpu, "amax")
         touched = end > 0
         gap = touched & (first > self.lengths[layer])
         if bool(gap.any()):
@@ -147,6 +171,31 @@ class KVCache:
         shape = (self.kv_heads, stop, self.head_dim)
         return (k_store[layer].view(-1, self.head_dim).index_select(0, rows).view(shape),
                 v_store[layer].view(-1, self.head_dim).index_select(0, rows).view(shape))
+
+    def read_batch(self, layer: int, slots, stop: int, *, mirror: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, Hkv, stop, D] of positions [0, stop) of each slot in `slots` (a host sequence).
+
+        The batched counterpart of `read` for requests of equal length. With this contiguous layout
+        (the contract above: a slot's rows are [kv_head][position] blocks) every slot in order is a
+        view of the storage (no copy); other slot lists are gathered. A paged layout replaces
+        this method together with `offset`.
+        """
+        self._check_layer(layer)
+        slots = [int(s) for s in slots]
+        if not slots or min(slots) < 0 or max(slots) >= self.slots:
+            raise ValueError(f"KV read: slots {slots[:8]}... out of range [0, {self.slots})")
+        held = self.lengths[layer, slots]
+        if not 0 < stop <= int(held.min()):
+            s = slots[int(held.argmin())]
+            raise ValueError(f"KV read: slot {s} of layer {layer} holds {int(self.lengths[layer, s])} "
+                             f"positions, cannot read {stop}")
+        k_store, v_store = (self.k_mirror, self.v_mirror) if mirror else (self.k, self.v)
+        k, v = k_store[layer][:, :, :stop], v_store[layer][:, :, :stop]
+        if slots == list(range(len(slots))):
+            return k[:len(slots)], v[:len(slots)]
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        return k.index_select(0, index), v.index_select(0, index)
 
     def reset(self, slot: Optional[int] = None) -> None:
         """Forget what a slot (or every slot) holds; storage is reused as is."""

@@ -32,6 +32,9 @@ Two schedules of the consumers (`TileConfig.schedule`):
              the ring depth; it settles where warpgroup 0 stops waiting for data (warpgroup 1 never
              waits: its stages were loaded for warpgroup 0).
 
+The catalog (futx/runtime/catalog/prefill.py) ships pingpong as every policy's default: on the H200 it
+measured fastest at every benchmarked shape (docs/results-prefill.md).
+
 Persistence and L2: the grid is min(#cluster tiles, #SMs / cluster); each cluster walks the tile list
 with stride gridDim.z. Tiles are ordered in groups of `group_m` cluster-rows: inside a group the
 walk goes down M first and then along N, so the A rows of a group stay in L2 while every weight tile
@@ -101,7 +104,8 @@ class TileConfig:
         return self.schedule != "coop"
 
 
-def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = "coop") -> TileConfig:
+def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = "coop",
+                group_m: int = 8) -> TileConfig:
     """The tile rules.
 
     - Each consumer warpgroup computes 64 x tile_n: the largest WGMMA (n=256) keeps shared-memory reads
@@ -110,6 +114,7 @@ def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = 
     - K per stage = 128 bytes of a row (one 128B swizzle atom): 128 for E4M3, 64 for BF16.
     - stages = as many as fit next to the epilogue buffers, at most 8: 4 for 128x256 (4 x 48 KiB),
       6 for 128x128, 5 for pingpong 64x256 (5 x 40 KiB); more stages hide more TMA latency.
+    - group_m cluster rows per raster group (8: 2048 rows in coop, 1024 in pingpong).
     """
     if ab not in AB_DTYPES:
         raise ValueError(f"ab must be one of {sorted(AB_DTYPES)}, got {ab!r}")
@@ -119,13 +124,15 @@ def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = 
         raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
     if schedule not in ("coop", "pingpong", "stagger"):
         raise ValueError(f"schedule must be 'coop', 'pingpong' or 'stagger', got {schedule!r}")
+    if group_m < 1:
+        raise ValueError(f"group_m must be >= 1, got {group_m}")
     tile_m = 64 if schedule == "pingpong" else 128
     tile_k = 128 if ab == "e4m3" else 64
     stage_bytes = (tile_m + tile_n) * 128      # A + B rows of 128 bytes each, either dtype
     epi_bytes = 2 * 2 * 64 * 32 * 2            # 2 warpgroups x 2 buffers x 64x32 x <= 2 bytes
     stages = min(8, (SMEM_BYTES - epi_bytes - 4096) // stage_bytes)
     return TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, stages=stages, cluster_m=cluster_m,
-                      schedule=schedule)
+                      group_m=group_m, schedule=schedule)
 
 
 class PrefillGemm:
@@ -715,7 +722,7 @@ def _quad_permute_pairs(src: cute.Tensor, dst: cute.Tensor):
 
 
 def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cluster_m: int = 2,
-                   schedule: str = "coop", chain: str | None = None):
+                   schedule: str = "coop", chain: str | None = None, group_m: int = 8):
     """Factory for the futx runtime: (jit_callable, fake_args) of one variant.
 
     M, N, K are symbolic (K, N multiples of 16 elements for TMA); the caller passes
@@ -729,7 +736,7 @@ def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cl
         chain = getattr(importlib.import_module(module), attr)()
     else:
         chain = resolve(policy)
-    cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m, schedule=schedule)
+    cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m, schedule=schedule, group_m=group_m)
     gemm = PrefillGemm(ab, chain, cfg)
     dt = AB_DTYPES[ab]
     m = cute.sym_int()

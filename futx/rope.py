@@ -8,6 +8,7 @@ the compute dtype, so long positions do not lose phase to float32 rounding.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
@@ -47,12 +48,18 @@ def inv_freq(config: LlamaConfig) -> torch.Tensor:
     return freq if config.rope_scaling is None else llama3_scale(freq, config.rope_scaling)
 
 
+@lru_cache(maxsize=16)
+def _inv_freq_on(config: LlamaConfig, device: str) -> torch.Tensor:
+    """inv_freq(config) on `device`, made once: a host-to-device copy per forward would synchronise a GPU."""
+    return inv_freq(config).to(device)
+
+
 def cos_sin(config: LlamaConfig, positions: torch.Tensor, dtype: torch.dtype = torch.float32
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [M, D] for integer `positions` [M] (rotate-half: the D/2 angles twice)."""
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
-    angles = positions.to(torch.float64)[:, None] * inv_freq(config).to(positions.device)[None, :]
+    angles = positions.to(torch.float64)[:, None] * _inv_freq_on(config, str(positions.device))[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

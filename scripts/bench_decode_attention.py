@@ -1,11 +1,14 @@
 """Decode attention alone: futx over the INT4 / E4M3 mirrors and the BF16 cache vs PyTorch SDPA on a compact BF16
 cache (and FlashAttention's decode kernel when it is installed), for the 8B and 70B head shapes.
 
-    python scripts/bench_decode_attention.py [--quick] [--rounds 7] [--no-ablation]
+    python scripts/bench_decode_attention.py [--quick] [--rounds 7] [--no-ablation] [--budget-s 80]
+    python scripts/bench_decode_attention.py --render bench_decode_attention.json   (tables of a finished run)
 
-For the 8B shape the INT4 kernel also runs its benchmark-only variants (futx.runtime.catalog.decode_attention):
-[valu] values by prmt/lop3/f16 FMA instead of the table, [alu] keys and values so, [s2] 2-deep rings (three
-CTAs per SM), [w12] one 12-warp CTA per SM.
+"futx int4 rot" is what the op launches by default (decode.attn_plan: table keys + arithmetic values, and the
+long-context kernel s2 from 16384 tokens on). For the 8B shape the INT4 kernel also runs its variants
+(futx.runtime.catalog.decode_attention): [s2] the long-context kernel at every point, [vlut] the run-2 default
+(table values), [w6v] 6-warp CTAs with 2-deep rings (12 warps per SM unsplit), [fx] "pair" dequantization
+without the table, 6 warps, [fx4] the same with 4 warps.
 Each candidate runs as a CUDA graph of back-to-back calls; candidates are interleaved round by round and the
 median per call is reported. Small caches are replicated (each call in the graph reads a different copy) so
 that every call streams from HBM, not from the 50 MB L2. Achieved bandwidth = cache bytes the call must read
@@ -34,7 +37,8 @@ FLOOR_TBS = 4.36
 SHAPES = {"8B": (32, 8, 128), "70B": (64, 8, 128)}  # query heads, KV heads, head dim
 POINTS = [(1, 1024), (8, 1024), (32, 1024), (32, 4096), (8, 32768)]
 L2_BYTES = 50 * 2 ** 20
-BENCH_VARIANTS = ("valu", "alu", "s2", "w12")
+BENCH_VARIANTS = ("s2", "vlut", "w6v", "fx", "fx4")  # catalog SHIPPED + BENCH_ONLY
+GOAL = ("8B", 32, 4096, 0.70)  # issue 7: INT4 attention >= 70% of the floor at (32, 4096)
 PER_TOKEN = {"int4": lambda d: d + 8, "e4m3": lambda d: 2 * d + 8, "bf16": lambda d: 4 * d}  # per KV head
 
 
@@ -90,9 +94,8 @@ def _candidates(model, batch, ctx, ablate):
     import torch
     import torch.nn.functional as F
 
-    from decode.attn_plan import choose_splits, default_plan
+    from decode.attn_plan import choose_splits
     from futx.ops import decode_attention as da
-    from futx.runtime.catalog.decode_attention import VARIANTS
 
     hq, hkv, d = SHAPES[model]
     cap = -(-ctx // 64) * 64
@@ -120,8 +123,9 @@ def _candidates(model, batch, ctx, ablate):
                                                  out, fmt, rotate, max_context=ctx, check_positions_on_host=False,
                                                  variant=variant)
                 return out
-            plan = default_plan(fmt, d, rotate, 0, **VARIANTS[variant])
-            return call, read[fmt], choose_splits(plan, batch, hkv, ctx, sms)
+            kernel, plan = da.resolve(fmt, d, rotate, variant, ctx)  # what the op launches
+            splits = choose_splits(plan, batch, hkv, ctx, sms)
+            return call, read[fmt], f"{splits}" + (f" ({kernel})" if kernel and not variant else "")
         return build
 
     def bf16_pairs(shape):
@@ -232,9 +236,11 @@ def child(args) -> int:
             break  # out of budget: the parent lists the rest as skipped
         faulthandler.dump_traceback_later(args.watchdog_s, exit=True)  # a hung point must not hang the run
         key = f"{model}/{batch}/{ctx}"
+        t_point = time.time()
         rows = bench_point(model, batch, ctx, args.rounds, args.calls, not args.no_ablation, skip.get(key, {}),
                            args.child_progress)
         faulthandler.cancel_dump_traceback_later()
+        print(f"[bench] {key}: {time.time() - t_point:.1f} s", file=sys.stderr, flush=True)
         with open(args.child_results, "a") as f:
             f.write(json.dumps({"point": [model, batch, ctx], "rows": rows}) + "\n")
     return 0
@@ -296,21 +302,80 @@ def supervise(args) -> int:
         os.remove(progress)
     for rec in _read_jsonl(results):
         rows += rec["rows"]
+    elapsed = time.time() - t0
     md = table(rows)
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], "bench_decode_attention.md"), "w") as f:
-            f.write(md + "\n")
+            f.write(md + "\n\n" + summary(rows) + "\n\n" + goal_line(rows) + "\n")
         with open(os.path.join(os.environ["OUT"], "bench_decode_attention.json"), "w") as f:
-            json.dump({"rows": rows, "skipped": skipped, "floor_tb_s": FLOOR_TBS}, f, indent=1)
+            json.dump({"rows": rows, "skipped": skipped, "floor_tb_s": FLOOR_TBS, "elapsed_s": round(elapsed, 1)},
+                      f, indent=1)
     errors = [r for r in rows if "error" in r and not r["error"].startswith("not available")]
     for r in errors:
         print(f"FAILED {r['model']} B={r['batch']} ctx={r['context']} {r['candidate']}: {r['error']}")
     if skipped:
         print(f"skipped (budget or fault): {skipped}")
-    print(md)
     print(summary(rows))
+    print(f"benchmark wall time {elapsed:.0f} s")
+    print(goal_line(rows))
+    print(compact(rows))
     return 1 if errors or skipped else 0
+
+
+SHORT = {"futx int4 rot": "int4", "futx e4m3 rot": "e4m3", "futx bf16": "bf16", "torch sdpa (compact bf16)": "sdpa",
+         "flash-attn kvcache": "flash"}
+
+
+def _short(candidate: str) -> str:
+    if candidate.startswith("futx int4 rot ["):
+        return candidate[len("futx int4 rot ["):-1]
+    return SHORT.get(candidate, candidate)
+
+
+def compact(rows) -> str:
+    """The table printed last: one line per candidate, us / TB/s / % of the floor / speed-up vs futx BF16 and
+    vs SDPA (x > 1: faster)."""
+    lines = [f"{'model':5} {'B':>2} {'ctx':>5} {'cand':6} {'splits':>8} {'us':>7} {'TB/s':>5} {'%fl':>4} "
+             f"{'xbf16':>5} {'xsdpa':>5}"]
+    for r in rows:
+        if "us" not in r:
+            continue
+        same = {x["candidate"]: x["us"] for x in rows if "us" in x and
+                (x["model"], x["batch"], x["context"]) == (r["model"], r["batch"], r["context"])}
+        lines.append(f"{r['model']:5} {r['batch']:>2} {r['context']:>5} {_short(r['candidate']):6} "
+                     f"{str(r['splits']):>8} {r['us']:7.1f} {r['tb_s']:5.2f} {100 * r['floor_frac']:3.0f}% "
+                     f"{same.get('futx bf16', float('nan')) / r['us']:5.2f} "
+                     f"{same.get('torch sdpa (compact bf16)', float('nan')) / r['us']:5.2f}")
+    return "\n".join(lines)
+
+
+def goal_line(rows) -> str:
+    model, batch, ctx, frac = GOAL
+    got = {r["candidate"]: r for r in rows if "us" in r and (r["model"], r["batch"], r["context"]) == (model, batch, ctx)}
+    if "futx int4 rot" not in got:
+        return f"goal ({model} B={batch} ctx={ctx}): not measured"
+    r = got["futx int4 rot"]
+    need = r["floor_us"] / frac
+    best = min((k for k in got if k.startswith("futx int4 rot")), key=lambda k: got[k]["us"])
+    return (f"goal: INT4 >= {100 * frac:.0f}% of the floor at ({batch}, {ctx}) = <= {need:.1f} us; default "
+            f"{r['us']:.1f} us ({100 * r['floor_frac']:.0f}%) -> {'MET' if r['floor_frac'] >= frac else 'missed'}; "
+            f"best INT4 kernel: {_short(best)} {got[best]['us']:.1f} us ({100 * got[best]['floor_frac']:.0f}%)")
+
+
+def render(path: str) -> int:
+    """Markdown table, per-point summary, goal line and compact table of a finished run's JSON."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = data["rows"]
+    print(table(rows))
+    print()
+    print(summary(rows))
+    print()
+    print(goal_line(rows) + (f"; benchmark wall time {data['elapsed_s']} s" if "elapsed_s" in data else ""))
+    print()
+    print("```\n" + compact(rows) + "\n```")
+    return 0
 
 
 def summary(rows) -> str:
@@ -351,12 +416,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20, help="calls per graph replay (at least)")
     ap.add_argument("--quick", action="store_true", help="8B only, three points")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="start no new point after this")
+    ap.add_argument("--budget-s", type=float, default=80.0, help="start no new point after this")
     ap.add_argument("--watchdog-s", type=float, default=120.0, help="abort a child if one point takes longer")
     ap.add_argument("--no-ablation", action="store_true", help="skip the benchmark-only INT4 variants")
+    ap.add_argument("--render", metavar="FILE.json", help="print the tables of a finished run and exit")
     for name in ("points", "skip", "results", "progress", "deadline"):  # internal: parent -> child
         ap.add_argument(f"--child-{name}", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.render:
+        return render(args.render)
     return child(args) if args.child_points else supervise(args)
 
 

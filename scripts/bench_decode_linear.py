@@ -1,7 +1,8 @@
 """Decode projections as they run inside a decode step: weights not in L2, one CUDA-graph replay each.
 
     python scripts/bench_decode_linear.py [--layers layer-8b,layer-70b] [--m 1,8,16,32] [--quack]
-                                          [--cands futx-int4,torch-bf16,...]
+                                          [--cands futx-int4,torch-bf16,...] [--budget-s 80]
+    python scripts/bench_decode_linear.py --render decode_linear.json     # the markdown report again
 
 For each projection (QKV, O, gate/up, down) of each layer and each M, every candidate is captured in a
 CUDA graph as `reps` x [L2 flush, projection]; a graph of `reps` flushes alone is timed in the same
@@ -9,12 +10,20 @@ rounds and subtracted. The flush *reads* a 128 MB buffer (2.5x the L2) (clean li
 Rounds are interleaved across candidates; medians are reported, with achieved bandwidth = bytes of
 weights + scales / time and its fraction of the 4.36 TB/s HBM read floor measured on this H200.
 
-Candidates: futx INT4 (g128) / E4M3 / BF16 as the ops pick them (decode.plan), design comparisons
-(`int4-nofold`, `int4-nopdl`: the M = 1 GEMV without the folded nibble bias / without programmatic
-dependent launch; `int4-skinny`: the skinny kernel where the GEMV runs), torch._weight_int4pack_mm (g128,
-the gpt-fast/torchao kernel), torch BF16 matmul, and quack's gemm_w4a16 `int4` (optional: --quack, needs
-quack-kernels and the DSL).
-Writes decode_linear.{json,md} to $OUT when set; prints a compact table last.
+Candidates: futx INT4 (g128) / E4M3 / BF16 as the ops pick them (decode.plan; the `plan` column names the
+INT4 kernel), the INT4 design alternatives where they apply:
+  futx-int4-tile      the one-tile-per-CTA GEMV (run-1 design; the plan's M = 1 choice)
+  futx-int4-tile-xw   the same with the other warp count (4 <-> 8)
+  futx-int4-rolling   the tile GEMV with a rolling prefetch and late scale conversion (benchmark-only)
+  futx-int4-gemv      the persistent GEMV (scale-conversion fix; the plan's choice for 2 <= M <= 8)
+  futx-int4-r2        the persistent GEMV exactly as measured in run 2 (scales converted at the load)
+  futx-int4-nofold    the persistent GEMV without the folded nibble bias
+  futx-int4-skinny    the skinny kernel (the plan's choice from M = 9)
+and the peers: torch._weight_int4pack_mm (g128, the gpt-fast/torchao kernel), torch BF16 matmul, and
+quack's gemm_w4a16 `int4` (optional: --quack, needs quack-kernels and the DSL).
+A candidate equal to the plan's choice is not timed twice. `futx-int4-best` (per projection, the fastest
+futx INT4 design) appears in the per-layer sums. The whole benchmark keeps within --budget-s (fewer rounds
+when behind). Writes decode_linear.{json,md} to $OUT when set; prints a compact table and the GOAL lines last.
 """
 
 from __future__ import annotations
@@ -39,6 +48,29 @@ EPILOGUE = {"qkv": "store", "o": "residual", "gate_up": "swiglu", "down": "resid
 
 
 # ---- candidates ---------------------------------------------------------------------------------
+def _int4_designs(n, k, m, proj) -> dict:
+    """INT4 design alternatives for this shape and M: name -> run_variant keywords (the plan's own choice
+    and designs that cannot serve the shape are left out)."""
+    epi = EPILOGUE[proj]
+    choice = plan.choose("int4", GROUP, epi, m, n, k)
+    out = {}
+    if m == 1:
+        w = plan.tile_warps(k)
+        out["futx-int4-tile"] = dict(kernel="tile")
+        out["futx-int4-tile-xw"] = dict(kernel="tile", warps=plan.TILE_WARPS_SMALL_K + plan.TILE_WARPS_LARGE_K - w)
+        out["futx-int4-rolling"] = dict(kernel="tile", variant="rolling")
+    if m <= plan.GEMV_MAX_M and plan.gemv_tiles(plan.gemv_params("int4", GROUP, epi, m), m, n, k, 132):
+        out["futx-int4-gemv"] = dict(kernel="gemv")
+        if m <= plan.INT4_GEMV_MAX_M:
+            out["futx-int4-r2"] = dict(kernel="gemv", variant="r2")
+        if m == 1:
+            out["futx-int4-nofold"] = dict(kernel="gemv", variant="nofold")
+    if m > 1:
+        out["futx-int4-skinny"] = dict(kernel="skinny")
+    return {name: kw for name, kw in out.items()
+            if plan.choose("int4", GROUP, epi, m, n, k, **kw).key != choice.key}
+
+
 def futx_candidates(n, k, m, proj, gen):
     from futx.ops.decode_linear import run_variant
 
@@ -56,8 +88,8 @@ def futx_candidates(n, k, m, proj, gen):
     e4s = torch.rand(n, device="cuda", generator=gen) * 1e-3
     wb = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
 
-    def call(fmt, w, s, kernel="auto", variant=""):
-        return lambda: run_variant(fmt, x, w, s, GROUP, epi, res, kernel, variant, out=out, workspace=ws)
+    def call(fmt, w, s, **kw):
+        return lambda: run_variant(fmt, x, w, s, GROUP, epi, res, out=out, workspace=ws, **kw)
 
     int4_bytes = n * k // 2 + n * (k // GROUP) * 2
     cands = {
@@ -65,17 +97,16 @@ def futx_candidates(n, k, m, proj, gen):
         "futx-e4m3": (call("e4m3", e4, e4s), n * k + 4 * n),
         "futx-bf16": (call("bf16", wb, None), 2 * n * k),
     }
-    if m == 1:
-        for v in ("nofold", "nopdl"):
-            cands[f"futx-int4-{v}"] = (call("int4", packed, scales, "gemv", v), int4_bytes)
-    elif plan.choose("int4", GROUP, epi, m, n, k).kind == "gemv":
-        cands["futx-int4-skinny"] = (call("int4", packed, scales, "skinny"), int4_bytes)
+    for name, kw in _int4_designs(n, k, m, proj).items():
+        cands[name] = (call("int4", packed, scales, **kw), int4_bytes)
     return x, cands
 
 
-def plan_note(n, k, m, proj) -> str:
-    """Which kernel and launch shape the ops pick for INT4 (reported with the timings)."""
-    c = plan.choose("int4", GROUP, EPILOGUE[proj], m, n, k)
+def plan_note(n, k, m, proj, fmt="int4") -> str:
+    """Which kernel and launch shape the ops pick (reported with the timings)."""
+    c = plan.choose(fmt, GROUP, EPILOGUE[proj], m, n, k)
+    if c.kind == "tile":
+        return f"tile w{plan.tile_warps(k)}"
     return f"gemv tiles={c.tiles}" if c.kind == "gemv" else f"skinny split={c.split}"
 
 
@@ -173,39 +204,134 @@ def bench(cands: dict, flush: Flush, reps: int, rounds: int) -> dict:
 
 
 # ---- report -------------------------------------------------------------------------------------
-def table(results: list[dict], cand_names: list[str]) -> str:
-    head = "| layer | proj | M | " + " | ".join(cand_names) + " |"
-    lines = [head, "|" + "---|" * (3 + len(cand_names))]
-    for row in results:
-        cells = []
-        for c in cand_names:
-            e = row["cands"].get(c, {})
-            cells.append(f"{e['us']:.1f} ({100 * e['floor_frac']:.0f}%)" if "us" in e else "-")
-        lines.append(f"| {row['layer']} | {row['proj']} | {row['m']} | " + " | ".join(cells) + " |")
+PEERS = ("torch-bf16", "torch-int4", "quack-w4a16")
+GOAL_SUM_US = {"layer-8b": 35.0, "layer-70b": 115.0}
+FLAT_RATIO = 1.25  # "nearly flat": the M = 16 layer sum within 1.25x of the M = 1 sum
+
+
+def floor_us(nbytes: int) -> float:
+    return nbytes / FLOOR_TBPS / 1e6
+
+
+def _cell(e: dict) -> str:
+    return f"{e['us']:.1f} ({100 * e['floor_frac']:.0f}%)" if e and "us" in e else "-"
+
+
+def table(rows: list[dict], cand_names: list[str], with_plan: bool = True) -> str:
+    extra = ["INT4 floor us", "plan (INT4)"] if with_plan else ["INT4 floor us"]
+    head = "| layer | proj | M | " + " | ".join(extra + cand_names) + " |"
+    lines = [head, "|" + "---|" * (3 + len(extra) + len(cand_names))]
+    for row in rows:
+        first = [f"{floor_us(row.get('int4_bytes', 0)):.1f}"] + ([row.get("plan", "")] if with_plan else [])
+        cells = [_cell(row["cands"].get(c, {})) for c in cand_names]
+        lines.append(f"| {row['layer']} | {row['proj']} | {row['m']} | " + " | ".join(first + cells) + " |")
     return "\n".join(lines)
+
+
+def add_best(rows: list[dict]) -> None:
+    """futx-int4-best: the fastest futx INT4 design of each row (what an oracle router would get)."""
+    for row in rows:
+        opts = [(v["us"], c) for c, v in row["cands"].items() if c.startswith("futx-int4") and "us" in v
+                and c != "futx-int4-best"]
+        if opts:
+            us, name = min(opts)
+            b = row["cands"][name]["bytes"]
+            row["cands"]["futx-int4-best"] = {"us": us, "bytes": b, "gbps": b / us / 1e3,
+                                              "floor_frac": b / us / 1e6 / FLOOR_TBPS, "design": name}
 
 
 def layer_sums(results: list[dict], cand_names: list[str]) -> list[dict]:
     sums = {}
     for row in results:
-        key = (row["layer"], row["m"])
-        acc = sums.setdefault(key, {})
+        acc = sums.setdefault((row["layer"], row["m"]), {"_n": 0, "_int4_bytes": 0})
+        acc["_n"] += 1
+        acc["_int4_bytes"] += row.get("int4_bytes", 0)
         for c in cand_names:
             e = row["cands"].get(c, {})
             if "us" in e and acc.get(c, 0.0) is not None:
                 acc[c] = acc.get(c, 0.0) + e["us"]
                 acc[c + "#bytes"] = acc.get(c + "#bytes", 0) + e["bytes"]
+                acc[c + "#n"] = acc.get(c + "#n", 0) + 1
             else:
                 acc[c] = None
     rows = []
     for (layer, m), acc in sums.items():
         cands = {}
         for c in cand_names:
-            if acc.get(c):
+            if acc.get(c) and acc.get(c + "#n") == acc["_n"]:  # only candidates timed on every projection
                 b = acc[c + "#bytes"]
-                cands[c] = {"us": acc[c], "bytes": b, "floor_frac": b / acc[c] / 1e6 / FLOOR_TBPS}
-        rows.append({"layer": layer, "proj": "sum", "m": m, "cands": cands})
+                cands[c] = {"us": acc[c], "bytes": b, "gbps": b / acc[c] / 1e3,
+                            "floor_frac": b / acc[c] / 1e6 / FLOOR_TBPS}
+        rows.append({"layer": layer, "proj": "sum", "m": m, "cands": cands, "int4_bytes": acc["_int4_bytes"],
+                     "plan": ""})
     return rows
+
+
+def goal_lines(rows: list[dict], sums: list[dict]) -> list[str]:
+    out = []
+    by = {(r["layer"], r["m"]): r["cands"] for r in sums}
+    for layer, goal in GOAL_SUM_US.items():
+        c = by.get((layer, 1), {})
+        if "futx-int4" in c:
+            e = c["futx-int4"]
+            best = c.get("futx-int4-best", e)
+            out.append(f"GOAL {layer} INT4 M=1 sum: {e['us']:.1f} us = {100 * e['floor_frac']:.0f}% of the floor "
+                       f"({floor_us(e['bytes']):.1f} us) (goal <= {goal}) {'MET' if e['us'] <= goal else 'MISSED'}"
+                       f"; best futx design per projection: {best['us']:.1f} us")
+    for layer in GOAL_SUM_US:
+        a, b = by.get((layer, 1), {}).get("futx-int4"), by.get((layer, 16), {}).get("futx-int4")
+        if a and b:
+            ratio = b["us"] / a["us"]
+            out.append(f"GOAL {layer} INT4 flat M=1->16: {a['us']:.1f} -> {b['us']:.1f} us ({ratio:.2f}x, goal "
+                       f"<= {FLAT_RATIO}x) {'MET' if ratio <= FLAT_RATIO else 'MISSED'}")
+    misses, total = [], 0
+    for row in rows:
+        f = row["cands"].get("futx-int4", {})
+        peers = [(v["us"], p) for p, v in row["cands"].items() if p in PEERS and "us" in v]
+        if "us" not in f or not peers:
+            continue
+        total += 1
+        us, peer = min(peers)
+        if f["us"] >= us:
+            misses.append(f"{row['layer']} {row['proj']} M={row['m']} ({f['us']:.1f} vs {peer} {us:.1f})")
+    if total:
+        out.append(f"GOAL INT4 faster than the fastest peer on {total - len(misses)}/{total} projections: "
+                   f"{'MET' if not misses else 'MISSED (losses: ' + '; '.join(misses) + ')'}")
+    return out
+
+
+def render(data: dict) -> str:
+    rows = data["rows"]
+    names = data.get("names") or list(dict.fromkeys(c for r in rows for c in r["cands"] if not c.startswith("_")))
+    if "goals" not in data:  # a json of an earlier version of this script
+        for r in rows:
+            r.setdefault("int4_bytes", r["n"] * r["k"] // 2 + r["n"] * (r["k"] // GROUP) * 2)
+        add_best(rows)
+        data["sums"] = layer_sums(rows, names + ["futx-int4-best"])
+        data["goals"] = goal_lines(rows, data["sums"])
+    sums = data["sums"]
+    sum_names = names + (["futx-int4-best"] if "futx-int4-best" not in names else [])
+    best = [f"| {r['layer']} | {r['proj']} | {r['m']} | {r['cands']['futx-int4-best']['design']} |"
+            for r in rows if "futx-int4-best" in r["cands"]]
+    return ("# Decode projections (L2 flushed, CUDA-graph replay, median of rounds)\n\n"
+            f"{json.dumps(data['info'])}\n\nus per call (fraction of the {FLOOR_TBPS} TB/s read floor for that "
+            "candidate's bytes; achieved bandwidth = fraction x 4.36 TB/s). `INT4 floor us` = INT4 weight + "
+            "scale bytes / 4.36 TB/s; `plan (INT4)` = the kernel futx-int4 ran.\n\n"
+            + table(rows, names) + "\n\n## Per layer (sum of the four projections)\n\n"
+            + table(sums, sum_names, with_plan=False) + "\n\n## Fastest futx INT4 design per projection\n\n"
+            "| layer | proj | M | design |\n|---|---|---|---|\n" + "\n".join(best) + "\n\n## Goals\n\n"
+            + "\n".join(f"- {g}" for g in data["goals"]) + "\n")
+
+
+def compact(data: dict) -> str:
+    """The per-layer sums of the main candidates and GB/s, one line per (layer, M)."""
+    keep = ["futx-int4", "futx-int4-best", "futx-e4m3", "futx-bf16", *PEERS]
+    lines = ["layer      M  " + "".join(f"{c:>16s}" for c in keep)]
+    for r in data["sums"]:
+        cells = "".join(f"{r['cands'][c]['us']:9.1f} {r['cands'][c]['gbps'] / 1e3:4.2f}T" if c in r["cands"]
+                        else f"{'-':>16s}" for c in keep)
+        lines.append(f"{r['layer']:10s} {r['m']:2d}  {cells}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -213,75 +339,85 @@ def main() -> None:
     ap.add_argument("--layers", default="layer-8b,layer-70b")
     ap.add_argument("--m", default="1,8,16,32")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--budget-s", type=float, default=80.0, help="wall-clock budget: fewer rounds when behind")
     ap.add_argument("--quack", action="store_true", help="add quack gemm_w4a16 (int4, g128); JIT compiles")
-    ap.add_argument("--watchdog", type=float, default=240.0, help="seconds per shape before aborting")
+    ap.add_argument("--watchdog", type=float, default=120.0, help="seconds per shape before aborting")
     ap.add_argument("--cands", default="", help="comma list: time only these candidates (e.g. a JIT run with "
                     "quack: torch-bf16,quack-w4a16 keeps futx kernels from compiling)")
+    ap.add_argument("--render", default="", help="print the markdown report of a decode_linear.json and exit")
     args = ap.parse_args()
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return
+    t_start = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
     import futx.ops  # noqa: F401
     from futx.config import preset
 
     p = torch.cuda.get_device_properties(0)
     info = {"gpu": p.name, "sms": p.multi_processor_count, "torch": torch.__version__,
-            "kernels": os.environ.get("FUTX_KERNELS", "auto"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "kernels": os.environ.get("FUTX_KERNELS", "auto"),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": " ".join(["python", "scripts/bench_decode_linear.py", *sys.argv[1:]])}
     print("bench_decode_linear:", info, flush=True)
     flush = Flush()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, names = [], []
     use_quack = args.quack
-    for layer in args.layers.split(","):
-        shapes = preset(layer).projection_shapes()
-        for proj in PROJS:
-            n, k = shapes[proj]
-            for m in (int(v) for v in args.m.split(",")):
-                faulthandler.dump_traceback_later(args.watchdog, exit=True)
-                t0 = time.time()
-                x, cands = futx_candidates(n, k, m, proj, gen)
-                cands.update(torch_candidates(x, n, k, gen))
-                if use_quack:
-                    try:
-                        cands.update(quack_candidate(x, n, k, gen))
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"  quack unavailable ({type(exc).__name__}: {str(exc)[:120]}); dropping it",
-                              file=sys.stderr)
-                        use_quack = False
-                if args.cands:
-                    cands = {c: v for c, v in cands.items() if c in args.cands.split(",")}
-                res = bench(cands, flush, args.reps, args.rounds)
-                faulthandler.cancel_dump_traceback_later()
-                for c in res:
-                    if not c.startswith("_") and c not in names:
-                        names.append(c)
-                results.append({"layer": layer, "proj": proj, "n": n, "k": k, "m": m, "cands": res,
-                                "plan": plan_note(n, k, m, proj)})
-                best = min((v["us"], c) for c, v in res.items() if not c.startswith("_") and "us" in v)
-                errs = {c: v["error"] for c, v in res.items() if isinstance(v, dict) and "error" in v}
-                print(f"{layer} {proj:7s} M={m:2d} N={n} K={k} [{plan_note(n, k, m, proj)}]: "
-                      f"futx-int4 {res.get('futx-int4', {}).get('us', float('nan')):.1f} us, "
-                      f"fastest {best[1]} {best[0]:.1f} us "
-                      f"({time.time() - t0:.1f} s){' errors: ' + json.dumps(errs) if errs else ''}", flush=True)
-                del x, cands
-                torch.cuda.empty_cache()
-    sums = layer_sums(results, names)
-    md = ("# Decode projections (L2 flushed, CUDA-graph replay, median of rounds)\n\n"
-          f"{json.dumps(info)}\n\nus per call (fraction of the {FLOOR_TBPS} TB/s read floor for that "
-          "candidate's bytes)\n\n" + table(results, names) + "\n\n## Per layer (sum of the four projections)\n\n"
-          + table(sums, names) + "\n")
+    work = [(layer, proj, m) for layer in args.layers.split(",") for proj in PROJS
+            for m in (int(v) for v in args.m.split(","))]
+    rounds = args.rounds
+    for i, (layer, proj, m) in enumerate(work):
+        n, k = preset(layer).projection_shapes()[proj]
+        elapsed = time.time() - t_start
+        if i and elapsed / i * len(work) > args.budget_s and rounds > 3:
+            rounds = max(3, rounds - 2)  # behind the budget: fewer rounds from here on
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+        t0 = time.time()
+        x, cands = futx_candidates(n, k, m, proj, gen)
+        cands.update(torch_candidates(x, n, k, gen))
+        if use_quack:
+            try:
+                cands.update(quack_candidate(x, n, k, gen))
+            except Exception as exc:  # noqa: BLE001
+                print(f"  quack unavailable ({type(exc).__name__}: {str(exc)[:120]}); dropping it", file=sys.stderr)
+                use_quack = False
+        if args.cands:
+            cands = {c: v for c, v in cands.items() if c in args.cands.split(",")}
+        res = bench(cands, flush, args.reps, rounds)
+        faulthandler.cancel_dump_traceback_later()
+        for c in res:
+            if not c.startswith("_") and c not in names:
+                names.append(c)
+        row = {"layer": layer, "proj": proj, "n": n, "k": k, "m": m, "cands": res, "plan": plan_note(n, k, m, proj),
+               "plan_e4m3": plan_note(n, k, m, proj, "e4m3"), "plan_bf16": plan_note(n, k, m, proj, "bf16"),
+               "int4_bytes": n * k // 2 + n * (k // GROUP) * 2, "rounds": rounds}
+        results.append(row)
+        timed = sorted((v["us"], c) for c, v in res.items() if not c.startswith("_") and "us" in v)
+        errs = {c: v["error"] for c, v in res.items() if isinstance(v, dict) and "error" in v}
+        alts = " ".join(f"{c.replace('futx-int4-', '')}={v['us']:.1f}" for c, v in res.items()
+                        if c.startswith("futx-int4-") and "us" in v)
+        print(f"{layer} {proj:7s} M={m:2d} N={n} K={k} [{row['plan']}]: futx-int4 "
+              f"{res.get('futx-int4', {}).get('us', float('nan')):.1f} us "
+              f"(floor {floor_us(row['int4_bytes']):.1f}) alts: {alts or '-'}; "
+              f"fastest {timed[0][1]} {timed[0][0]:.1f} us "
+              f"({time.time() - t0:.1f} s){' errors: ' + json.dumps(errs) if errs else ''}", flush=True)
+        del x, cands
+        torch.cuda.empty_cache()
+    add_best(results)
+    sums = layer_sums(results, names + ["futx-int4-best"])
+    data = {"info": info, "names": names, "rows": results, "sums": sums, "goals": goal_lines(results, sums),
+            "seconds": round(time.time() - t_start, 1)}
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "decode_linear.json").write_text(json.dumps({"info": info, "rows": results, "sums": sums},
-                                                               indent=1, default=str))
-        Path(out, "decode_linear.md").write_text(md)
-    print("\n" + table(sums, names))
-    goal = {"layer-8b": 35.0, "layer-70b": 115.0}
-    for row in sums:
-        if row["m"] == 1 and row["layer"] in goal and "futx-int4" in row["cands"]:
-            us = row["cands"]["futx-int4"]["us"]
-            print(f"GOAL {row['layer']} INT4 M=1 sum: {us:.1f} us (goal <= {goal[row['layer']]}) "
-                  f"{'MET' if us <= goal[row['layer']] else 'MISSED'}")
+        Path(out, "decode_linear.json").write_text(json.dumps(data, indent=1, default=str))
+        Path(out, "decode_linear.md").write_text(render(data))
+    print(f"\n{len(results)} shapes in {data['seconds']} s. Per-layer sums (us, achieved TB/s):")
+    print(compact(data))
+    for g in data["goals"]:
+        print(g)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@ without fast accumulation) and futx BF16 vs `torch.matmul`, at 8192^3 and the pr
 paper's layer presets (futx.config: layer-1b/8b/70b/405b) for several M.
 
     python scripts/bench_prefill.py [--m 512,2048,8192] [--presets layer-8b,...] [--quick]
+    python scripts/bench_prefill.py --render bench_prefill.json      (markdown of a saved run, e.g. for docs)
 
 futx FP8 runs the `scale_bf16` policy (per-row x per-column scale restore, BF16 out: the same work as
 row-wise `_scaled_mm`); every variant (tile width, coop/pingpong/stagger schedule, cluster; catalog
 `variants(..., bench=True)`) is timed; the table reports the one `choose_variant` picks and the best.
 At the QKV shapes the QKV epilogue (scales + RoPE + K/V straight into a KV cache, `prefill.qkv`) is
-timed too, against the plain `scale_bf16` GEMM of the same shape (its cost over a plain store).
+timed too, against the plain `scale_bf16` GEMM of the same shape and variant (its cost over a plain
+store) and against the plain GEMM at the variant the rule picks.
 Candidates are interleaved in rounds (CUDA-graph replay, CUDA events, medians). Prints a compact table
 last; writes bench_prefill.json / bench_prefill.md to $OUT (or --out).
 """
@@ -97,7 +99,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="8192^3 and the 8B shapes at M=2048 only")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="directory for json/md (default $OUT)")
+    ap.add_argument("--render", default=None, metavar="JSON", help="print the markdown table of a saved run and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        import json
+
+        data = json.loads(Path(args.render).read_text())
+        print(render(data["rows"], data["meta"])["md"])
+        return 0
 
     import futx.ops  # noqa: F401
     from futx.ops.prefill import _num_sms
@@ -130,10 +139,11 @@ def main(argv=None) -> int:
               f"cuBLAS fast {cb.get('tflops', float('nan')):7.1f} TF/s   [fp8 variants: {alts}]", flush=True)
         qkv = {key.split("_", 2)[2]: r for key, r in res.items() if key.startswith("futxqkv_") and "us" in r}
         if qkv:
-            plain = res.get(f"futx_fp8_{pick['fp8']}", {}).get("us")
+            def over(v, r):
+                plain = res.get(f"futx_fp8_{v}", {}).get("us")
+                return f", {100 * (r['us'] / plain - 1):+.1f}% vs plain {v}" if plain else ""
             print("  " + " " * 14 + "  QKV epilogue (RoPE + KV-cache placement): " + "  ".join(
-                f"{v} {r['us']:.1f} us ({r['tflops']:.0f} TF/s" + (f", +{100 * (r['us'] / plain - 1):.1f}% vs plain)"
-                                                                  if plain else ")") for v, r in qkv.items()), flush=True)
+                f"{v} {r['us']:.1f} us ({r['tflops']:.0f} TF/s{over(v, r)})" for v, r in qkv.items()), flush=True)
     bc.disarm_watchdog()
 
     table = render(rows, info)
@@ -171,39 +181,64 @@ def render(rows, info) -> dict:
           "picks (fastest variant in brackets); cuBLAS = `torch._scaled_mm` row-wise / tensor-wise scales, "
           "f = use_fast_accum.",
           "", "| shape | M | N | K | futx FP8 | cuBLAS row f | futx/cuBLAS f | % FP8 peak | cuBLAS row | cuBLAS tensor f "
-          "| cuBLAS tensor | futx BF16 | torch.matmul BF16 | futx/torch BF16 |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| cuBLAS tensor | futx BF16 | torch.matmul BF16 | futx/torch BF16 | % BF16 peak |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "—" if v is None else f"{v:.0f}"
     ratio = lambda a, b: "—" if not a or not b else f"{a / b:.2f}"
     for row in rows:
-        res, p = row["results"], row["pick"]
+        res = row["results"]
+        # run-1 JSON recorded the picked tile width (256) instead of the variant name
+        p = {k: (f"n{v}" if isinstance(v, int) else v) for k, v in row["pick"].items()}
         f8, f16 = _tf(res, f"futx_fp8_{p['fp8']}"), _tf(res, f"futx_bf16_{p['bf16']}")
         best8, best16 = _best(res, "futx_fp8_"), _best(res, "futx_bf16_")
         cbf, cb = _tf(res, "cublas_fp8_row_fast"), _tf(res, "cublas_fp8_row")
         ctf, ct = _tf(res, "cublas_fp8_tensor_fast"), _tf(res, "cublas_fp8_tensor")
         mm = _tf(res, "torch_bf16")
         pk8 = 100 * f8 / PEAK["fp8"] if f8 else None
+        pk16 = 100 * f16 / PEAK["bf16"] if f16 else None
         lines.append(f"{row['shape']:14s} {row['m']:5d} {row['n']:6d} {row['k']:5d} | {fmt(f8):>6s} {fmt(best8[0]):>6s} "
                      f"{best8[1]:>8s} {fmt(cbf):>6s} {ratio(f8, cbf):>5s} {ratio(best8[0], cbf):>5s} | {fmt(cb):>6s} "
                      f"{fmt(ctf):>6s} | {fmt(f16):>6s} {fmt(best16[0]):>6s} {best16[1]:>8s} {fmt(mm):>6s} "
                      f"{ratio(f16, mm):>5s}")
         md.append(f"| {row['shape']} | {row['m']} | {row['n']} | {row['k']} | {fmt(f8)} ({fmt(best8[0])} @{best8[1]}) | "
                   f"{fmt(cbf)} | {ratio(f8, cbf)}× | {fmt(pk8)}% | {fmt(cb)} | {fmt(ctf)} | {fmt(ct)} | "
-                  f"{fmt(f16)} ({fmt(best16[0])} @{best16[1]}) | {fmt(mm)} | {ratio(f16, mm)}× |")
+                  f"{fmt(f16)} ({fmt(best16[0])} @{best16[1]}) | {fmt(mm)} | {ratio(f16, mm)}× | {fmt(pk16)}% |")
         errs = {k: v["error"] for k, v in res.items() if "error" in v}
         if errs:
             lines.append(f"    errors: {errs}")
             md.append(f"| | | | | errors: {errs} |")
+    for kind, label in (("fp8", "FP8 `scale_bf16`"), ("bf16", "BF16 `bf16`")):
+        names = list(dict.fromkeys(k.split("_", 2)[2] for row in rows for k in row["results"]
+                                   if k.startswith(f"futx_{kind}_")))
+        if len(names) > 1:
+            md += ["", f"Every futx {label} variant, TFLOP/s (in brackets: vs the picked variant):", "",
+                   "| shape | M | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+            for row in rows:
+                res = row["results"]
+                pk = row["pick"][kind] if isinstance(row["pick"][kind], str) else f"n{row['pick'][kind]}"
+                base = _tf(res, f"futx_{kind}_{pk}")
+                cells = []
+                for v in names:
+                    t = _tf(res, f"futx_{kind}_{v}")
+                    cells.append("—" if t is None else f"**{t:.0f}**" if v == pk else
+                                 f"{t:.0f}" + (f" ({100 * (t / base - 1):+.1f}%)" if base else ""))
+                md.append(f"| {row['shape']} | {row['m']} | " + " | ".join(cells) + " |")
     qkv = [(row, k.split("_", 2)[2], r) for row in rows for k, r in row["results"].items()
            if k.startswith("futxqkv_") and "us" in r]
     if qkv:
         md += ["", "QKV epilogue (`prefill.qkv`: scales + RoPE on Q/K + K/V written straight into a BF16 KV cache, "
-               "Q out) vs the plain `scale_bf16` GEMM at the variant the rule picks:", "",
-               "| shape | M | variant | QKV µs | plain µs | overhead |", "|---|---|---|---|---|---|"]
+               "Q out) vs the plain `scale_bf16` GEMM (BF16 out) of the same variant, and vs the plain GEMM at the "
+               "variant the rule picks:", "",
+               "| shape | M | variant | QKV µs | plain µs, same variant | overhead | plain µs, picked variant | overhead |",
+               "|---|---|---|---|---|---|---|---|"]
+        us1 = lambda v: "—" if v is None else f"{v:.1f}"
+        pct = lambda a, b: "—" if not b else f"{100 * (a / b - 1):+.1f}%"
         for row, v, r in qkv:
-            plain = row["results"].get(f"futx_fp8_{row['pick']['fp8']}", {}).get("us")
-            over = "—" if not plain else f"{100 * (r['us'] / plain - 1):+.1f}%"
-            md.append(f"| {row['shape']} | {row['m']} | {v} | {r['us']:.1f} | {fmt(plain)} | {over} |")
+            same = row["results"].get(f"futx_fp8_{v}", {}).get("us")
+            pick = row["pick"]["fp8"] if isinstance(row["pick"]["fp8"], str) else f"n{row['pick']['fp8']}"
+            plain = row["results"].get(f"futx_fp8_{pick}", {}).get("us")
+            md.append(f"| {row['shape']} | {row['m']} | {v} | {r['us']:.1f} | {us1(same)} | {pct(r['us'], same)} | "
+                      f"{us1(plain)} ({pick}) | {pct(r['us'], plain)} |")
     return {"text": "\n".join(lines), "md": "\n".join(md) + "\n"}
 
 

@@ -2,11 +2,13 @@
 
     python scripts/bench_swiglu.py --only futx   [--json F]   futx rows + compiled PyTorch BF16/FP8 rows
     python scripts/bench_swiglu.py --only coda   [--json F]   CODA `linear_swiglu` rows (+ PyTorch BF16 anchor)
-    python scripts/bench_swiglu.py --merge futx.json coda.json [--md F]   -> Table 2 (markdown)
+    python scripts/bench_swiglu.py --merge futx.json coda_8B.json coda_405B.json [--md F]   -> Table 2 (markdown)
 
 CODA needs its own DSL (4.6.0) bundle, so it runs in a separate process/GPU run; both runs time the
-same compiled PyTorch BF16 row, which the merge step uses as a cross-run anchor. CODA is an optional
-import (`coda.kernels.functional.swiglu.linear_swiglu`), never a futx dependency.
+same compiled PyTorch BF16 row, which the merge step uses as a cross-run anchor: CODA (anchored) =
+CODA x (PyTorch BF16 in the futx run / PyTorch BF16 in the CODA run), and the "vs CODA" ratios use the
+anchored latency (the raw one in brackets). CODA is an optional import
+(`coda.kernels.functional.swiglu.linear_swiglu`), never a futx dependency.
 
 Work per row: y = rho * (x @ W^T) with W = [2I, K]; out = silu(gate) * up, [M, I]. rho is the RMSNorm
 row factor of the *input* (paper 3.2.2: the gain is folded into W), so it scales gate and up before the
@@ -34,6 +36,8 @@ import bench_common as bc  # noqa: E402
 SHAPES = {"8B": (2048, 4096, 28672), "405B": (2048, 16384, 106496)}   # (M, K, 2I)
 E4M3 = torch.float8_e4m3fn
 OUT_SCALE = 0.1   # E4M3 output scale: |silu(g) * u * rho| stays below 448 * 0.1 for these inputs
+DEFAULTS: dict = {}   # futx row -> the variant choose_variant picked (the row without "@variant")
+LEGACY_DEFAULT = "n256"   # futx JSON without a "defaults" field (run 2): the default was coop 128x256
 
 
 def _inputs(m, k, n2):
@@ -85,6 +89,7 @@ def futx_rows(x, w, rho):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, ab, pol in (("futx_bf16", "bf16", "rho_swiglu_bf16"), ("futx_fp8", "e4m3", "scale_rho_swiglu_fp8")):
         default = choose_variant(ab, pol, m, n2, sms)
+        DEFAULTS[name] = default
         for v in variants(ab, pol, bench=True):   # the default variant is the plain row
             key = name if v == default else f"{name}@{v}"
             if ab == "bf16":
@@ -152,7 +157,7 @@ def run(only: str, shapes, rounds: int) -> dict:
         agree = check_agreement(x, w, rho, fns)
         flops = 2.0 * m * k * n2
         res = {**bc.time_candidates(fns, flops=flops, rounds=rounds, target_ms=20.0), **failed}
-        rows[label] = {"m": m, "k": k, "n2": n2, "results": res, "rel_err": agree}
+        rows[label] = {"m": m, "k": k, "n2": n2, "results": res, "rel_err": agree, "defaults": dict(DEFAULTS)}
         print(f"  {label}: " + ", ".join(f"{n} {r.get('us', float('nan')):.0f} us" for n, r in res.items())
               + f"  (rel err vs float32: {', '.join(f'{n} {e:.2g}' for n, e in agree.items())})", flush=True)
         for name, r in failed.items():
@@ -165,28 +170,43 @@ def run(only: str, shapes, rounds: int) -> dict:
 
 def merge(paths) -> str:
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    us = {}
+    us, defaults = {}, {}
     for r in runs:
         for label, row in r["rows"].items():
             for name, res in row["results"].items():
                 if "us" in res:
                     us.setdefault(label, {})[name if name != "torch_bf16" or r["only"] == "futx" else "torch_bf16@coda"] = res["us"]
+            if r["only"] == "futx":
+                defaults[label] = row.get("defaults", {})
     meta = next((r["meta"] for r in runs if r["only"] == "futx"), runs[0]["meta"])
     lines = [f"Gate/up projection + SwiGLU at M=2048 on {meta['gpu']} ({meta['date']}). Latency in µs, lower is better;",
              "speedup = baseline latency / futx latency. CODA ran in a separate process (its own DSL 4.6.0); "
-             "'CODA (anchored)' rescales it by the ratio of the compiled-PyTorch BF16 row timed in both runs.", "",
-             "| Shape | Compiled PyTorch | CODA | CODA (anchored) | futx (ours) | vs PyTorch | vs CODA |",
-             "|---|---|---|---|---|---|---|"]
+             "'CODA (anchored)' rescales it by the ratio of the compiled-PyTorch BF16 row timed in both runs "
+             "(futx run / CODA run), and 'vs CODA' uses the anchored latency (raw CODA in brackets). "
+             "futx = the default variant (the one `choose_variant` picks); best = the fastest futx variant measured.", "",
+             "| Shape | Compiled PyTorch | CODA | CODA (anchored) | futx (ours) | vs PyTorch | vs CODA | futx best "
+             "| best vs CODA |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "—" if v is None else f"{v:.0f}"
+
+    def vs(base, base_raw, f):
+        if base is None or f is None:
+            return "—"
+        return f"{base / f:.2f}×" + (f" ({base_raw / f:.2f}×)" if base_raw is not None and base_raw != base else "")
 
     def panel(title, ours):
-        lines.append(f"| **{title}** | | | | | | |")
+        lines.append(f"| **{title}** | | | | | | | | |")
         for label in SHAPES:
             d = us.get(label, {})
             pt, coda, f = d.get("torch_bf16"), d.get("coda_bf16"), d.get(ours)
             anch = coda * pt / d["torch_bf16@coda"] if coda and pt and d.get("torch_bf16@coda") else None
-            fmt = lambda v: "—" if v is None else f"{v:.0f}"
-            sp = lambda b: "—" if b is None or f is None else f"{b / f:.2f}×"
-            lines.append(f"| {label} | {fmt(pt)} | {fmt(coda)} | {fmt(anch)} | {fmt(f)} | {sp(pt)} | {sp(coda)} |")
+            ref = anch if anch is not None else coda
+            default = defaults.get(label, {}).get(ours, LEGACY_DEFAULT)
+            cands = [(t, default if n == ours else n.split("@", 1)[1]) for n, t in d.items()
+                     if n == ours or n.startswith(ours + "@")]
+            best, bv = min(cands) if cands else (None, "—")
+            lines.append(f"| {label} | {fmt(pt)} | {fmt(coda)} | {fmt(anch)} | {fmt(f)} ({default}) | "
+                         f"{vs(pt, None, f)} | {vs(ref, coda, f)} | {fmt(best)} ({bv}) | {vs(ref, coda, best)} |")
 
     panel("A. Precision matched: all BF16", "futx_bf16")
     panel("B. Cross precision: baselines BF16, futx E4M3 (FP8 in, FP8 out)", "futx_fp8")
@@ -194,6 +214,10 @@ def merge(paths) -> str:
              f"{us[label]['torch_fp8']:.0f} µs" for label in SHAPES if "torch_fp8" in us.get(label, {})]
     if extra:
         lines += ["", "Also measured: " + "; ".join(extra) + "."]
+    anchors = [f"{label}: {us[label]['torch_bf16']:.0f} µs in the futx run, {us[label]['torch_bf16@coda']:.0f} µs in "
+               f"the CODA run" for label in SHAPES if "torch_bf16@coda" in us.get(label, {}) and "torch_bf16" in us[label]]
+    if anchors:
+        lines += ["", "Anchor (compiled PyTorch BF16): " + "; ".join(anchors) + "."]
     alt = [f"{label}: {name} {t:.0f} µs" for label in SHAPES for name, t in us.get(label, {}).items() if "@" in name
            and not name.endswith("@coda")]
     if alt:

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from decode.attn_plan import (E4M3_PAIR_SELECTORS, AttnPlan, check_int4_key_formulas, choose_splits,
-                              default_plan, int4_value_pairs)
+from decode.attn_plan import (E4M3_PAIR_SELECTORS, LONG_CONTEXT, LONG_CONTEXT_VARIANT, AttnPlan,
+                              check_int4_key_formulas, choose_splits, default_plan, int4_value_pairs,
+                              shipped_variant)
 from futx.quant import layouts
 from futx.runtime import select
-from futx.runtime.catalog.decode_attention import VARIANTS, attn_key
+from futx.runtime.catalog.decode_attention import SHIPPED, VARIANTS, attn_key
 
 
 # ---- mma.sync.m16n8k16 fragment semantics (PTX ISA) -----------------------------------------------------
@@ -58,7 +59,30 @@ def test_every_variant_has_consistent_maps(spec):
     assert plan.smem_bytes <= 227 * 1024
     variant = [k for k, v in VARIANTS.items() if v == p]
     assert len(variant) == 1 and attn_key(fmt, d, rotate, variant[0]) == spec.key
-    assert spec.ci == (variant[0] == ""), "variants other than the shipped kernel are benchmark-only"
+    assert spec.ci == (variant[0] == "" or variant[0] in SHIPPED), \
+        "variants other than the shipped kernels are benchmark-only"
+
+
+def test_ci_variant_count_stays_modest():
+    assert len([s for s in select("decode.attn*") if s.ci]) <= 14
+
+
+def test_long_context_rule():
+    """The op's kernel choice (decode.attn_plan.shipped_variant): the long-context kernel only for rotated
+    INT4 at head dim 128 from LONG_CONTEXT tokens on, and that kernel exists and is compiled in CI."""
+    from futx.ops.decode_attention import resolve
+
+    assert shipped_variant("int4", 128, True, LONG_CONTEXT) == "s2" == LONG_CONTEXT_VARIANT
+    assert shipped_variant("int4", 128, True, LONG_CONTEXT - 1) == ""
+    for fmt, d, rot in (("int4", 64, True), ("int4", 128, False), ("e4m3", 128, True), ("bf16", 128, False)):
+        assert shipped_variant(fmt, d, rot, 1 << 20) == ""
+    variant, plan = resolve("int4", 128, True, "", 32768)
+    assert variant == "s2" and plan.stages == 2 and plan.v_dequant == "lut"
+    assert resolve("int4", 128, True, "fx", 32768)[0] == "fx"  # an explicit variant wins
+    assert resolve("int4", 128, True, "", 4096)[1] == default_plan("int4", 128, True)
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve("int4", 64, True, "fx", 1024)
+    assert {s.key for s in select("decode.attn*") if s.ci} >= {attn_key("int4", 128, True, "s2")}
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -244,6 +268,107 @@ def test_arithmetic_dequantization_matches_the_table():
             b0, b1 = (w0 >> (8 * byte)) & 0xFF, (w1 >> (8 * byte)) & 0xFF
             assert even.tolist() == [lut_pair(b0)[0], lut_pair(b1)[0]]
             assert odd.tolist() == [lut_pair(b0)[1], lut_pair(b1)[1]]
+
+
+def _sub_f16x2(x, c):
+    """sub.f16x2 of bit patterns x and c (exact for the kernel's operands)."""
+    return _f16x2(x) - _f16x2(c)
+
+
+def _pair_key_regs(w, c):
+    """attn_ptx.int4_word_to_f16x2x4_pair on one word: four (low, high) value pairs."""
+    s = w >> 8
+    return [_sub_f16x2((w & 0x000F000F) ^ c["p_lo"], c["p_lo"]), _sub_f16x2((w & 0x00F000F0) ^ c["p_hi"], c["p_hi"]),
+            _sub_f16x2((s & 0x000F000F) ^ c["p_lo"], c["p_lo"]), _sub_f16x2((s & 0x00F000F0) ^ c["p_hi"], c["p_hi"])]
+
+
+def _pair_value_regs(w0, w1, byte, c):
+    """attn_ptx.int4_token_pair_to_f16x2_pair: (even channel of both tokens, odd channel of both tokens)."""
+    x = prmt(w0, w1, byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12))
+    return _sub_f16x2((x & 0x000F000F) ^ c["p_lo"], c["p_lo"]), _sub_f16x2((x & 0x00F000F0) ^ c["p_hi"], c["p_hi"])
+
+
+def _alu_value_regs(w0, w1, byte, c):
+    """attn_ptx.int4_token_pair_to_f16x2_alu (the default's values) on raw words."""
+    x = prmt(w0 ^ 0x88888888, w1 ^ 0x88888888, byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12))
+    even = _f16x2((x & c["v_lo"]) | c["magic"]) - _f16x2(c["v_sub"])
+    odd = _fma_f16x2((x & c["v_hi"]) | c["magic"], c["v_mul"], c["v_add"])
+    return even, odd
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", ["", "fx"])
+def test_int4_arithmetic_fragments_reproduce_scores_and_values(d, variant):
+    """Emulate, lane by lane, the arithmetic paths for one 16-token step: the default's values (prmt + xor +
+    lop3 + f16 ops) and the "pair" variant's keys (nibbles 16 bits apart, query permuted through
+    plan.q_pair) and values; compare with q.K^T and V computed directly."""
+    from decode.attn_ptx import ALU_CONSTANTS as C
+
+    plan = default_plan("int4", d, True, 0, **VARIANTS[variant])
+    plan.check_maps()
+    rng = np.random.default_rng(d + 3)
+    q = rng.integers(-7, 8, (8, d))
+    k = rng.integers(-7, 8, (16, d))
+    v = rng.integers(-7, 8, (16, d))
+    kp = layouts.pack_int4_keys(torch.tensor(k)).numpy()      # [2 blocks, 32 lanes, D/8]
+    vp = layouts.pack_int4_values(torch.tensor(v)).numpy()    # [16, D/2]
+
+    if plan.k_dequant == "pair":
+        st = np.zeros((16, 8))
+        for tile in range(plan.ktiles):
+            a_k, b_q = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                regs = {}
+                for blk in range(2):
+                    for r in range(2):
+                        j, m, _ = plan.int4_pair_map[(tile, r)]
+                        regs[(blk, r)] = _pair_key_regs(word(kp[blk, lane], j), C)[m]
+                # A fragment of 16 tokens: (block 0 reg 0, block 1 reg 0, block 0 reg 1, block 1 reg 1)
+                for reg, key in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+                    for h in range(2):
+                        a_k[a_coord(lane, reg, h)] = regs[key][h]
+                for r in range(2):  # as query_fragments builds it: two aligned f16-pair words, one prmt
+                    lb, hb, step, sel = plan.q_pair_loads(tile, r)
+                    qrow = q[g].astype(np.float16).view(np.uint16).astype(np.int64)
+                    lo_w = int(qrow[lb + step * t] | (qrow[lb + step * t + 1] << 16))
+                    hi_w = int(qrow[hb + step * t] | (qrow[hb + step * t + 1] << 16))
+                    pair = _f16x2(prmt(lo_w, hi_w, sel))
+                    for h in range(2):
+                        kk, n = layouts.b_fragment_coord(lane, r, h)
+                        b_q[kk, n] = pair[h]
+                        assert pair[h] == q[g, plan.q_pair(tile, r, t)[h]]
+            st += a_k @ b_q
+        np.testing.assert_array_equal(st, k @ q.T)
+
+    a_v = np.full((plan.ktiles, 16, 16), np.nan)
+    regs_of = _pair_value_regs if plan.v_dequant == "pair" else _alu_value_regs
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for cc in range(plan.value_passes()):
+            w = [word(vp[tok], plan.value_word(g, cc)) for tok in plan.value_tokens(t)]
+            for i in range(4):
+                e01, o01 = regs_of(w[0], w[1], i, C)
+                e23, o23 = regs_of(w[2], w[3], i, C)
+                for reg, pair in enumerate((e01, o01, e23, o23)):
+                    for h in range(2):
+                        a_v[4 * cc + i][a_coord(lane, reg, h)] = pair[h]
+    for mt in range(plan.ktiles):
+        for row in range(16):
+            ch = plan.out_channel(mt, row // 8, row % 8)
+            np.testing.assert_array_equal(a_v[mt, row], v[:, ch], err_msg=f"tile {mt} row {row}")
+
+
+def test_pair_constants_decode_every_nibble():
+    """(n & 15) ^ 8 under the f16 exponents of 1024 (bits 0-3) and 64 (bits 4-7), minus 1032 / 72, is n."""
+    from decode.attn_ptx import ALU_CONSTANTS as C
+
+    for n in range(-8, 8):
+        u = n & 15
+        lo = (u | (u << 16)) ^ C["p_lo"]
+        hi = ((u << 4) | (u << 20)) ^ C["p_hi"]
+        assert _sub_f16x2(lo, C["p_lo"]).tolist() == [n, n]
+        assert _sub_f16x2(hi, C["p_hi"]).tolist() == [n, n]
 
 
 @pytest.mark.parametrize("d,block", [(128, 128), (64, 64), (128, 32)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,16 @@ class Case:
         return out
 
 
+def _record(line: str) -> None:
+    """Accuracy numbers for docs/results-decode-attention.md: printed (pytest -s) and, when $OUT is set,
+    appended to $OUT/attn_accuracy.txt (pytest -q hides prints of passing tests)."""
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "attn_accuracy.txt"), "a") as f:
+            f.write(line + "\n")
+
+
 def _rel_rms(out, ref):
     return float((out.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
@@ -240,8 +251,11 @@ def test_scale_is_an_ieee_division(ops, fmt):
     _check(case, case.run(ops), fmt)
 
 
-@pytest.mark.parametrize("fmt,variant", [("int4", ""), ("e4m3", ""), ("bf16", ""), ("int4", "valu"), ("int4", "alu"),
-                                         ("int4", "s2"), ("int4", "w12")], ids=lambda x: x or "default")
+INT4_VARIANTS = ("s2", "vlut", "w6v", "fx", "fx4")  # futx.runtime.catalog.decode_attention: SHIPPED + BENCH_ONLY
+
+
+@pytest.mark.parametrize("fmt,variant", [("int4", ""), ("e4m3", ""), ("bf16", "")] +
+                         [("int4", v) for v in INT4_VARIANTS], ids=lambda x: x or "default")
 def test_short_contexts_every_length(ops, fmt, variant):
     """Lengths 1..40 in one batch: every tile edge, block edge and split edge (and the benchmark-only
     variants, which share all of it)."""
@@ -249,6 +263,34 @@ def test_short_contexts_every_length(ops, fmt, variant):
     for splits in (0, 1, 3):
         case = Case(ops, fmt, rotate, 128, 32, 8, list(range(1, 41)), seed=7 + splits)
         _check(case, case.run(ops, num_splits=splits, variant=variant), fmt)
+
+
+def test_variant_list_matches_the_catalog():
+    from futx.runtime.catalog.decode_attention import BENCH_ONLY, SHIPPED
+
+    assert set(INT4_VARIANTS) == set(SHIPPED + BENCH_ONLY)
+
+
+@pytest.mark.parametrize("variant", INT4_VARIANTS)
+def test_variant_mixed_contexts(ops, variant):
+    """Each INT4 variant once on a small mixed-context batch (whole tiles and tails, several tiles per warp,
+    automatic and forced splits): output vs the simulated reference, cache bytes vs the library."""
+    for splits in (0, 3):
+        case = Case(ops, "int4", True, 128, 32, 8, (1, 7, 33, 700, 2049, 4095), seed=40 + splits)
+        _check(case, case.run(ops, num_splits=splits, max_context=4095, variant=variant), "int4")
+
+
+def test_long_context_rule_runs_the_long_kernel(ops):
+    """The default op with max_context >= LONG_CONTEXT launches the long-context kernel (s2): correct, and
+    identical to asking for it by name."""
+    from decode.attn_plan import LONG_CONTEXT, LONG_CONTEXT_VARIANT
+
+    ctx = (LONG_CONTEXT + 37, 5)
+    case = Case(ops, "int4", True, 128, 32, 8, ctx, seed=51)
+    out = case.run(ops, max_context=max(ctx))
+    _check(case, out, "int4")
+    named = case.run(ops, max_context=max(ctx), variant=LONG_CONTEXT_VARIANT)  # rewriting the row is idempotent
+    assert torch.equal(out, named)
 
 
 @pytest.mark.parametrize("d", [128, 64])
@@ -261,8 +303,10 @@ def test_rotation_tames_channel_outliers(ops, d):
         out = case.run(ops)
         errs[rotate] = _rel_rms(out, case.reference(exact=True))
         assert _rel_rms(out, case.reference()) < TOL["int4"]  # and still equal to its own simulation
-    print(f"\nINT4 cache with channel outliers, D={d}: relative RMS error {100 * errs[False]:.1f}% unrotated, "
-          f"{100 * errs[True]:.1f}% rotated")
+    line = (f"INT4 cache with channel outliers, D={d}: relative RMS error {100 * errs[False]:.1f}% unrotated, "
+            f"{100 * errs[True]:.1f}% rotated")
+    print("\n" + line)
+    _record(line)
     assert errs[True] < 0.6 * errs[False], f"rotation did not help: {errs}"
 
 
@@ -274,7 +318,9 @@ def test_e4m3_and_int4_error_vs_exact_bf16(ops):
     for fmt in ("e4m3", "int4"):
         case = Case(ops, fmt, True, 128, 32, 8, (1024, 4095), seed=3)
         errs[fmt] = _rel_rms(case.run(ops), case.reference(exact=True))
-    print(f"\nrelative RMS error vs BF16 attention: E4M3 {100 * errs['e4m3']:.2f}%, INT4 {100 * errs['int4']:.2f}%")
+    line = f"relative RMS error vs BF16 attention: E4M3 {100 * errs['e4m3']:.2f}%, INT4 {100 * errs['int4']:.2f}%"
+    print("\n" + line)
+    _record(line)
     assert errs["e4m3"] < 0.6 * errs["int4"] < 0.3
 
 
@@ -369,8 +415,8 @@ def _bench_case(ops, fmt, model, batch, ctx, seed):
 
 
 @pytest.mark.parametrize("model", list(BENCH_HEADS))
-@pytest.mark.parametrize("fmt,variant", [("int4", ""), ("int4", "valu"), ("int4", "alu"), ("int4", "s2"),
-                                         ("int4", "w12"), ("e4m3", ""), ("bf16", "")], ids=lambda x: x or "default")
+@pytest.mark.parametrize("fmt,variant", [("int4", "")] + [("int4", v) for v in INT4_VARIANTS] +
+                         [("e4m3", ""), ("bf16", "")], ids=lambda x: x or "default")
 def test_bench_point_b1_ctx1024(ops, model, fmt, variant):
     case = _bench_case(ops, fmt, model, 1, 1024, seed=31)
     kw = dict(max_context=1024, check_positions_on_host=False, variant=variant)

@@ -87,7 +87,7 @@ def _reference(x, w_ref, epilogue, r):
     return y
 
 
-def _run(fmt, stored, x, group, epilogue, r, split=None, kernel="auto", variant="", tiles=None):
+def _run(fmt, stored, x, group, epilogue, r, split=None, kernel="auto", variant="", tiles=None, warps=None):
     """One launch with a NaN-poisoned output and split-K workspace."""
     from futx.ops.decode_linear import run_variant
 
@@ -97,7 +97,7 @@ def _run(fmt, stored, x, group, epilogue, r, split=None, kernel="auto", variant=
                      device="cuda")
     ws = torch.full((32 * n * 32,), float("nan"), device="cuda")
     return run_variant(fmt, x, w, s, group, epilogue, r if epilogue == "residual" else None, kernel, variant,
-                       tiles, split, out=out, workspace=ws)
+                       tiles, split, out=out, workspace=ws, warps=warps)
 
 
 def _check(y, want, what):
@@ -167,13 +167,39 @@ def test_gemv_geometry(fmt, n, k, group, tiles):
             _check(y, _reference(x, w_ref, epilogue, r), f"gemv {fmt} {n}x{k} tiles={tiles} M={m} {epilogue}")
 
 
+# tile GEMV (INT4 M = 1): one n-block, K of one unit (most warps have no share), 17 units (uneven shares),
+# the 8B shapes (QKV, down)
+TILE_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336)]
+
+
+@pytest.mark.parametrize("variant", ["", "rolling"])
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("n,k", TILE_CASES, ids=[f"{c[0]}x{c[1]}" for c in TILE_CASES])
+def test_tile_gemv(n, k, warps, variant):
+    """The one-tile-per-CTA M = 1 GEMV (the plan's INT4 M = 1 default) in both warp counts, as measured
+    (batch prefetch) and with the benchmark-only rolling prefetch, every epilogue."""
+    stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
+    x, r = _inputs(1, k, n, 7)
+    for epilogue in ("store", "residual", "swiglu"):
+        y = _run("int4", stored, x, 128, epilogue, r, kernel="tile", variant=variant, warps=warps)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"tile w{warps} {variant or 'batch'} {n}x{k} {epilogue}")
+
+
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
 def test_design_variants_match(epilogue):
-    """Benchmark-only GEMV variants (no fold, no PDL) at M = 1; the skinny kernel on shapes the GEMV serves."""
+    """Benchmark-only GEMV variants (no fold; scales converted at the load as in run 2) at M = 1 and 8;
+    the skinny kernel on shapes the GEMV serves."""
     n, k = 4096, 14336
     stored, w_ref = _weights("int4", n, k, 128, 5)
+    for m, variant in ((1, "nofold"), (1, "r2"), (8, "nofold"), (8, "r2")):
+        x, r = _inputs(m, k // 2, n, m)  # K / 2: eight rows fit in shared memory
+        sub = _weights("int4", n, k // 2, 128, 6)
+        y = _run("int4", sub[0], x, 128, epilogue, r, kernel="gemv", variant=variant)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, sub[1], epilogue, r), f"gemv {variant} M={m} {epilogue}")
     x, r = _inputs(1, k, n, 1)
-    for variant in ("nofold", "nopdl"):
+    for variant in ("nofold", "r2"):
         y = _run("int4", stored, x, 128, epilogue, r, kernel="gemv", variant=variant)
         torch.cuda.synchronize()
         _check(y, _reference(x, w_ref, epilogue, r), f"gemv {variant} {epilogue}")
@@ -186,16 +212,17 @@ def test_design_variants_match(epilogue):
 
 def test_back_to_back_launches_respect_the_dependency():
     """PDL: each kernel may start before the previous one ends; it must still read the previous kernel's
-    finished output (a chain of projections into NaN-poisoned buffers, one synchronize at the end)."""
+    finished output (a chain of projections into NaN-poisoned buffers, one synchronize at the end), also
+    when a kernel without PDL (the tile GEMV) precedes or follows one with it."""
     from futx.ops.decode_linear import run_variant
 
     k = 2048
     stored, w_ref = _weights("int4", k, k, 128, 9)
     x = torch.randn(1, k, device="cuda").bfloat16()
-    outs = [torch.full((1, k), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    outs = [torch.full((1, k), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(6)]
     y, want = x, x.float()
-    for o in outs:
-        y = run_variant("int4", y, stored[0], stored[1], 128, out=o)
+    for i, o in enumerate(outs):  # tile GEMV (no PDL) and persistent GEMV (PDL) alternating
+        y = run_variant("int4", y, stored[0], stored[1], 128, out=o, kernel=("tile", "gemv")[i % 2])
         want = (want @ w_ref.T).bfloat16().float()
     torch.cuda.synchronize()
     assert not torch.isnan(y).any(), "a kernel read its input before the previous kernel wrote it"

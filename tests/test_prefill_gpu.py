@@ -1,11 +1,15 @@
 """Prefill GEMM + epilogue policies on the GPU, against a float64 reference of the same math.
 
-Every shipped (operand dtype, policy, variant) and every benchmark candidate (pingpong, cluster 1)
-runs through `futx.ops.prefill.gemm` (AOT or JIT), with M not a multiple of the tile (incl. 1 and odd
-M), N and K not multiples of the tile, outputs poisoned with NaN before the launch. FP8 outputs must
-be within E4M3 rounding of the reference; delayed scaling is exercised over several calls; the
-gate/up + SwiGLU policies run once at the real 8B shape; the QKV policy (RoPE + KV-cache placement)
-runs on a packed batch of requests of different lengths.
+Every shipped (operand dtype, policy, variant) and every benchmark candidate (coop/pingpong/stagger,
+cluster 1, raster group 16) runs through `futx.ops.prefill.gemm` (AOT or JIT), with M not a multiple of
+the tile (incl. 1 and odd M), N and K not multiples of the tile, outputs poisoned with NaN before the
+launch. FP8 outputs must be within E4M3 rounding of the reference; delayed scaling is exercised over
+several calls; the gate/up + SwiGLU policies run once at the real 8B shape; the QKV policies (RoPE +
+KV-cache placement, head_dim 128 and 64) run on a packed batch of requests of different lengths.
+Pingpong (the default schedule) runs every epilogue kind -- plain, scales, SwiGLU (interleaved and
+split), residual (also in place), RMS partials, FP8 delayed store, QKV -- on problems with more tiles
+than CTAs, so that both consumer warpgroups take turns (small problems give each CTA one tile, which
+warpgroup 0 alone computes).
 
 E4M3 x E4M3 accumulation is "fast accumulation" (like cuBLAS `use_fast_accum=True`): the tensor core
 adds each 32-wide k-block to the accumulator keeping ~14 significant bits, truncating, so the GEMM
@@ -189,7 +193,13 @@ def test_variant_matches_float64_reference(prefill, variant, m):
     poison(out)
     prefill.gemm(a, w, pol, out=out, variant=name, **tensors)
     torch.cuda.synchronize()
-    what = f"{ab}.{pol}.{name} M={m}"
+    check_result(out, ref, acc_err, pol, tensors, tile_n, f"{ab}.{pol}.{name} M={m}")
+
+
+def check_result(out, ref, acc_err, pol, tensors, tile_n, what):
+    """Output against the float64 reference; FP8: amax and saturation count; RMS: the sumsq partials."""
+    info = POLICIES[pol]
+    n_out = out.shape[1]
     if info.out == "e4m3":
         scale = float(tensors["scale"])
         assert_fp8_close(out, ref, scale, what, acc_err)
@@ -209,7 +219,14 @@ def test_variant_matches_float64_reference(prefill, variant, m):
 
 MANY = [("e4m3", "scale_bf16", "n256"), ("e4m3", "scale_bf16", "n256.pp"), ("bf16", "bf16", "n256"),
         ("bf16", "bf16", "n256.pp"), ("e4m3", "scale_rho_swiglu_fp8", "n256"),
-        ("e4m3", "scale_rho_swiglu_fp8", "n256.pp")]
+        ("e4m3", "scale_rho_swiglu_fp8", "n256.pp"),
+        # the raster / cluster experiments (18 pingpong cluster rows: one group of 16 + a group of 2)
+        ("e4m3", "scale_bf16", "n256.pp.g16"), ("e4m3", "scale_bf16", "n256.pp.c1"),
+        # pingpong with every other epilogue kind, both warpgroups busy (QKV: test_qkv_rope_and_cache_placement)
+        ("e4m3", "scale_fp8", "n256.pp"), ("e4m3", "scale_rho_swiglu_split_fp8", "n256.pp"),
+        ("e4m3", "scale_res_bf16", "n256.pp"), ("e4m3", "scale_res_rms_bf16", "n256.pp"),
+        ("e4m3", "scale_res_rms_bf16", "n256"), ("e4m3", "scalet_res_rms_bf16", "n256.pp"),
+        ("bf16", "res_bf16", "n256.pp"), ("bf16", "swiglu_split_bf16", "n256.pp")]
 
 
 @pytest.mark.parametrize("ab,pol,variant", MANY, ids=[_ids(v) for v in MANY])
@@ -218,16 +235,14 @@ def test_many_tiles_and_raster_groups(prefill, ab, pol, variant):
     an odd number of tiles per CTA, so the warpgroups' turn-taking ends unevenly)."""
     info = POLICIES[pol]
     m, n, k = 2 * 128 * 9 - 50, 4096 + 256 * info.n_ratio, 1024
-    a, w, tensors = make_inputs(ab, pol, m, n, k, seed=5)
+    tile_n = Variant.parse(variant).tile_n
+    a, w, tensors = make_inputs(ab, pol, m, n, k, seed=5, tile_n=tile_n)
     ref, acc_err = reference(a, w, pol, tensors, n // info.n_ratio)
     if info.out == "e4m3":
         tensors["scale"].fill_(float(ref.abs().max()) / 300.0)
     out = prefill.gemm(a, w, pol, variant=variant, **tensors)
     torch.cuda.synchronize()
-    if info.out == "e4m3":
-        assert_fp8_close(out, ref, float(tensors["scale"]), pol, acc_err)
-    else:
-        assert_bf16_close(out, ref, pol, acc_err)
+    check_result(out, ref, acc_err, pol, tensors, tile_n, f"{ab}.{pol}.{variant} many tiles")
 
 
 SWIGLU_8B = [(ab, pol, v) for ab, pol in (("bf16", "rho_swiglu_bf16"), ("e4m3", "scale_rho_swiglu_fp8"))
@@ -255,9 +270,11 @@ def test_swiglu_at_8b_gate_up_shape(prefill, ab, pol, variant):
         assert_bf16_close(out, ref, f"8B gate/up {pol}.{variant}")
 
 
-def test_delayed_fp8_scaling_over_calls(prefill):
-    """Call t quantizes with the scale from call t-1's amax; a jump in range saturates once, then adapts."""
-    pol, m, n, k = "scale_rho_swiglu_fp8", 333, 1024, 512
+@pytest.mark.parametrize("variant", ["n256.pp", "n256"])
+def test_delayed_fp8_scaling_over_calls(prefill, variant):
+    """Call t quantizes with the scale from call t-1's amax; a jump in range saturates once, then adapts.
+    (M x N = 1333 x 2048: more pingpong tiles than CTAs, so both warpgroups publish amax partials.)"""
+    pol, m, n, k = "scale_rho_swiglu_fp8", 1333, 2048, 512
     amps = [1.0, 1.0, 8.0, 8.0]
     scale = torch.ones(1, device="cuda")            # first call: initial scale 1.0
     amax = torch.zeros(1, device="cuda")
@@ -266,7 +283,7 @@ def test_delayed_fp8_scaling_over_calls(prefill):
     for t, amp in enumerate(amps):
         a, w, tensors = make_inputs("e4m3", pol, m, n, k, seed=11, amp=amp)
         tensors.update(scale=scale.clone(), amax=amax.zero_(), saturated=sat.zero_())
-        out = prefill.gemm(a, w, pol, **tensors)
+        out = prefill.gemm(a, w, pol, variant=variant, **tensors)
         torch.cuda.synchronize()
         ref, acc_err = reference(a, w, pol, tensors, n // 2)
         used = float(tensors["scale"])
@@ -283,21 +300,25 @@ def test_delayed_fp8_scaling_over_calls(prefill):
     assert n3 <= 2 and q3 > 0.9 * E4M3_MAX, history  # adapted
 
 
-def test_residual_in_place(prefill):
+@pytest.mark.parametrize("m,n", [(200, 512), (2000, 2048)])      # 2000 x 2048: 128 pingpong tiles
+@pytest.mark.parametrize("variant", ["n256.pp", "n256"])
+def test_residual_in_place(prefill, variant, m, n):
     """D may alias the residual stream (X1 = X + O Wo^T written over X)."""
-    m, n, k = 200, 512, 256
+    k = 256
     a, w, tensors = make_inputs("e4m3", "scale_res_bf16", m, n, k, seed=3)
     x = tensors["residual"]
     ref, acc_err = reference(a, w, "scale_res_bf16", tensors, n)
-    prefill.gemm(a, w, "scale_res_bf16", out=x, **tensors)
+    prefill.gemm(a, w, "scale_res_bf16", out=x, variant=variant, **tensors)
     torch.cuda.synchronize()
-    assert_bf16_close(x, ref, "in-place residual", acc_err)
+    assert_bf16_close(x, ref, f"in-place residual {variant}", acc_err)
 
 
-def test_rms_partials_give_rho(prefill):
-    m, h, k = 130, 1024, 256
+@pytest.mark.parametrize("m,h", [(130, 1024), (1100, 2048)])     # 1100 x 2048: 72 pingpong tiles
+@pytest.mark.parametrize("variant", ["n256.pp", "n256"])
+def test_rms_partials_give_rho(prefill, variant, m, h):
+    k = 256
     a, w, tensors = make_inputs("e4m3", "scale_res_rms_bf16", m, h, k, seed=4)
-    out = prefill.gemm(a, w, "scale_res_rms_bf16", tile_n=256, **tensors)
+    out = prefill.gemm(a, w, "scale_res_rms_bf16", variant=variant, **tensors)
     rho = prefill.rms_rho(tensors["sumsq"], h, 1e-5)
     want = torch.rsqrt((out.double() ** 2).mean(1) + 1e-5)
     torch.testing.assert_close(rho.double(), want, rtol=1e-5, atol=0)
@@ -365,23 +386,26 @@ def test_user_policy_from_readme(prefill):
 
 
 # ---- QKV projection: RoPE + direct KV-cache placement (paper 3.2.1) ---------------------------------
-QKV = [("e4m3", v) for v in variants("e4m3", "scale_rho_qkv128_bf16", bench=True)] + [
-    ("bf16", v) for v in variants("bf16", "rho_qkv128_bf16", bench=True)]
+# (operand dtype, variant, layer preset): head_dim 128 (8B) and 64 (1B, the qkv64 policy)
+QKV = ([("e4m3", v, "layer-8b") for v in variants("e4m3", "scale_rho_qkv128_bf16", bench=True)]
+       + [("bf16", v, "layer-8b") for v in variants("bf16", "rho_qkv128_bf16", bench=True)]
+       + [("e4m3", v, "layer-1b") for v in variants("e4m3", "scale_rho_qkv64_bf16", bench=True)])
 
 
-def _qkv_problem(ab, seed=31):
-    """The 8B QKV shape (K=4096, 32 Q + 8 KV heads of 128) on a packed batch of 4 requests of different
-    lengths, start positions and cache slots; integer operands (exact GEMM even with fast accumulation)."""
+def _qkv_problem(ab, seed=31, layer="layer-8b"):
+    """A layer's QKV shape (8B: K=4096, 32 Q + 8 KV heads of 128; 1B: K=2048, 32 + 8 heads of 64) on a
+    packed batch of 4 requests of different lengths, start positions and cache slots; integer operands
+    (exact GEMM even with fast accumulation). 768 rows: more tiles than CTAs in every schedule."""
     from futx.config import preset
     from futx.kvcache import KVCache
     from futx.reference.batch import PackedBatch
 
-    cfg = preset("layer-8b")
+    cfg = preset(layer)
     hq, hkv, hd, k = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     batch = PackedBatch.from_lengths([300, 17, 1, 450], start_positions=[0, 5, 1000, 64], slots=[2, 0, 3, 1],
                                      device="cuda")
     m, n = batch.num_rows, (hq + 2 * hkv) * hd
-    pol = "scale_rho_qkv128_bf16" if ab == "e4m3" else "rho_qkv128_bf16"
+    pol = f"scale_rho_qkv{hd}_bf16" if ab == "e4m3" else f"rho_qkv{hd}_bf16"
     a, w, t = make_inputs(ab, pol, m, n, k, seed=seed, integer=True)
     cache = KVCache(cfg, slots=5, capacity=1536, dtype=torch.bfloat16, device="cuda")
     return cfg, batch, a, w, t, cache
@@ -402,11 +426,11 @@ def _qkv_reference(cfg, batch, a, w, t):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(m, hkv, hd)
 
 
-@pytest.mark.parametrize("ab,variant", QKV, ids=[f"{ab}.{v}" for ab, v in QKV])
-def test_qkv_rope_and_cache_placement(prefill, ab, variant):
+@pytest.mark.parametrize("ab,variant,layer", QKV, ids=[f"{ab}.{v}.{layer}" for ab, v, layer in QKV])
+def test_qkv_rope_and_cache_placement(prefill, ab, variant, layer):
     from futx.rope import inv_freq
 
-    cfg, batch, a, w, t, cache = _qkv_problem(ab)
+    cfg, batch, a, w, t, cache = _qkv_problem(ab, layer=layer)
     scales = dict(a_scale=t["a_scale"], b_scale=t["b_scale"]) if ab == "e4m3" else {}
     q = prefill.qkv(a, w, cache.k[0], cache.v[0], batch.row_slot.int(), batch.row_position.int(),
                     inv_freq(cfg).float().cuda(), rho=t["rho"], variant=variant, **scales)

@@ -26,6 +26,7 @@ import torch
 
 from futx.eval.runner import Runner
 from futx.reference import PackedBatch
+from futx.reference.model import tokens_checked
 
 PROTOCOLS = ("gptq", "serving", "all-decode")
 WINDOW = 2048
@@ -89,27 +90,31 @@ class PerplexityResult:
         return math.exp(self.mean_nll)
 
 
-def _decode_span(runner: Runner, cache, tokens: torch.Tensor, start: int, stop: int, chunk: int, bar) -> float:
-    """Decode input positions [start, stop) of every window, scoring each prediction of the next token."""
+def _decode_span(runner: Runner, cache, tokens: torch.Tensor, start: int, stop: int, chunk: int,
+                 bar) -> torch.Tensor:
+    """Decode input positions [start, stop) of every window, scoring each prediction of the next token.
+
+    Returns the summed NLL as a float64 tensor on the runner's device (no host sync per step).
+    """
     b = tokens.shape[0]
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=tokens.device)
     for s in range(start, stop, chunk):
         e = min(s + chunk, stop)
         batch = PackedBatch.from_lengths([e - s] * b, [s] * b, device=tokens.device)
         hidden = runner.decode(tokens[:, s:e].reshape(-1), batch, cache)
-        total += float(runner.nll(hidden, tokens[:, s + 1:e + 1].reshape(-1), "decode").sum())
+        total += runner.nll(hidden, tokens[:, s + 1:e + 1].reshape(-1), "decode").sum()
         bar.update(b * (e - s))
     return total
 
 
-def window_nll(runner: Runner, tokens: torch.Tensor, protocol: str, decode_chunk: int, bar) -> float:
-    """Summed NLL of the scored tokens of a batch of windows tokens [B, W]."""
+def window_nll(runner: Runner, tokens: torch.Tensor, protocol: str, decode_chunk: int, bar) -> torch.Tensor:
+    """Summed NLL (float64 tensor on the runner's device) of the scored tokens of windows tokens [B, W]."""
     b, w = tokens.shape
     cache = runner.new_cache(b, w)
     if protocol == "gptq":
         hidden = runner.prefill(tokens.reshape(-1), PackedBatch.from_lengths([w] * b, device=tokens.device), cache)
         hidden = hidden.view(b, w, -1)[:, :-1].reshape(b * (w - 1), -1)
-        total = float(runner.nll(hidden, tokens[:, 1:].reshape(-1), "prefill").sum())
+        total = runner.nll(hidden, tokens[:, 1:].reshape(-1), "prefill").sum()
         bar.update(b * (w - 1))
         return total
     start = 0
@@ -118,6 +123,14 @@ def window_nll(runner: Runner, tokens: torch.Tensor, protocol: str, decode_chunk
         runner.prefill(tokens[:, :start].reshape(-1), PackedBatch.from_lengths([start] * b, device=tokens.device),
                        cache)
     return _decode_span(runner, cache, tokens, start, w - 1, decode_chunk, bar)
+
+
+def check_token_range(windows: torch.Tensor, vocab_size: int) -> None:
+    """ValueError unless every token id lies in [0, vocab_size) (checked once, before the forwards)."""
+    if windows.numel():
+        lo, hi = int(windows.min()), int(windows.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got {lo}..{hi}")
 
 
 def evaluate(runner: Runner, windows: torch.Tensor, protocol: str = "gptq", *, batch_size: int = 8,
@@ -140,6 +153,7 @@ def evaluate(runner: Runner, windows: torch.Tensor, protocol: str = "gptq", *, b
 
     n = windows.shape[0]
     mode = "-" if protocol == "gptq" else ("stepwise" if stepwise else f"chunked({decode_chunk})")
+    check_token_range(windows, runner.config.vocab_size)
     windows = windows.to(runner.device)
     t0 = time.perf_counter()
     nll = 0.0
@@ -148,7 +162,8 @@ def evaluate(runner: Runner, windows: torch.Tensor, protocol: str = "gptq", *, b
         bar = tqdm(total=n * per_window, unit="tok", desc=f"ppl {protocol}", disable=not progress, smoothing=0.1)
     try:
         for i in range(0, n, batch_size):
-            nll += window_nll(runner, windows[i:i + batch_size], protocol, chunk, bar)
+            with tokens_checked():  # checked above: no per-call device sync for the token range
+                nll += float(window_nll(runner, windows[i:i + batch_size], protocol, chunk, bar))
             k = min(i + batch_size, n)
             result = PerplexityResult(protocol, k, windows.shape[1], k * per_window, nll, time.perf_counter() - t0,
                                       mode)

@@ -16,7 +16,8 @@ from futx.kvcache import KVCache, MirrorFn
 from futx.reference import PackedBatch, forward_hidden, stat_dtype
 from futx.reference.weights import ModelWeights
 
-NLL_ROWS = 1024  # LM-head rows per step: a [1024, V] logit block instead of [M, V]
+NLL_ROWS = 1024  # LM-head rows per step on the CPU: a [1024, V] logit block instead of [M, V]
+NLL_ROWS_CUDA = 8192  # on a GPU (a [8192, 49152] float32 block is 1.6 GB)
 
 
 class Runner:
@@ -52,8 +53,9 @@ class Runner:
         weights = self.prefill_weights if phase == "prefill" else self.decode_weights
         head = weights.output_weight
         out = torch.empty(hidden.shape[0], dtype=torch.float64, device=hidden.device)
-        for r in range(0, hidden.shape[0], NLL_ROWS):
-            logits = (hidden[r:r + NLL_ROWS] @ head.T).to(stat_dtype(head.dtype))
-            logp = logits.log_softmax(dim=-1).gather(1, targets[r:r + NLL_ROWS, None]).squeeze(1)
-            out[r:r + NLL_ROWS] = -logp.to(torch.float64)
+        step = NLL_ROWS_CUDA if hidden.device.type == "cuda" else NLL_ROWS
+        for r in range(0, hidden.shape[0], step):
+            logits = (hidden[r:r + step] @ head.T).to(stat_dtype(head.dtype))
+            logp = logits.log_softmax(dim=-1).gather(1, targets[r:r + step, None]).squeeze(1)
+            out[r:r + step] = -logp.to(torch.float64)
         return out

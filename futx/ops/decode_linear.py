@@ -9,10 +9,12 @@ x [M, K] bf16; weights as `futx.quant` stores them (Int4Weight: packed [N/16, K/
 float16 scales [N/16, K/G, 16]; E4M3Weight: float8_e4m3fn [N, K] + float32 [N]; bf16 [N, K]).
 epilogue: "store" -> y [M, N]; "residual" -> y = x @ W^T + residual; "swiglu" -> y [M, N/2] =
 silu(gate) * up with gate/up rows interleaved (row 2j gate j, row 2j + 1 up j).
-Every input is validated before launch. decode.plan picks the kernel (the persistent GEMV up to M = 16
-where the activation rows fit in shared memory, else the skinny kernel) and its launch shape.
-The kernels launch with programmatic dependent launch: they may start reading the weights and scales
-before the previous kernel on the stream has finished, so that kernel must not write them.
+Every input is validated before launch. decode.plan picks the measured-fastest kernel (INT4 at M = 1: the
+one-tile-per-CTA GEMV; up to M = 16 the persistent GEMV where the activation rows fit in shared memory,
+INT4 only up to M = 8; else the skinny kernel) and its launch shape.
+The persistent GEMV and the skinny kernel launch with programmatic dependent launch: they may start
+reading the weights and scales before the previous kernel on the stream has finished, so that kernel must
+not write them.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def _check_common(x: torch.Tensor, n: int, k_w: int, epilogue: str, residual: Op
 
 def _launch(fmt: str, group: int, epilogue: str, x, w, s, residual, n: int, kernel: str = "auto",
             variant: str = "", tiles: Optional[int] = None, split: Optional[int] = None,
-            out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
+            warps: Optional[int] = None) -> torch.Tensor:
     m, k = x.shape
     shape = (m, n // 2 if epilogue == "swiglu" else n)
     if out is None:
@@ -84,8 +87,11 @@ def _launch(fmt: str, group: int, epilogue: str, x, w, s, residual, n: int, kern
         checks.dtype("out", out, torch.bfloat16)
         checks.shape("out", out, shape)
         checks.contiguous("out", out)
-    choice = plan.choose(fmt, group, epilogue, m, n, k, _sms(x.device), kernel, variant, tiles, split)
+    choice = plan.choose(fmt, group, epilogue, m, n, k, _sms(x.device), kernel, variant, tiles, split, warps)
     fn = get_kernel(choice.key)
+    if choice.kind == "tile":
+        fn(x, w, s, residual, out)
+        return out
     if choice.kind == "gemv":
         checks.in_range("tiles", choice.tiles, 1, n // layouts.INT4_WEIGHT.block_n)
         fn(x, w, s, residual, out, choice.tiles)
@@ -211,10 +217,11 @@ def decode_linear(x: torch.Tensor, weight, epilogue: str = "store",
 def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Tensor], group_size: int = 128,
                 epilogue: str = "store", residual: Optional[torch.Tensor] = None, kernel: str = "auto",
                 variant: str = "", tiles: Optional[int] = None, split: Optional[int] = None,
-                out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Test/benchmark hook: the ops' validation and launch with the kernel ("auto", "gemv", "skinny"), a
-    benchmark-only GEMV variant (decode.plan.GEMV_VARIANTS), the launch shape (GEMV tiles per CTA,
-    skinny split) and the output/workspace buffers chosen by the caller."""
+                out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
+                warps: Optional[int] = None) -> torch.Tensor:
+    """Test/benchmark hook: the ops' validation and launch with the kernel ("auto", "tile", "gemv",
+    "skinny"), a benchmark-only variant (decode.plan.GEMV_VARIANTS / TILE_VARIANTS), the launch shape (GEMV
+    tiles per CTA, skinny split, tile-GEMV warps) and the output/workspace buffers chosen by the caller."""
     if fmt == "int4":
         n = _check_int4(x, w, s, group_size, epilogue, residual)
     elif fmt == "e4m3":
@@ -222,4 +229,5 @@ def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Te
         w = w.view(torch.uint8)
     else:
         n = _check_bf16(x, w, epilogue, residual)
-    return _launch(fmt, group_size, epilogue, x, w, s, residual, n, kernel, variant, tiles, split, out, workspace)
+    return _launch(fmt, group_size, epilogue, x, w, s, residual, n, kernel, variant, tiles, split, out, workspace,
+                   warps)

@@ -10,7 +10,8 @@ policies join with `register_policy`); every tensor is validated (device, dtype,
 16-byte alignment) before any launch.
 Alignment rules (TMA): K and N multiples of 16, D's width (N, or N/2 after SwiGLU) a multiple of 16.
 M is free (any value >= 0; M = 0 launches nothing). The kernel variant (tile width, schedule, cluster)
-follows `choose_variant` unless `variant=` names one (e.g. "n256.pp" for the benchmarks).
+follows `choose_variant` (pingpong "n256.pp" by default) unless `variant=` names one (e.g. "n256" for
+the coop schedule; the benchmarks also pass candidates such as "n256.pp.g16").
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def gemm(a: torch.Tensor, w: torch.Tensor, policy: str = "bf16", *, out: Optiona
     """Allocate D if needed, pick the variant (`choose_variant`) and run `futx::prefill_gemm`.
 
     tensors: the policy's tensors by name (POLICIES[policy].args), e.g. a_scale=, b_scale=, rho=.
-    variant: e.g. "n256", "n128", "n256.pp" (catalog `variants(ab, policy, bench=True)`); tile_n=W is
-    shorthand for "nW".
+    variant: e.g. "n256.pp" (the default), "n256" (coop) (catalog `variants(ab, policy, bench=True)`);
+    tile_n=W is shorthand for the coop variant "nW".
     """
     info = _policy(policy)
     names = [nm for nm, _, _ in info.args]

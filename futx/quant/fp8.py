@@ -6,6 +6,11 @@ t - 1 and records its own amax for t + 1. The state defines the first scale (`in
 the previous scale when a tensor is all zero (amax 0 would give scale 0), counts saturated elements,
 and refuses NaN input (an E4M3 NaN would otherwise flow on silently). +-Inf is clamped to +-448 and
 counted as a saturation; it never enters the amax. One state per request group (`DelayedScaling`).
+
+Every division here and in `int4` / `kv_mirror` is a true IEEE division (round to nearest even), as
+the kernels' div.rn: `ieee_div` divides tensor by tensor, because CUDA PyTorch evaluates
+`tensor / python_scalar` as tensor * fp32(1 / scalar), which differs in the last bit on about half of
+the values and then flips rounding ties of the quantizer.
 """
 
 from __future__ import annotations
@@ -16,6 +21,21 @@ import torch
 
 E4M3_MAX = 448.0
 E4M3 = torch.float8_e4m3fn
+
+
+def ieee_div(x: torch.Tensor, divisor) -> torch.Tensor:
+    """x / divisor, a true IEEE division on every device (never a multiplication by a reciprocal).
+
+    `divisor`: a Python number or a tensor broadcastable to x. CUDA PyTorch turns a division by a CPU
+    scalar (a Python number or a 0-dim CPU tensor) into x * (1 / divisor); dividing by a tensor on x's
+    device that has at least one dimension keeps the true division. Numbers become a [1, ..., 1]
+    tensor made on the device (torch.full launches a fill: no host-device copy, no sync).
+    """
+    if isinstance(divisor, torch.Tensor):
+        if divisor.dim() == 0:
+            divisor = divisor.to(device=x.device).reshape((1,) * max(x.dim(), 1))
+        return x / divisor
+    return x / torch.full((1,) * x.dim(), float(divisor), dtype=x.dtype, device=x.device)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +59,7 @@ def quantize_e4m3_weight(w: torch.Tensor) -> E4M3Weight:
     if not torch.isfinite(w).all():
         raise ValueError("E4M3 weight contains NaN or Inf")
     amax = w.float().abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, ieee_div(amax, E4M3_MAX), torch.ones_like(amax))
     return E4M3Weight(data=to_e4m3(w.float() / scale[:, None]), scale=scale)
 
 
@@ -73,7 +93,7 @@ class DelayedScaleState:
         xf = x.float()
         finite = torch.isfinite(xf)
         scale = self.scale
-        scaled = xf / scale
+        scaled = ieee_div(xf, scale)  # float32(scale), true division (as on the CPU, also on CUDA)
         n_sat = int((scaled.abs() > E4M3_MAX).sum())  # counts Inf too
         data = to_e4m3(scaled)
         amax = float(xf.abs().masked_fill(~finite, 0).amax()) if xf.numel() else 0.0

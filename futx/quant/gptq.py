@@ -54,6 +54,7 @@ class Int4Model:
     weights: dict[str, Int4Weight]
     methods: dict[str, str]                      # 'gptq' or 'rtn' per projection
     stats: dict[str, float] = field(default_factory=dict)  # GPTQ proxy loss relative to RTN
+    info: dict = field(default_factory=dict)     # how it was made (calibration, device, seconds)
 
     def dequantized(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weights[name].dequantize(dtype)
@@ -119,13 +120,18 @@ def quantize_model(weights, calibration: Optional[torch.Tensor] = None, group_si
                 raise RuntimeError(f"GPTQ saw no input to {stage[0]}: the reference block no longer computes "
                                    "projections as h @ W.T (see futx.quant.capture)")
             updates = {}
+            # The stage's projections share the input, hence the Hessian, and GPTQ treats rows
+            # independently: solve them as one stacked matrix (fewer, wider column steps).
+            solve = [f for f in stage if f"layers.{i}.{f}" not in keep_rtn]
+            solved = {}
+            if solve:
+                rows = [getattr(cur, f).shape[0] for f in solve]
+                q_all, s_all = gptq_quantize(torch.cat([getattr(cur, f) for f in solve]), acc.h, group_size, damping)
+                solved = dict(zip(solve, zip(q_all.split(rows), s_all.split(rows))))
             for f in stage:
                 name, w = f"layers.{i}.{f}", getattr(cur, f)
-                if name in keep_rtn:
-                    q, s = _rtn(w.cpu(), group_size)
-                else:
-                    q, s = gptq_quantize(w, acc.h, group_size, damping)
-                out.weights[name] = pack_int4(q, s, group_size)
+                q, s = _rtn(w.cpu(), group_size) if name in keep_rtn else solved[f]
+                out.weights[name] = pack_int4(q.contiguous(), s.contiguous(), group_size)
                 out.methods[name] = "rtn" if name in keep_rtn else "gptq"
                 wq = out.weights[name].dequantize().to(dev)
                 loss_rtn = _proxy_loss(w, fake_quantize_int4(w.cpu(), group_size).to(dev), acc.h)
@@ -149,7 +155,7 @@ def save(model: Int4Model, path: str | Path) -> None:
     meta = {"format": FILE_FORMAT, "version": str(FILE_VERSION), "layout_version": str(layouts.LAYOUT_VERSION),
             "config": model.config_name, "group_size": str(model.group_size), "gains_folded": "true",
             "methods": json.dumps(model.methods), "shapes": json.dumps({n: w.shape for n, w in model.weights.items()}),
-            "stats": json.dumps(model.stats)}
+            "stats": json.dumps(model.stats), "info": json.dumps(model.info)}
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -165,7 +171,8 @@ def load(path: str | Path) -> Int4Model:
                          f"{layouts.LAYOUT_VERSION}/{FILE_VERSION} of this futx")
     tensors, shapes, g = load_file(str(path)), json.loads(meta["shapes"]), int(meta["group_size"])
     weights = {n: Int4Weight(tensors[f"{n}.packed"], tensors[f"{n}.scales"], tuple(s), g) for n, s in shapes.items()}
-    return Int4Model(meta["config"], g, weights, json.loads(meta["methods"]), json.loads(meta.get("stats", "{}")))
+    return Int4Model(meta["config"], g, weights, json.loads(meta["methods"]), json.loads(meta.get("stats", "{}")),
+                     json.loads(meta.get("info", "{}")))
 
 
 # ---- calibration data and command line -------------------------------------------------------------
@@ -183,8 +190,11 @@ def calibration_windows(tokens: torch.Tensor, windows: int, length: int, seed: i
 
 def main(argv: Optional[list[str]] = None) -> None:
     import argparse
+    import hashlib
+    import time
 
     from futx.checkpoint import load as load_checkpoint
+    from futx.eval.device import describe, setup_device
     from futx.tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(description="INT4 (GPTQ or RTN) quantization of a model's block projections")
@@ -197,21 +207,45 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rtn", action="append", default=[], help="keep RTN for a projection, e.g. layers.1.down")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--json", default=None, help="write a summary (calibration, timing, proxy-loss stats) here")
+    p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     if "wikitext" in a.calib.lower() and "test" in a.calib.lower():
         raise ValueError("refusing to calibrate on the WikiText-2 test split")
+    dev = setup_device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
     weights = load_checkpoint(a.model)
     calib = None
+    info = {"method": a.method, "group_size": a.group_size, "damping": DAMPING, **describe(dev)}
     if a.method == "gptq":
-        text = Path(a.calib).read_text(encoding="utf-8")
-        tokens = torch.tensor(load_tokenizer(a.model).encode(text), dtype=torch.int64)
+        raw = Path(a.calib).read_bytes()
+        tokens = torch.tensor(load_tokenizer(a.model).encode(raw.decode("utf-8")), dtype=torch.int64)
         calib = calibration_windows(tokens, a.windows, a.seq_len, a.seed)
+        info.update(calibration={"text": Path(a.calib).name, "sha256": hashlib.sha256(raw).hexdigest(),
+                                 "text_tokens": int(tokens.numel()), "windows": a.windows, "seq_len": a.seq_len,
+                                 "seed": a.seed, "sampling": "uniform random window starts (torch.Generator)"})
+    t1 = time.perf_counter()
     with torch.no_grad():
-        model = quantize_model(weights, calib, a.group_size, a.method, a.rtn, device=a.device)
+        model = quantize_model(weights, calib, a.group_size, a.method, a.rtn, device=str(dev),
+                               progress=not a.no_progress)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    info.update(rtn_overrides=sorted(projection_name(x) for x in a.rtn), load_seconds=round(t1 - t0, 1),
+                quantize_seconds=round(t2 - t1, 1))
+    model.info = info
     save(model, a.out)
     worst = max(model.stats.items(), key=lambda kv: kv[1]) if model.stats else None
-    print(f"saved {len(model.weights)} projections to {a.out}; worst GPTQ/RTN proxy loss: {worst}")
+    print(f"saved {len(model.weights)} projections to {a.out} in {t2 - t1:.1f} s; worst GPTQ/RTN proxy loss: {worst}")
+    if a.json:
+        by_kind: dict[str, list[float]] = {}
+        for name, r in model.stats.items():
+            by_kind.setdefault(name.rsplit(".", 1)[1], []).append(r)
+        summary = {**info, "out": str(a.out), "projections": len(model.weights),
+                   "proxy_loss_vs_rtn": {k: {"mean": sum(v) / len(v), "min": min(v), "max": max(v)}
+                                         for k, v in sorted(by_kind.items())}}
+        Path(a.json).write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -58,12 +58,16 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, dampi
         w1 = W[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         h1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col, s, d = w1[:, i], s_cols[:, i1 + i], h1[i, i]
-            q = torch.where(s > 0, torch.round(col / torch.where(s > 0, s, 1.0)), 0.0).clamp(QMIN, QMAX)
-            Q[:, i1 + i] = q
-            e = (col - q * s) / d
+        s1 = s_cols[:, i1:i2]
+        s1_safe = torch.where(s1 > 0, s1, 1.0)  # a zero scale: q is masked to 0 below, q * s = 0 meanwhile
+        q1 = torch.empty_like(w1)
+        for i in range(i2 - i1):  # one column at a time: few kernels each (on a GPU this loop is launch-bound)
+            col, d = w1[:, i], h1[i, i:i + 1]  # d: [1], a device tensor (a true division)
+            q = torch.round(col / s1_safe[:, i]).clamp_(QMIN, QMAX)
+            q1[:, i] = q
+            e = (col - q * s1[:, i]) / d
             w1[:, i:] -= e[:, None] * h1[i, i:][None, :]
             err1[:, i] = e
+        Q[:, i1:i2] = torch.where(s1 > 0, q1, 0.0)
         W[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     return Q.to(torch.int8).cpu(), scales.cpu()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import layouts
+from .fp8 import ieee_div
 
 QMIN, QMAX = -8, 7
 FP16_MAX = 65504.0
@@ -58,7 +59,7 @@ def group_scales(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torch
     _check_input(w, group_size)
     n, k = w.shape
     amax = w.float().abs().reshape(n, k // group_size, group_size).amax(dim=-1)
-    scale = amax / QMAX
+    scale = ieee_div(amax, QMAX)  # a true division (CUDA turns tensor / python scalar into x * (1/7))
     if float(scale.max()) > FP16_MAX:
         raise ValueError(f"INT4 weight: group amax {float(amax.max()):.4g} overflows the float16 scale")
     return scale.to(torch.float16)

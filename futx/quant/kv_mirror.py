@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hadamard, layouts
-from .fp8 import E4M3_MAX, to_e4m3
+from .fp8 import E4M3_MAX, ieee_div, to_e4m3
 
 INT4_CACHE_QMAX = 7
 
@@ -24,10 +24,12 @@ INT4_CACHE_QMAX = 7
 def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
     if not torch.isfinite(x).all():
         raise ValueError("KV mirror: cache rows contain NaN or Inf")
-    return x.float().abs().amax(dim=-1) / qmax
+    amax = x.float().abs().amax(dim=-1)
+    return ieee_div(amax, qmax)
 
 
 def _safe_div(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale per row (a true IEEE division, tensor by tensor); a zero scale gives 0."""
     s = scale.unsqueeze(-1)
     return torch.where(s > 0, x.float() / torch.where(s > 0, s, 1.0), 0.0)
 

@@ -58,7 +58,7 @@ def quantized_weights(weights: ModelWeights, fmt: str, group_size: int = DEFAULT
         for f in PROJECTIONS:
             w = getattr(layer, f)
             q = int4.dequantized(f"layers.{i}.{f}") if int4 is not None else quant(w, group_size)
-            new[f] = q.to(weights.dtype)
+            new[f] = q.to(device=weights.device, dtype=weights.dtype)  # a GPTQ grid unpacks on the CPU
         layers.append(layer.replace(attn_norm=layer.attn_norm.to(weights.dtype),
                                     mlp_norm=layer.mlp_norm.to(weights.dtype), **new))
     return ModelWeights(weights.config, weights.embed, layers, weights.final_norm, weights.lm_head)

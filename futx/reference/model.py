@@ -12,6 +12,8 @@ so chunked prefill and multi-token decode chunks are exact re-groupings of token
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Optional
 
@@ -39,6 +41,7 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 QUERY_BLOCK = 512  # queries per attention step: bounds the score tensor and skips keys past the block
+SCORE_BYTES = 2 << 30  # batched attention: requests per step so that one score tensor stays under 2 GiB
 
 
 def attention(config: LlamaConfig, layer: int, q: torch.Tensor, batch: PackedBatch, cache: KVCache,
@@ -46,11 +49,16 @@ def attention(config: LlamaConfig, layer: int, q: torch.Tensor, batch: PackedBat
     """Causal GQA attention of rotated queries q [M, Hq, D] over the cache; returns [M, Hq*D].
 
     Query head h reads KV head h // (Hq / Hkv). K/V are read after this call's rows were written.
+    Requests with equal lengths and start positions (perplexity windows, a batch of decode steps) are
+    computed together (`_attention_uniform`, the same formula batched over requests); others one by one.
     """
     m, hq, d = q.shape
     hkv, g = config.num_key_value_heads, config.group_size
+    uniform = batch.uniform() if batch.num_requests > 1 and hasattr(cache, "read_batch") else None
+    if uniform is not None:
+        return _attention_uniform(config, layer, q, batch, cache, phase, *uniform)
     out = torch.empty_like(q)
-    cu, starts, slots = batch.cu_seqlens.tolist(), batch.start_positions.tolist(), batch.slots.tolist()
+    cu, starts, slots = batch.host_lists()
     for b in range(batch.num_requests):
         r0, r1, start = cu[b], cu[b + 1], starts[b]
         k, v = cache.read(layer, slots[b], start + r1 - r0, mirror=(phase == "decode"))
@@ -64,6 +72,32 @@ def attention(config: LlamaConfig, layer: int, q: torch.Tensor, batch: PackedBat
             future = torch.arange(stop, device=q.device)[None, :] > query_pos[:, None]  # [g*n, stop]
             probs = scores.masked_fill_(future, float("-inf")).softmax(dim=-1).to(q.dtype)
             out[s:e] = (probs @ v[:, :stop]).reshape(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+    return out.reshape(m, hq * d)
+
+
+def _attention_uniform(config: LlamaConfig, layer: int, q: torch.Tensor, batch: PackedBatch, cache: KVCache,
+                       phase: str, n: int, start: int) -> torch.Tensor:
+    """`attention` for B requests of n new tokens each, all starting at `start`: batched over requests."""
+    m, hq, d = q.shape
+    hkv, g = config.num_key_value_heads, config.group_size
+    b_all = batch.num_requests
+    k_all, v_all = cache.read_batch(layer, batch.host_lists()[2], start + n, mirror=(phase == "decode"))
+    qv = q.view(b_all, n, hkv, g, d)
+    out = torch.empty_like(q).view(b_all, n, hkv, g, d)
+    elem = torch.finfo(stat_dtype(q.dtype)).bits // 8
+    for s in range(0, n, QUERY_BLOCK):
+        e = min(s + QUERY_BLOCK, n)
+        nb, first, stop = e - s, start + s, start + e  # positions [first, stop)
+        query_pos = torch.arange(first, stop, device=q.device).repeat(g)            # [g*nb]
+        future = torch.arange(stop, device=q.device)[None, :] > query_pos[:, None]  # [g*nb, stop]
+        step = max(1, SCORE_BYTES // (hkv * g * nb * stop * elem))
+        for b0 in range(0, b_all, step):
+            b1 = min(b0 + step, b_all)
+            k, v = k_all[b0:b1, :, :stop].to(q.dtype), v_all[b0:b1, :, :stop].to(q.dtype)
+            qb = qv[b0:b1, s:e].permute(0, 2, 3, 1, 4).reshape(b1 - b0, hkv, g * nb, d)
+            scores = (qb @ k.transpose(-1, -2)).to(stat_dtype(q.dtype)) * (1.0 / math.sqrt(d))
+            probs = scores.masked_fill_(future, float("-inf")).softmax(dim=-1).to(q.dtype)
+            out[b0:b1, s:e] = (probs @ v).reshape(b1 - b0, hkv, g, nb, d).permute(0, 3, 1, 2, 4)
     return out.reshape(m, hq * d)
 
 
@@ -84,12 +118,26 @@ def block(config: LlamaConfig, weights: LayerWeights, layer: int, x: torch.Tenso
     q = apply_rope((h @ weights.wq.T).view(m, hq, d), cos, sin)
     k = apply_rope((h @ weights.wk.T).view(m, hkv, d), cos, sin)
     v = (h @ weights.wv.T).view(m, hkv, d)
-    cache.write(layer, batch.row_slot, batch.row_position, k, v)
+    cache.write(layer, batch.row_slot, batch.row_position, k, v, spans=batch.spans())
     x = x + attention(config, layer, q, batch, cache, phase) @ weights.wo.T
 
     h = rms_norm(x, weights.mlp_norm, config.rms_norm_eps)
     z = torch.nn.functional.silu(h @ weights.w_gate.T) * (h @ weights.w_up.T)
     return x + z @ weights.w_down.T
+
+
+_TOKENS_CHECKED = contextvars.ContextVar("futx_tokens_checked", default=False)
+
+
+@contextlib.contextmanager
+def tokens_checked():
+    """Within this context forward calls skip the token-id range check (one device sync per call):
+    for callers that validated all their token ids up front, e.g. the perplexity harness."""
+    reset = _TOKENS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _TOKENS_CHECKED.reset(reset)
 
 
 def _check_inputs(config: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor, batch: PackedBatch,
@@ -101,8 +149,10 @@ def _check_inputs(config: LlamaConfig, weights: ModelWeights, tokens: torch.Tens
         raise ValueError(f"tokens must be a 1-D integer tensor, got dtype {tokens.dtype} shape {tuple(tokens.shape)}")
     if tokens.numel() != batch.num_rows:
         raise ValueError(f"{tokens.numel()} tokens but the batch metadata describes {batch.num_rows} rows")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got {int(tokens.min())}..{int(tokens.max())}")
+    if tokens.numel() and not _TOKENS_CHECKED.get():
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
+        if lo < 0 or hi >= config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got {lo}..{hi}")
     for name, dev in (("tokens", tokens.device), ("batch", batch.row_position.device), ("cache", cache.device)):
         if dev != weights.device:
             raise ValueError(f"{name} is on {dev} but the weights are on {weights.device}")
@@ -111,8 +161,9 @@ def _check_inputs(config: LlamaConfig, weights: ModelWeights, tokens: torch.Tens
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim):
         raise ValueError("the KV cache was allocated for a different model shape "
                          f"(layers/kv heads/head dim {c.num_hidden_layers}/{c.num_key_value_heads}/{c.head_dim})")
-    if int(batch.slots.max()) >= cache.slots:
-        raise ValueError(f"batch uses cache slot {int(batch.slots.max())} but the cache has {cache.slots} slots")
+    top = max(batch.host_lists()[2])
+    if top >= cache.slots:
+        raise ValueError(f"batch uses cache slot {top} but the cache has {cache.slots} slots")
 
 
 def forward_hidden(config: LlamaConfig, weights: ModelWeights, tokens: torch.Tensor, batch: PackedBatch,

@@ -15,12 +15,12 @@ for part in "$@"; do
       timeout -k 5 90 $P -x tests/test_decode_linear_gpu.py -k "public_ops or back_to_back or (gemv_geometry and int4)" \
         > "$LOGS/dlin_smoke.log" 2>&1; rc=$?; echo "== dlin_smoke rc=$rc"; tail -n 2 "$LOGS/dlin_smoke.log"
       if [ $rc -ne 124 ] && [ $rc -ne 137 ]; then
-        TAILN=8 step dlin 200 $P tests/test_decode_linear_gpu.py
-        TAILN=14 step bench_dlin 240 python3 scripts/bench_decode_linear.py
+        TAILN=8 step dlin 150 $P tests/test_decode_linear_gpu.py
+        TAILN=20 step bench_dlin 120 python3 scripts/bench_decode_linear.py --budget-s 75
       fi ;;
     attention)
-      TAILN=12 step attn_tests 170 $P --maxfail=30 tests/test_decode_attention_gpu.py
-      TAILN=16 step bench_attn 200 python3 scripts/bench_decode_attention.py --budget-s 150 ;;
+      TAILN=12 step attn_tests 150 $P --maxfail=30 tests/test_decode_attention_gpu.py
+      TAILN=30 step bench_attn 110 python3 scripts/bench_decode_attention.py --budget-s 75 ;;
     prefill)
       TAILN=8 step prefill_tests 180 $P tests/test_prefill_gpu.py
       TAILN=12 step bench_gemm 150 python3 scripts/bench_prefill.py --quick

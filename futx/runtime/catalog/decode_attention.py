@@ -1,25 +1,36 @@
 """Decode attention variants: cache format x head dim x rotation (GQA group <= 8 and every batch, head
-count, slot count, capacity and split count are runtime values)."""
+count, slot count, capacity and split count are runtime values), plus the INT4 variants below."""
 
 from futx.runtime.registry import KernelSpec
 
 SOURCES = ("decode/attention.py", "decode/attn_plan.py", "decode/attn_ptx.py", "decode/hadamard_warp.py",
            "decode/splitkv_combine.py", "futx/quant/layouts.py")
 
-# Benchmark-only INT4 variants (not in CI), as overrides of decode.attn_plan.default_plan:
-#   valu / alu: the paper's ablation -- values, or keys and values, dequantized by prmt+lop3+f16 FMA
-#               instead of the 256-entry table (which also frees its 32 KB of shared memory);
-#   s2, w12:    tuning -- a 2-deep ring per warp, so that three 4-warp CTAs (s2) or one 12-warp CTA (w12)
-#               fit per SM with the table: 12 warps per SM against 8 (two 4-warp CTAs with 3-deep rings).
-# The variants that can hold 12 warps per SM also split so as to fill them (saturating_warps=12).
+# INT4 variants (rotated, head dim 128), as overrides of decode.attn_plan.default_plan (whose INT4 default,
+# since H200 run 2, takes keys through the 256-entry table and values by arithmetic: "valu" there).
+# Shipped (compiled in CI, chosen by the op):
+#   s2:   2-deep rings with table values, so that three 4-warp CTAs (12 warps) fit per SM, splits chosen to
+#         fill them; the op launches it for max_context >= decode.attn_plan.LONG_CONTEXT (run 2: best at
+#         (8, 32768)).
+# Benchmark-only (not in CI; each also runs once in the GPU tests):
+#   vlut: the run-2 default (table values), to re-measure the default switch;
+#   w6v:  the default dequantization with one 6-warp CTA of 2-deep rings twice per SM: 12 warps per SM
+#         without splitting (B*Hkv = 256 pairs fill 132 SMs twice, which three CTAs per SM cannot balance);
+#   fx:   "pair" dequantization of keys and values (lop3 + hadd2 per register, the query permuted to match;
+#         no table, 28 instead of 92 shared loads per 32-token tile, ~520 instead of ~660 loop instructions),
+#         whole tiles copied without per-chunk tests, 6 warps x 3 stages (2 CTAs = 12 warps per SM);
+#   fx4:  the same kernel body with 4 warps (the default's shape: isolates the instruction savings).
 VARIANTS = {
     "": {},
-    "valu": {"v_dequant": "alu"},
-    "alu": {"k_dequant": "alu", "v_dequant": "alu", "saturating_warps": 12},
-    "s2": {"stages": 2, "saturating_warps": 12},
-    "w12": {"warps": 12, "stages": 2, "saturating_warps": 12},
+    "s2": {"v_dequant": "lut", "stages": 2, "saturating_warps": 12},
+    "vlut": {"v_dequant": "lut"},
+    "w6v": {"warps": 6, "stages": 2, "saturating_warps": 12},
+    "fx": {"k_dequant": "pair", "v_dequant": "pair", "warps": 6, "stages": 3, "saturating_warps": 12,
+           "lean_issue": True},
+    "fx4": {"k_dequant": "pair", "v_dequant": "pair", "lean_issue": True},
 }
-BENCH_ONLY = ("valu", "alu", "s2", "w12")
+SHIPPED = ("s2",)
+BENCH_ONLY = ("vlut", "w6v", "fx", "fx4")
 
 
 def attn_key(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> str:
@@ -31,12 +42,13 @@ def _spec(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> KernelSpe
     extra = VARIANTS[variant]
     params = (("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate)) + tuple(sorted(extra.items()))
     return KernelSpec(key=attn_key(fmt, head_dim, rotate, variant), module="decode.attention", params=params,
-                      sources=SOURCES, expect_sass=("HMMA",), ci=not variant,
+                      sources=SOURCES, expect_sass=("HMMA",), ci=not variant or variant in SHIPPED,
                       doc=f"GQA decode attention over the {what}, head dim {head_dim}"
                           + (", Hadamard-rotated" if rotate else "") + "; writes the new K/V row"
-                          + (f"; benchmark-only variant {variant}: {extra}" if variant else ""))
+                          + (f"; {'long-context' if variant in SHIPPED else 'benchmark-only'} variant {variant}: "
+                             f"{extra}" if variant else ""))
 
 
 SPECS = [_spec(fmt, d, rot) for fmt in ("int4", "e4m3") for d in (64, 128) for rot in (False, True)] + \
         [_spec("bf16", d, False) for d in (64, 128)] + \
-        [_spec("int4", 128, True, v) for v in BENCH_ONLY]
+        [_spec("int4", 128, True, v) for v in SHIPPED + BENCH_ONLY]

@@ -3,8 +3,9 @@
 Key: prefill.gemm.<ab>.<policy>[.<variant>] with the variant name omitted for "n256" (coop 128x256).
 A *variant* is the kernel's shape and schedule (`Variant`): tile width, cooperative, pingpong or stagger
 consumer warpgroups, cluster size, raster group height. The first shipped variant of a policy is its
-default; the pingpong "n256.pp" measured fastest on the H200 (docs/results-prefill.md) and leads every list. `POLICIES` describes each chain's runtime tensors for the op's validation
-(futx/ops/prefill.py); tests/test_prefill_cpu.py checks it against epilogues/catalog.py.
+default; the pingpong "n256.pp" measured fastest on the H200 (docs/results-prefill.md) and leads every
+list. `POLICIES` describes each chain's runtime tensors for the op's validation (futx/ops/prefill.py);
+tests/test_prefill_cpu.py checks it against epilogues/catalog.py.
 User-written policy chains join through `register_policy` (see epilogues/README.md).
 """
 

@@ -1,0 +1,193 @@
+"""M = 1 decode projection, one 16-channel output tile per CTA: y[1, N] = x[1, K] @ W[N, K]^T.
+
+The design measured in the first H200 run (git a51e469, 2026-11-30: 8B INT4 layer 50.4 us at M = 1, against
+67.5 us for the persistent GEMV of run 2), kept as its own kernel so the plan can route INT4 M = 1 to it:
+
+One CTA of `warps` warps per 16-channel n-block (grid = N / 16; several CTAs share an SM); its warps split
+K into equal shares. Each warp streams its share of the packed weights straight into registers, expands
+them in registers into finished MMA operands (`dequant.py`) and, for INT4, accumulates each group in its
+own float32 fragment, applying the group scale before adding it to the running sum (one MMA chain, the
+nibble bias subtracted by one packed FMA per register). The activation row is staged once in shared
+memory (each warp copies the part it reads), where `ldmatrix` gathers the pairs the fragment order needs.
+Warps combine their partial sums through shared memory; the fused epilogue writes the 16 outputs.
+
+`pipeline`:
+* "batch" (run 1, the default): batches of `prefetch` units; batch b + 1 is requested before batch b is
+  consumed. The loop-carried copy of the next batch's registers (and its scale conversions) sits at the end
+  of the loop body, so each batch waits for the next one's loads there: one batch of loads is in flight
+  while a batch computes.
+* "rolling" (benchmark-only): a `2 * prefetch`-unit rolling register prefetch, step i consumes position i
+  and refills its registers with position i + depth, group scales kept as float16 bits until used: no load
+  is waited for in the block that issues it.
+No programmatic dependent launch (as measured).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from . import epilogue as epi
+from . import ptx, stream
+from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
+from futx.quant import layouts
+
+WARP = layouts.WARP
+PIPELINES = ("batch", "rolling")
+
+
+def smem_bytes(k: int, warps: int) -> int:
+    """The activation row + the warps' partials (host and kernel share this formula)."""
+    return k * 2 + warps * BLOCK_N * 4
+
+
+class GemvTile:
+    def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", warps: int = 4,
+                 prefetch: int = 0, pipeline: str = "batch"):
+        if pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+        self.fmt = make_format(fmt, group_size)
+        self.epilogue = epi.check(epilogue)
+        self.warps, self.pipeline = warps, pipeline
+        self.raw = pipeline == "rolling"
+        self.bpu, self.unit_k = stream.units_of(self.fmt)
+        loads = self.fmt.loads_per_block * self.bpu
+        # units per batch: ~6 16-byte loads per lane, double-buffered to 6-12 in flight
+        self.prefetch = prefetch or max(1, 6 // loads)
+        self.depth = self.prefetch if pipeline == "batch" else 2 * self.prefetch
+
+    # ---- host side ---------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+                 y: cute.Tensor, stream):
+        k = x.shape[1]
+        n_tiles = y.shape[1] * 2 // BLOCK_N if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1] // BLOCK_N
+        smem = k * 2 + self.warps * BLOCK_N * 4  # = smem_bytes(k, warps)
+        self.kernel(x, w, s, r, y).launch(grid=(n_tiles, 1, 1), block=(WARP * self.warps, 1, 1), smem=smem,
+                                          stream=stream)
+
+    # ---- device side -------------------------------------------------------------------------
+    def _load(self, u, where) -> tuple:
+        ub, lane_base, offsets, k, s_base, nb, n_units, g = where
+        return stream.load_unit(self.fmt, self.bpu, lane_base, u, Int32(u < ub), offsets, k, s_base, nb, n_units, g,
+                                self.raw)
+
+    def _x_frags(self, xs_lane: Int32, kb) -> list:
+        """(b0, b1) per k16 step of block kb, from the staged activation row."""
+        addr = xs_lane + kb * (BLOCK_K * 2)
+        load = ptx.ldsm_x4 if cutlass.const_expr(self.fmt.x_frags == "ldsm") else ptx.lds_v4
+        return self.fmt.b_operands(sum((load(addr + off) for off in self.fmt.X_LOAD_OFFSETS), ()))
+
+    def _unit(self, acc, cur, u, valid, xs_lane, last, consts):
+        uc = cutlass.min(u, last)
+        b_ops = [[self._x_frags(xs_lane, uc * self.bpu + b)] for b in range(self.bpu)]
+        (acc,) = stream.mma_unit(self.fmt, self.bpu, cur, b_ops, [acc], valid, consts, None, self.raw, chains=1)
+        return acc
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+               y: cute.Tensor):
+        fmt, W, P = self.fmt, self.warps, self.prefetch
+        tid, _, _ = cute.arch.thread_idx()
+        nb, _, _ = cute.arch.block_idx()
+        warp = tid // WARP
+        lane = tid % WARP
+        g = lane // 4
+        k = x.shape[1]
+        n_units = k // self.unit_k
+        ua = warp * n_units // W
+        ub = (warp + 1) * n_units // W
+        last = n_units - 1  # clamps shared-memory reads of units past the share
+
+        s_base = Int64(0)
+        if cutlass.const_expr(fmt.grouped):
+            s_base = s.iterator.toint()
+        lane_base = fmt.lane_base(w.iterator.toint(), nb, lane, k)
+        offsets = fmt.load_offsets(k)
+        consts = fmt.consts()
+
+        where = (ub, lane_base, offsets, k, s_base, nb, n_units, g)
+        D = self.depth
+
+        # 1. weights first: they come from HBM, everything else from L2
+        bufs = tuple(self._load(ua + i, where) for i in range(D))
+
+        # 2. this warp's slice of the activation row -> shared memory
+        xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
+        x_base = x.iterator.toint()
+        c_end = ub * (self.unit_k * 2 // LANE_BYTES)
+        for c in cutlass.range(ua * (self.unit_k * 2 // LANE_BYTES) + lane, c_end, WARP, unroll=1):
+            ptx.cp_async_16(xs + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_warp()
+
+        # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
+        # the one activation row, so every B column holds x)
+        xs_lane = xs + fmt.x_lane_offset(lane, 0)
+
+        # 3. stream. Units past the share are predicated off (no traffic) and add zero.
+        acc = (Float32(0.0),) * 4
+        n_iter = (ub - ua + D - 1) // D
+        if cutlass.const_expr(self.pipeline == "batch"):
+            # batches of P units, batch b + 1 requested before batch b is consumed
+            for it in cutlass.range(n_iter, unroll=1):
+                u0 = ua + it * P
+                nxt = tuple(self._load(u0 + P + i, where) for i in range(P))
+                for i in cutlass.range_constexpr(P):
+                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts)
+                bufs = nxt
+        else:
+            # rolling: step i consumes position i and refills its registers with position i + D
+            for it in cutlass.range(n_iter, unroll=1):
+                u0 = ua + it * D
+                nxt = list(bufs)
+                for i in cutlass.range_constexpr(D):
+                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts)
+                    nxt[i] = self._load(u0 + i + D, where)
+                bufs = tuple(nxt)
+
+        # 4. combine the warps' partials (every B column holds x, so any lane with t = 0 has them)
+        red = xs + k * 2
+        if lane % 4 == 0:
+            ptx.sts_f32(red + (warp * BLOCK_N + g) * 4, acc[0])
+            ptx.sts_f32(red + (warp * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
+        cute.arch.sync_threads()
+        self._epilogue(tid, nb, red, s, r, y)
+
+    def _row_sum(self, red: Int32, row) -> Float32:
+        v = ptx.lds_f32(red + row * 4)
+        for wi in range(1, self.warps):
+            v = v + ptx.lds_f32(red + (wi * BLOCK_N + row) * 4)
+        return v
+
+    def _channel(self, red, nb, row, s):
+        v = self._row_sum(red, row)
+        if cutlass.const_expr(self.fmt.name == "e4m3"):
+            v = v * ptx.ldg_f32(s.iterator.toint() + (Int64(nb) * BLOCK_N + row) * 4)
+        return v
+
+    @cute.jit
+    def _epilogue(self, tid, nb, red, s, r, y):
+        y_base = y.iterator.toint()
+        if cutlass.const_expr(self.epilogue == "swiglu"):
+            if tid < BLOCK_N // 2:
+                h = epi.silu_mul(self._channel(red, nb, 2 * tid, s), self._channel(red, nb, 2 * tid + 1, s))
+                ptx.stg_bf16(y_base + (Int64(nb) * (BLOCK_N // 2) + tid) * 2, h)
+        else:
+            if tid < BLOCK_N:
+                n = Int64(nb) * BLOCK_N + tid
+                v = self._channel(red, nb, tid, s)
+                if cutlass.const_expr(self.epilogue == "residual"):
+                    v = v + ptx.ldg_bf16_to_f32(r.iterator.toint() + n * 2)
+                ptx.stg_bf16(y_base + n * 2, v)
+
+
+def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
+                   prefetch: int = 0, pipeline: str = "batch"):
+    from .signature import fake_args
+
+    return GemvTile(fmt, group_size, epilogue, warps, prefetch, pipeline), fake_args(fmt, epilogue, m=1)
