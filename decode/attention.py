@@ -4,12 +4,12 @@ One CTA per (split, KV head, sequence); its warps stream disjoint 32- (or 16-) t
 sequence's cache range through their own cp.async rings (keys, values and per-token scales of a tile
 travel together) and run the two products on tensor cores (see attn_plan.py for the formulation):
   * INT4 keys arrive in mma.sync B-fragment byte order: each lane loads its own contiguous segment and
-    turns every byte into one f16x2 operand register through a 256-entry shared-memory table; values
-    stay in natural order and are regrouped from shared memory (two tokens' bytes -> one prmt -> f16
-    magic-number arithmetic by default, or the same table). The K scale multiplies the finished q.k dot
-    product, the V scale the probability. Variant "pair" dequantization (plan k_dequant / v_dequant)
-    drops the table: one lop3 + one hadd2 per register, on nibbles 16 bits apart (the query fragment is
-    permuted to match).
+    fills its operand registers from it, either through a 256-entry shared-memory byte -> f16x2 table
+    (k_dequant "lut", variant "table") or, by default (measured faster), by "pair" dequantization without
+    the table: one lop3 + one hadd2 per register, on nibbles 16 bits apart (the query fragment is permuted
+    to match). Values stay in natural order and are regrouped from shared memory (two tokens' bytes ->
+    "pair" by default, or prmt + f16 magic-number arithmetic, or the table). The K scale multiplies the
+    finished q.k dot product, the V scale the probability.
   * E4M3 uses cvt.e4m3x2 instead of the table, BF16 the raw registers and ldmatrix.trans for V.
 The CTA owning the last split of a sequence writes the new K/V row first (BF16 main copy, and for the
 mirrors the Hadamard rotation + quantization + packing), so no separate quantization kernel runs.
@@ -646,8 +646,8 @@ def fake_args(plan: AttnPlan):
 
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, hadamard_block: int = 0,
-                   k_dequant: str = "lut", v_dequant: str = "alu", warps: int = 4, stages: int = 3,
-                   saturating_warps: int = 8, lean_issue: bool = False):
+                   k_dequant: str | None = None, v_dequant: str | None = None, warps: int = 4, stages: int = 3,
+                   saturating_warps: int = 8, lean_issue: bool | None = None):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
     differ in it are distinct registry entries)."""

@@ -392,38 +392,25 @@ class AttnPlan:
 
 
 def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: int = 0,
-                 k_dequant: str = "lut", v_dequant: str = "alu", warps: int = 4, stages: int = 3,
-                 saturating_warps: int = 8, lean_issue: bool = False) -> AttnPlan:
+                 k_dequant: str | None = None, v_dequant: str | None = None, warps: int = 4, stages: int = 3,
+                 saturating_warps: int = 8, lean_issue: bool | None = None) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
     D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
-    INT4 keys through the shared-memory table, values by arithmetic ("valu" in H200 run 2, 2026-11-30:
-    49.2 us against 50.9 us for table values at (B, context) = (32, 4096), 93.4 against 95.7 at (8, 32768),
-    equal or better at every other point; docs/results-decode-attention.md).
-    The keywords after hadamard_block are the variants' overrides (catalog VARIANTS)."""
+    INT4 keys and values by "pair" dequantization with lean issue (H200 run 3, 2026-11-30 14:02 UTC, 8B
+    heads: 44.4 us = 74% of the floor at (B, context) = (32, 4096) against 48.8 us for keys through the
+    shared-memory table with arithmetic values, the previous default, now variant "table"; 81.9 against
+    88.9 us for the previous long-context kernel "s2" at (8, 32768); equal or faster at every measured
+    point; docs/results-decode-attention.md). None = that default; the keywords after hadamard_block are
+    the variants' overrides (catalog VARIANTS)."""
+    int4 = fmt == "int4"
     tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
     return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, hadamard_block=hadamard_block,
-                    tile_tokens=tt, stages=stages, warps=warps, k_dequant=k_dequant, v_dequant=v_dequant,
-                    saturating_warps=saturating_warps, lean_issue=lean_issue)
+                    tile_tokens=tt, stages=stages, warps=warps, k_dequant=k_dequant or ("pair" if int4 else "lut"),
+                    v_dequant=v_dequant or ("pair" if int4 else "alu"), saturating_warps=saturating_warps,
+                    lean_issue=int4 if lean_issue is None else lean_issue)
 
 
 SMEM_PER_SM = 227 * 1024
-
-# Long contexts: the "s2" kernel (2-deep rings, three 4-warp CTAs = 12 warps per SM, splits chosen to fill
-# them) for rotated INT4 at head dim 128. H200 run 2 (2026-11-30), (B, context) = (8, 32768): 88.5 us
-# (74% of the floor) against 93.4 us for the default kernel with arithmetic values and 95.7 us with table
-# values; at 1024 and 4096 tokens it lost (28.9 / 57.4 us against 18.2 / 49.2 us: its three splits there).
-# Only (8, 32768) was measured at long context, so the threshold sits well below it.
-LONG_CONTEXT = 16384
-LONG_CONTEXT_VARIANT = "s2"
-
-
-def shipped_variant(fmt: str, head_dim: int, rotate: bool, max_context: int) -> str:
-    """The kernel variant the op launches when the caller asks for none: "s2" for rotated INT4 at head dim
-    128 once max_context (the longest context of the batch, or the capacity) reaches LONG_CONTEXT, else the
-    default kernel ("")."""
-    if fmt == "int4" and head_dim == 128 and rotate and max_context >= LONG_CONTEXT:
-        return LONG_CONTEXT_VARIANT
-    return ""
 
 
 def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, sms: int = 132) -> int:

@@ -4,11 +4,12 @@ kernel catalog, so compile-time parameters and launch shapes come from one place
 The default routing (`kernel="auto"`) is the measured-fastest futx kernel per format and M bucket, from the
 two H200 runs of 2026-11-30 (CUDA-graph replay, L2 flushed, medians; docs/results-decode-linear.md):
 
-* INT4 (group 128), M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, the run-1 design), with 8 warps
-  when K > 8192 and 4 otherwise. Run 1 vs run 2 (persistent GEMV), 8B layer: 7.2/6.5/22.8/12.5 us against
-  11.8/8.2/30.6/17.0 us (QKV/O/gate-up/down); 70B: 18.7/13.8/69.9/37.2 against 20.9/20.1/94.2/49.1.
-  8 warps beat 4 only on the down projections (K = 14336: 12.5 vs 13.8 us; K = 28672: 37.2 vs 48.1 us)
-  and tied or lost at K <= 8192 (70B QKV 18.7 vs 18.7, O 15.6 vs 13.8, gate-up 79.6 vs 69.9 us).
+* INT4 (group 128), M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, the run-1 design with batches of
+  2 units since run 5), with 8 warps when K > 8192 and 4 otherwise. Run 5 (2026-11-30), 8B layer
+  6.8/6.2/19.8/11.3 us (QKV/O/gate-up/down, 44.2 us = 58% of the floor) against 49.0 with run 1's batches
+  of 3 units, 47.8 with 1 unit and 52.2 with 4; the persistent GEMV (with the scale fix) 59.2 us; 70B
+  131.0 us (77%) against 140.3 (3 units) and 150.3 (persistent GEMV). 8 warps beat 4 only on the down
+  projections (run 1; run 5: 8B down 11.3 vs 14.0 us, 70B 39.9 vs 50.4).
 * INT4, 2 <= M <= 8 -> the persistent GEMV (`gemv.py`) where the activation rows fit in shared memory
   (run 2: 8B QKV/O/gate-up 13.8/10.1/33.1 us, 70B 23.8/22.6/98.1 us; the skinny kernel 14.3/12.7/36.3 and
   27.0/23.1/107.6), now with the scale-conversion fix (group scales converted where used, see gemv.py).
@@ -51,7 +52,9 @@ GEMV_VARIANTS = {"": {}, "nofold": {"fold": False}, "r2": {"raw_scales": False}}
 TILE_FORMATS = (("int4", 128),)
 TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
 TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
-TILE_VARIANTS = {"": {"pipeline": "batch"}, "rolling": {"pipeline": "rolling"}}
+# benchmark-only: a rolling prefetch (6 units deep); batches of 1, 3 (run 1) or 4 units instead of 2 (INT4 g128)
+TILE_VARIANTS = {"": {"pipeline": "batch"}, "rolling": {"pipeline": "rolling", "prefetch": 3},
+                 **{f"p{u}": {"pipeline": "batch", "prefetch": u} for u in (1, 3, 4)}}
 SKINNY_WARPS, SKINNY_NB_PER_WARP = 4, 2
 TILE_N = SKINNY_WARPS * SKINNY_NB_PER_WARP * 16
 CTAS_PER_SM = 2

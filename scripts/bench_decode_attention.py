@@ -4,11 +4,11 @@ cache (and FlashAttention's decode kernel when it is installed), for the 8B and 
     python scripts/bench_decode_attention.py [--quick] [--rounds 7] [--no-ablation] [--budget-s 80]
     python scripts/bench_decode_attention.py --render bench_decode_attention.json   (tables of a finished run)
 
-"futx int4 rot" is what the op launches by default (decode.attn_plan: table keys + arithmetic values, and the
-long-context kernel s2 from 16384 tokens on). For the 8B shape the INT4 kernel also runs its variants
-(futx.runtime.catalog.decode_attention): [s2] the long-context kernel at every point, [vlut] the run-2 default
-(table values), [w6v] 6-warp CTAs with 2-deep rings (12 warps per SM unsplit), [fx] "pair" dequantization
-without the table, 6 warps, [fx4] the same with 4 warps.
+"futx int4 rot" is what the op launches by default (decode.attn_plan.default_plan: "pair" dequantization of keys
+and values, no table). For the 8B shape the INT4 kernel also runs its variants
+(futx.runtime.catalog.decode_attention): [table] keys through the 256-entry shared-memory table, values by
+arithmetic (the previous default), [s2] the previous long-context kernel, [vlut] table keys and values (the run-2
+default), [w6v] the table design in 6-warp CTAs with 2-deep rings, [fx] the default dequantization in 6-warp CTAs.
 Each candidate runs as a CUDA graph of back-to-back calls; candidates are interleaved round by round and the
 median per call is reported. Small caches are replicated (each call in the graph reads a different copy) so
 that every call streams from HBM, not from the 50 MB L2. Achieved bandwidth = cache bytes the call must read
@@ -37,7 +37,7 @@ FLOOR_TBS = 4.36
 SHAPES = {"8B": (32, 8, 128), "70B": (64, 8, 128)}  # query heads, KV heads, head dim
 POINTS = [(1, 1024), (8, 1024), (32, 1024), (32, 4096), (8, 32768)]
 L2_BYTES = 50 * 2 ** 20
-BENCH_VARIANTS = ("s2", "vlut", "w6v", "fx", "fx4")  # catalog SHIPPED + BENCH_ONLY
+BENCH_VARIANTS = ("table", "s2", "vlut", "w6v", "fx")  # catalog SHIPPED + BENCH_ONLY
 GOAL = ("8B", 32, 4096, 0.70)  # issue 7: INT4 attention >= 70% of the floor at (32, 4096)
 PER_TOKEN = {"int4": lambda d: d + 8, "e4m3": lambda d: 2 * d + 8, "bf16": lambda d: 4 * d}  # per KV head
 
@@ -123,9 +123,9 @@ def _candidates(model, batch, ctx, ablate):
                                                  out, fmt, rotate, max_context=ctx, check_positions_on_host=False,
                                                  variant=variant)
                 return out
-            kernel, plan = da.resolve(fmt, d, rotate, variant, ctx)  # what the op launches
+            _, plan = da.resolve(fmt, d, rotate, variant)  # what the op launches
             splits = choose_splits(plan, batch, hkv, ctx, sms)
-            return call, read[fmt], f"{splits}" + (f" ({kernel})" if kernel and not variant else "")
+            return call, read[fmt], f"{splits}"
         return build
 
     def bf16_pairs(shape):

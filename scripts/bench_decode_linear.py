@@ -15,6 +15,7 @@ INT4 kernel), the INT4 design alternatives where they apply:
   futx-int4-tile      the one-tile-per-CTA GEMV (run-1 design; the plan's M = 1 choice)
   futx-int4-tile-xw   the same with the other warp count (4 <-> 8)
   futx-int4-rolling   the tile GEMV with a rolling prefetch and late scale conversion (benchmark-only)
+  futx-int4-p1/p3/p4  the tile GEMV with batches of 1 / 3 (run 1) / 4 units instead of 2 (benchmark-only)
   futx-int4-gemv      the persistent GEMV (scale-conversion fix; the plan's choice for 2 <= M <= 8)
   futx-int4-r2        the persistent GEMV exactly as measured in run 2 (scales converted at the load)
   futx-int4-nofold    the persistent GEMV without the folded nibble bias
@@ -58,7 +59,9 @@ def _int4_designs(n, k, m, proj) -> dict:
         w = plan.tile_warps(k)
         out["futx-int4-tile"] = dict(kernel="tile")
         out["futx-int4-tile-xw"] = dict(kernel="tile", warps=plan.TILE_WARPS_SMALL_K + plan.TILE_WARPS_LARGE_K - w)
-        out["futx-int4-rolling"] = dict(kernel="tile", variant="rolling")
+        for v in plan.TILE_VARIANTS:
+            if v:
+                out[f"futx-int4-{v}"] = dict(kernel="tile", variant=v)
     if m <= plan.GEMV_MAX_M and plan.gemv_tiles(plan.gemv_params("int4", GROUP, epi, m), m, n, k, 132):
         out["futx-int4-gemv"] = dict(kernel="gemv")
         if m <= plan.INT4_GEMV_MAX_M:

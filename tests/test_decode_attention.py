@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from decode.attn_plan import (E4M3_PAIR_SELECTORS, LONG_CONTEXT, LONG_CONTEXT_VARIANT, AttnPlan,
-                              check_int4_key_formulas, choose_splits, default_plan, int4_value_pairs,
-                              shipped_variant)
+from decode.attn_plan import (E4M3_PAIR_SELECTORS, AttnPlan, check_int4_key_formulas, choose_splits,
+                              default_plan, int4_value_pairs)
 from futx.quant import layouts
 from futx.runtime import select
 from futx.runtime.catalog.decode_attention import SHIPPED, VARIANTS, attn_key
@@ -67,22 +66,23 @@ def test_ci_variant_count_stays_modest():
     assert len([s for s in select("decode.attn*") if s.ci]) <= 14
 
 
-def test_long_context_rule():
-    """The op's kernel choice (decode.attn_plan.shipped_variant): the long-context kernel only for rotated
-    INT4 at head dim 128 from LONG_CONTEXT tokens on, and that kernel exists and is compiled in CI."""
+def test_variant_resolution():
+    """The op launches the default kernel unless a variant is named: INT4 "pair" dequantization of keys and
+    values (no table) with lean issue; the table kernel ("table") is shipped (compiled in CI); variants
+    exist only for rotated INT4 at head dim 128."""
     from futx.ops.decode_attention import resolve
 
-    assert shipped_variant("int4", 128, True, LONG_CONTEXT) == "s2" == LONG_CONTEXT_VARIANT
-    assert shipped_variant("int4", 128, True, LONG_CONTEXT - 1) == ""
-    for fmt, d, rot in (("int4", 64, True), ("int4", 128, False), ("e4m3", 128, True), ("bf16", 128, False)):
-        assert shipped_variant(fmt, d, rot, 1 << 20) == ""
-    variant, plan = resolve("int4", 128, True, "", 32768)
-    assert variant == "s2" and plan.stages == 2 and plan.v_dequant == "lut"
-    assert resolve("int4", 128, True, "fx", 32768)[0] == "fx"  # an explicit variant wins
-    assert resolve("int4", 128, True, "", 4096)[1] == default_plan("int4", 128, True)
+    variant, plan = resolve("int4", 128, True, "")
+    assert variant == "" and (plan.k_dequant, plan.v_dequant, plan.lean_issue) == ("pair", "pair", True)
+    assert not plan.uses_lut and plan.lut_bytes == 0
+    table = resolve("int4", 128, True, "table")[1]
+    assert (table.k_dequant, table.v_dequant, table.lean_issue) == ("lut", "alu", False) and table.uses_lut
+    for fmt in ("e4m3", "bf16"):  # the dequantization choices are INT4-only; other formats are unchanged
+        p = default_plan(fmt, 128)
+        assert not p.lean_issue and not p.uses_pair and not p.uses_lut
     with pytest.raises(ValueError, match="does not exist"):
-        resolve("int4", 64, True, "fx", 1024)
-    assert {s.key for s in select("decode.attn*") if s.ci} >= {attn_key("int4", 128, True, "s2")}
+        resolve("int4", 64, True, "fx")
+    assert {s.key for s in select("decode.attn*") if s.ci} >= {attn_key("int4", 128, True, "table")}
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -90,7 +90,7 @@ def test_int4_fragments_reproduce_scores_and_values(d):
     """Emulate the INT4 path for one 16-token step: key bytes in layout order -> table -> B fragments,
     query A fragments from the plan's channel map, and value words -> nibble pairs -> table -> V^T A
     fragments; compare with q.K^T and V computed directly."""
-    plan = default_plan("int4", d)
+    plan = default_plan("int4", d, False, 0, **VARIANTS["table"])
     rng = np.random.default_rng(d)
     q = rng.integers(-7, 8, (8, d))
     k = rng.integers(-7, 8, (16, d))
@@ -297,10 +297,10 @@ def _alu_value_regs(w0, w1, byte, c):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("variant", ["", "fx"])
+@pytest.mark.parametrize("variant", ["table", ""])
 def test_int4_arithmetic_fragments_reproduce_scores_and_values(d, variant):
-    """Emulate, lane by lane, the arithmetic paths for one 16-token step: the default's values (prmt + xor +
-    lop3 + f16 ops) and the "pair" variant's keys (nibbles 16 bits apart, query permuted through
+    """Emulate, lane by lane, the arithmetic paths for one 16-token step: the table kernel's values (prmt +
+    xor + lop3 + f16 ops) and the default's "pair" keys (nibbles 16 bits apart, query permuted through
     plan.q_pair) and values; compare with q.K^T and V computed directly."""
     from decode.attn_ptx import ALU_CONSTANTS as C
 

@@ -251,7 +251,7 @@ def test_scale_is_an_ieee_division(ops, fmt):
     _check(case, case.run(ops), fmt)
 
 
-INT4_VARIANTS = ("s2", "vlut", "w6v", "fx", "fx4")  # futx.runtime.catalog.decode_attention: SHIPPED + BENCH_ONLY
+INT4_VARIANTS = ("table", "s2", "vlut", "w6v", "fx")  # futx.runtime.catalog.decode_attention: SHIPPED + BENCH_ONLY
 
 
 @pytest.mark.parametrize("fmt,variant", [("int4", ""), ("e4m3", ""), ("bf16", "")] +
@@ -280,17 +280,13 @@ def test_variant_mixed_contexts(ops, variant):
         _check(case, case.run(ops, num_splits=splits, max_context=4095, variant=variant), "int4")
 
 
-def test_long_context_rule_runs_the_long_kernel(ops):
-    """The default op with max_context >= LONG_CONTEXT launches the long-context kernel (s2): correct, and
-    identical to asking for it by name."""
-    from decode.attn_plan import LONG_CONTEXT, LONG_CONTEXT_VARIANT
-
-    ctx = (LONG_CONTEXT + 37, 5)
-    case = Case(ops, "int4", True, 128, 32, 8, ctx, seed=51)
-    out = case.run(ops, max_context=max(ctx))
-    _check(case, out, "int4")
-    named = case.run(ops, max_context=max(ctx), variant=LONG_CONTEXT_VARIANT)  # rewriting the row is idempotent
-    assert torch.equal(out, named)
+def test_long_context_default_and_table_kernel(ops):
+    """Past 16384 tokens (two sequences, one long): the default kernel and the table kernel ("table", keys
+    through the 256-entry shared-memory table) both match the simulated reference."""
+    ctx = (16384 + 37, 5)
+    for variant in ("", "table"):
+        case = Case(ops, "int4", True, 128, 32, 8, ctx, seed=51)
+        _check(case, case.run(ops, max_context=max(ctx), variant=variant), "int4")
 
 
 @pytest.mark.parametrize("d", [128, 64])

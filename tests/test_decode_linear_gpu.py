@@ -172,7 +172,7 @@ def test_gemv_geometry(fmt, n, k, group, tiles):
 TILE_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336)]
 
 
-@pytest.mark.parametrize("variant", ["", "rolling"])
+@pytest.mark.parametrize("variant", ["", "rolling", "p1", "p3", "p4"])
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("n,k", TILE_CASES, ids=[f"{c[0]}x{c[1]}" for c in TILE_CASES])
 def test_tile_gemv(n, k, warps, variant):
@@ -281,3 +281,16 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(ValueError, match="boundary"):
         xx = torch.zeros(2 * 4096 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(2, 4096)
         ops.decode_linear_int4(xx, packed, scales, 128)
+
+
+def test_validated_signature_still_checks_alignment():
+    """The ops validate a call signature (dtypes, devices, shapes, strides) once; a later call with the same
+    signature still rejects a misaligned pointer before launch, and an aligned one gives the same result."""
+    ops = torch.ops.futx
+    (packed, scales), _ = _weights("int4", 256, 512, 128, 3)
+    buf = torch.randn(2 * 512 + 8, device="cuda").bfloat16()
+    x = buf[:1024].view(2, 512)
+    y = ops.decode_linear_int4(x, packed, scales, 128)
+    with pytest.raises(ValueError, match="boundary"):
+        ops.decode_linear_int4(buf[1:1025].view(2, 512), packed, scales, 128)
+    assert torch.equal(ops.decode_linear_int4(x.clone(), packed, scales, 128), y)

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from decode.attn_plan import MAX_GROUP, choose_splits, default_plan, shipped_variant
+from decode.attn_plan import MAX_GROUP, choose_splits, default_plan
 from futx.ops import checks
 from futx.ops.registration import futx_op
 from futx.quant import layouts
@@ -142,15 +142,12 @@ def check_positions(positions: torch.Tensor, slots: torch.Tensor, capacity: int,
         raise ValueError(f"decode_attention: two sequences share a cache slot: {slt.tolist()}")
 
 
-def resolve(cache_format: str, head_dim: int, rotate: bool, variant: str, max_context: int):
-    """(kernel variant, its plan) for a launch: an explicit variant as asked, else the shipped choice
-    (decode.attn_plan.shipped_variant: the long-context kernel once max_context reaches LONG_CONTEXT)."""
+def resolve(cache_format: str, head_dim: int, rotate: bool, variant: str):
+    """(kernel variant, its plan) for a launch: "" (the default kernel) unless a variant is asked for."""
     if variant not in VARIANTS or (variant and (cache_format, head_dim, rotate) != ("int4", 128, True)):
         raise ValueError(f"decode_attention: kernel variant {variant!r} does not exist for {cache_format!r} "
                          f"d{head_dim} rotate={rotate}; variants {sorted(VARIANTS)} ('' everywhere, the others for "
                          "rotated INT4 at head dim 128)")
-    if not variant:
-        variant = shipped_variant(cache_format, head_dim, rotate, max_context)
     return variant, default_plan(cache_format, head_dim, rotate, 0, **VARIANTS[variant])
 
 
@@ -171,7 +168,7 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
                          f"max_context >= 0, got {num_splits} and {max_context}")
     if check_positions_on_host and not torch.cuda.is_current_stream_capturing():
         check_positions(positions, slots, cap, s)
-    variant, plan = resolve(cache_format, d, rotate, variant, max_context or cap)
+    variant, plan = resolve(cache_format, d, rotate, variant)
     if num_splits == 0:
         num_splits = choose_splits(plan, b, hkv, max_context or cap, _sm_count(q.device))
     scale = softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(d)
@@ -201,9 +198,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      max_context: int = 0, check_positions_on_host: bool = True, variant: str = "") -> torch.Tensor:
     """See the module docstring. softmax_scale 0 means 1/sqrt(D); num_splits 0 chooses the split-KV
     count from batch, KV heads and max_context (0 = the capacity) for this GPU's SM count; variant
-    selects a kernel variant (futx.runtime.catalog.decode_attention.VARIANTS; "" = the
-    shipped choice: the default kernel, or for rotated INT4 at head dim 128 with max_context (0 = the
-    capacity) >= 16384 the long-context kernel "s2")."""
+    selects a kernel variant (futx.runtime.catalog.decode_attention.VARIANTS; "" = the default kernel;
+    "table" = INT4 keys through the 256-entry shared-memory table)."""
     out = torch.empty_like(q)
     _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
             cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out)

@@ -210,7 +210,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--json", default=None, help="write a summary (calibration, timing, proxy-loss stats) here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is faster on a busy machine)")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if "wikitext" in a.calib.lower() and "test" in a.calib.lower():
         raise ValueError("refusing to calibrate on the WikiText-2 test split")
     dev = setup_device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -22,9 +22,9 @@ for part in "$@"; do
       TAILN=12 step attn_tests 150 $P --maxfail=30 tests/test_decode_attention_gpu.py
       TAILN=30 step bench_attn 110 python3 scripts/bench_decode_attention.py --budget-s 75 ;;
     prefill)
-      TAILN=8 step prefill_tests 180 $P tests/test_prefill_gpu.py
-      TAILN=12 step bench_gemm 150 python3 scripts/bench_prefill.py --quick
-      TAILN=14 step bench_swiglu 240 python3 scripts/bench_swiglu.py --only futx ;;
+      TAILN=8 step prefill_tests 120 $P tests/test_prefill_gpu.py
+      TAILN=12 step bench_gemm 60 python3 scripts/bench_prefill.py --quick --rounds 9
+      TAILN=14 step bench_swiglu 90 python3 scripts/bench_swiglu.py --only futx --rounds 9 ;;
     *) echo "unknown part $part" ;;
   esac
 done

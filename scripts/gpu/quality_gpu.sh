@@ -6,6 +6,7 @@
 #   (d) quality table: every configuration of issue 3, all 147 windows, all-decode and serving, KL + top-1
 #   (e) per-layer errors (independent + cascaded, all windows) and the synthetic outlier study
 #   (f) the IEEE-division quantizer tests on CUDA, if time is left
+# FUTX_STEPS (default "a b c d e f") runs a subset; FUTX_D_CONFIGS passes --configs to step (d).
 # Every step runs under `timeout`, inside one overall deadline (FUTX_TOTAL_S, default 340 s): a step that
 # would not fit is skipped with a message, never killed half-way by the device's own limit.
 #
@@ -53,11 +54,11 @@ SCALE=1  # step limits and reserves are multiplied by this (the smoke run's slow
 if [ "$MODE" = smoke ]; then
   TOTAL_S="${FUTX_TOTAL_S:-1800}"; SCALE=5
   DEV=cpu; WIN=128
-  A_ARGS=(--max-windows 2 --batch-size 2 --threads 2)
-  B_ARGS=(--max-windows 2 --batch-size 2 --serving-max-windows 1 --serving-batch-size 1 --budget-s 5 --threads 2)
-  C_ARGS=(--windows 2 --seq-len 128)
-  D_ARGS=(--windows 2 --batch 2 --chunk 48 --threads 2)
-  E_ARGS=(--independent-windows 2 --prefill 64 --decode-tokens 8 --cascade-windows 2 --batch 2 --threads 2)
+  A_ARGS=(--max-windows 2 --batch-size 2 --threads 1)
+  B_ARGS=(--max-windows 2 --batch-size 2 --serving-max-windows 1 --serving-batch-size 1 --budget-s 5 --threads 1)
+  C_ARGS=(--windows 2 --seq-len 128 --threads 1)
+  D_ARGS=(--windows 2 --batch 2 --chunk 48 --threads 1)
+  E_ARGS=(--independent-windows 2 --prefill 64 --decode-tokens 8 --cascade-windows 2 --batch 2 --threads 1)
   if [ ! -f "$STAGE/smollm2.gguf.xz.part1" ]; then  # what run 1 leaves on the GPU machine
     STAGE="$WORK/fake-stage"; mkdir -p "$STAGE" && cp .gpu-data1/* "$STAGE/"
   fi
@@ -110,8 +111,12 @@ collect() {  # refresh $OUT (after every step, so a cut-short run still returns 
     > "$WORK/logs/render.log" 2>&1
   tar czf "$OUT/logs.tar.gz" -C "$WORK" logs $(cd "$WORK" && ls *.json *.jsonl 2>/dev/null) 2>/dev/null
 }
+STEPS=" ${FUTX_STEPS:-a b c d e f} "  # a subset of the steps, e.g. FUTX_STEPS="c d" (a follow-up run)
 step() {  # step NAME LIMIT_S RESERVE_S CMD...: timeout min(LIMIT, time left - RESERVE); skipped under 15 s
   local name=$1 limit=$(( $2 * SCALE )) reserve=$(( $3 * SCALE )); shift 3
+  if [[ "$STEPS" != *" ${name%%_*} "* ]]; then
+    echo "== $name not selected (FUTX_STEPS) =="; return 0
+  fi
   local left=$(( TOTAL_S - $(elapsed) - reserve ))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 15 ]; then
@@ -148,7 +153,8 @@ GPTQ_ARG=(); [ -s "$GPTQ" ] && GPTQ_ARG=(--gptq "$GPTQ")
 # (d) quality table (decode in exact chunks; the script stops starting configurations 30 s before its limit)
 left=$(( (TOTAL_S - $(elapsed)) / SCALE - 60 )); [ "$left" -gt 220 ] && left=220
 step d_quality "$left" 60 "$PY" scripts/quality_table.py ppl "${COMMON[@]}" --device "$DEV" --window "$WIN" \
-  --group-size 64 "${GPTQ_ARG[@]}" --out "$WORK/quality.jsonl" --budget-s $(( (left - 30) * SCALE )) "${D_ARGS[@]}"
+  --group-size 64 "${GPTQ_ARG[@]}" --out "$WORK/quality.jsonl" --budget-s $(( (left - 30) * SCALE )) "${D_ARGS[@]}" \
+  ${FUTX_D_CONFIGS:+--configs "$FUTX_D_CONFIGS"}
 
 # (e) per-layer errors and the outlier study
 step e_layers 60 12 "$PY" scripts/quality_table.py layers "${COMMON[@]}" --device "$DEV" --window "$WIN" \

@@ -6,31 +6,30 @@ from futx.runtime.registry import KernelSpec
 SOURCES = ("decode/attention.py", "decode/attn_plan.py", "decode/attn_ptx.py", "decode/hadamard_warp.py",
            "decode/splitkv_combine.py", "futx/quant/layouts.py")
 
-# INT4 variants (rotated, head dim 128), as overrides of decode.attn_plan.default_plan (whose INT4 default,
-# since H200 run 2, takes keys through the 256-entry table and values by arithmetic: "valu" there).
-# Shipped (compiled in CI, chosen by the op):
-#   s2:   2-deep rings with table values, so that three 4-warp CTAs (12 warps) fit per SM, splits chosen to
-#         fill them; the op launches it for max_context >= decode.attn_plan.LONG_CONTEXT (run 2: best at
-#         (8, 32768)).
+# INT4 variants (rotated, head dim 128), as overrides of decode.attn_plan.default_plan, whose INT4 default
+# (since H200 run 3 of docs/results-decode-attention.md) dequantizes keys and values by "pair" arithmetic
+# without the table, with lean issue.
+# Shipped (compiled in CI, selected with variant=...):
+#   table: keys through the 256-entry byte -> f16x2 shared-memory table, values by prmt + f16 arithmetic
+#          (the previous default; at (32, 4096) 48.8 us against 44.4 for today's default in run 3, 49.1
+#          against 44.7 in run 4).
 # Benchmark-only (not in CI; each also runs once in the GPU tests):
-#   vlut: the run-2 default (table values), to re-measure the default switch;
-#   w6v:  the default dequantization with one 6-warp CTA of 2-deep rings twice per SM: 12 warps per SM
-#         without splitting (B*Hkv = 256 pairs fill 132 SMs twice, which three CTAs per SM cannot balance);
-#   fx:   "pair" dequantization of keys and values (lop3 + hadd2 per register, the query permuted to match;
-#         no table, 28 instead of 92 shared loads per 32-token tile, ~520 instead of ~660 loop instructions),
-#         whole tiles copied without per-chunk tests, 6 warps x 3 stages (2 CTAs = 12 warps per SM);
-#   fx4:  the same kernel body with 4 warps (the default's shape: isolates the instruction savings).
+#   s2:   table keys and values, 2-deep rings so that three 4-warp CTAs (12 warps) fit per SM, splits
+#         chosen to fill them (the previous long-context kernel: 88.9 us at (8, 32768) against 81.9);
+#   vlut: table keys and values (the run-2 default);
+#   w6v:  the table design with one 6-warp CTA of 2-deep rings twice per SM (12 warps per SM unsplit);
+#   fx:   the default dequantization with 6 warps x 3 stages (2 CTAs = 12 warps per SM).
+_TABLE = {"k_dequant": "lut", "lean_issue": False}
 VARIANTS = {
     "": {},
-    "s2": {"v_dequant": "lut", "stages": 2, "saturating_warps": 12},
-    "vlut": {"v_dequant": "lut"},
-    "w6v": {"warps": 6, "stages": 2, "saturating_warps": 12},
-    "fx": {"k_dequant": "pair", "v_dequant": "pair", "warps": 6, "stages": 3, "saturating_warps": 12,
-           "lean_issue": True},
-    "fx4": {"k_dequant": "pair", "v_dequant": "pair", "lean_issue": True},
+    "table": {**_TABLE, "v_dequant": "alu"},
+    "s2": {**_TABLE, "v_dequant": "lut", "stages": 2, "saturating_warps": 12},
+    "vlut": {**_TABLE, "v_dequant": "lut"},
+    "w6v": {**_TABLE, "v_dequant": "alu", "warps": 6, "stages": 2, "saturating_warps": 12},
+    "fx": {"warps": 6, "stages": 3, "saturating_warps": 12},
 }
-SHIPPED = ("s2",)
-BENCH_ONLY = ("vlut", "w6v", "fx", "fx4")
+SHIPPED = ("table",)
+BENCH_ONLY = ("s2", "vlut", "w6v", "fx")
 
 
 def attn_key(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> str:
@@ -38,14 +37,14 @@ def attn_key(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> str:
 
 
 def _spec(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> KernelSpec:
-    what = {"int4": "INT4 mirror (LUT keys)", "e4m3": "E4M3 mirror", "bf16": "BF16 main cache"}[fmt]
+    what = {"int4": "INT4 mirror", "e4m3": "E4M3 mirror", "bf16": "BF16 main cache"}[fmt]
     extra = VARIANTS[variant]
     params = (("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate)) + tuple(sorted(extra.items()))
     return KernelSpec(key=attn_key(fmt, head_dim, rotate, variant), module="decode.attention", params=params,
                       sources=SOURCES, expect_sass=("HMMA",), ci=not variant or variant in SHIPPED,
                       doc=f"GQA decode attention over the {what}, head dim {head_dim}"
                           + (", Hadamard-rotated" if rotate else "") + "; writes the new K/V row"
-                          + (f"; {'long-context' if variant in SHIPPED else 'benchmark-only'} variant {variant}: "
+                          + (f"; {'shipped' if variant in SHIPPED else 'benchmark-only'} variant {variant}: "
                              f"{extra}" if variant else ""))
 
 
