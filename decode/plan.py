@@ -25,7 +25,8 @@ two H200 runs of 2026-11-30 (CUDA-graph replay, L2 flushed, medians; docs/result
 
 Variants the router never picks are benchmark-only (catalog `ci=False`): the persistent GEMV as measured
 in run 2 (`r2`: scales converted at the load) and without the fold (`nofold`), the INT4 GEMV with two
-token groups (M bucket 16), and the tile GEMV with a rolling prefetch (`rolling`).
+token groups (M bucket 16), the tile GEMV with a rolling prefetch (`rolling`) or other batch sizes, and
+the INT4 skinny kernel with shorter rings (`s3`, `s4`: more CTAs per SM).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ TILE_VARIANTS = {"": {"pipeline": "batch"}, "rolling": {"pipeline": "rolling", "
 SKINNY_WARPS, SKINNY_NB_PER_WARP = 4, 2
 TILE_N = SKINNY_WARPS * SKINNY_NB_PER_WARP * 16
 CTAS_PER_SM = 2
+# benchmark-only skinny variants (INT4): a shorter ring so that more CTAs (warps) fit per SM, the split
+# then filling that many CTA slots per SM ("ctas_per_sm" only steers the host's split choice)
+SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3}}
 MIN_UNITS = 4
 
 
@@ -118,14 +122,17 @@ def gemv_tiles(params: dict, m: int, n: int, k: int, sms: int, tiles: Optional[i
 
 
 # ---- skinny (17 <= M <= 32, and benchmark comparisons) -----------------------------------------
-def skinny_key(fmt: str, group_size: int, epilogue: str, m: int) -> str:
-    return f"decode.skinny.{fmt_tag(fmt, group_size)}.m{m_bucket(m)}.{epilogue}"
+def skinny_key(fmt: str, group_size: int, epilogue: str, m: int, variant: str = "") -> str:
+    if variant not in SKINNY_VARIANTS:
+        raise ValueError(f"unknown skinny variant {variant!r}; known: {sorted(SKINNY_VARIANTS)}")
+    return f"decode.skinny.{fmt_tag(fmt, group_size)}.m{m_bucket(m)}.{epilogue}" + (f".{variant}" if variant else "")
 
 
-def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int) -> int:
+def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: str = "") -> int:
     n_tiles = -(-n // TILE_N)
     units = k // unit_k(fmt, group_size)
-    return max(1, min(CTAS_PER_SM * sms // n_tiles, units // MIN_UNITS))
+    ctas = SKINNY_VARIANTS[variant].get("ctas_per_sm", CTAS_PER_SM)
+    return max(1, min(ctas * sms // n_tiles, units // MIN_UNITS))
 
 
 # ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
@@ -196,5 +203,5 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         if t is None:
             raise ValueError(f"the GEMV cannot serve M = {m}, K = {k} (activation rows exceed shared memory)")
         return Launch(gemv_key(fmt, group_size, epilogue, m, variant), "gemv", tiles=t)
-    sp = split or skinny_split(fmt, group_size, n, k, sms)
-    return Launch(skinny_key(fmt, group_size, epilogue, m), "skinny", split=sp)
+    key = skinny_key(fmt, group_size, epilogue, m, variant)
+    return Launch(key, "skinny", split=split or skinny_split(fmt, group_size, n, k, sms, variant))

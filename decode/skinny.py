@@ -266,7 +266,9 @@ class Skinny:
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                   warps: int = 4, nb_per_warp: int = 2, stages: int = 0):
+                   warps: int = 4, nb_per_warp: int = 2, stages: int = 0, ctas_per_sm: int = 0):
+    """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
+    a parameter so that variants that differ in it are distinct registry entries)."""
     from .signature import fake_args, fake_split_args
 
     op = Skinny(fmt, group_size, epilogue, m_tiles, warps, nb_per_warp, stages)

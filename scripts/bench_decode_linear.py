@@ -16,6 +16,7 @@ INT4 kernel), the INT4 design alternatives where they apply:
   futx-int4-tile-xw   the same with the other warp count (4 <-> 8)
   futx-int4-rolling   the tile GEMV with a rolling prefetch and late scale conversion (benchmark-only)
   futx-int4-p1/p3/p4  the tile GEMV with batches of 1 / 3 (run 1) / 4 units instead of 2 (benchmark-only)
+  futx-int4-skinny-s3/s4  the skinny kernel with 3 / 4 ring stages, 4 / 3 CTAs per SM (benchmark-only)
   futx-int4-gemv      the persistent GEMV (scale-conversion fix; the plan's choice for 2 <= M <= 8)
   futx-int4-r2        the persistent GEMV exactly as measured in run 2 (scales converted at the load)
   futx-int4-nofold    the persistent GEMV without the folded nibble bias
@@ -70,6 +71,9 @@ def _int4_designs(n, k, m, proj) -> dict:
             out["futx-int4-nofold"] = dict(kernel="gemv", variant="nofold")
     if m > 1:
         out["futx-int4-skinny"] = dict(kernel="skinny")
+        for v in plan.SKINNY_VARIANTS:
+            if v:
+                out[f"futx-int4-skinny-{v}"] = dict(kernel="skinny", variant=v)
     return {name: kw for name, kw in out.items()
             if plan.choose("int4", GROUP, epi, m, n, k, **kw).key != choice.key}
 

@@ -38,6 +38,7 @@ from futx.quant.kv_mirror import CacheMirror  # noqa: E402
 from futx.quant.formats import cache_format  # noqa: E402
 from futx.quant.simulated import quantized_weights  # noqa: E402
 from futx.reference import PackedBatch, block  # noqa: E402
+from scripts.gpu.render_results import combine  # noqa: E402  (the one definition of combining window ranges)
 from futx.rope import cos_sin  # noqa: E402
 
 TEST_TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
@@ -355,28 +356,6 @@ def cmd_origin(a) -> None:
 
 
 # ---- Markdown ----------------------------------------------------------------------------------------
-def combine(rows: list[dict]) -> dict[str, dict]:
-    """Per configuration: token-weighted totals over runs on disjoint window ranges (a rerun replaces)."""
-    runs: dict[tuple, dict] = {}
-    for r in rows:
-        r.setdefault("first_window", 0)
-        if "nll_sum" not in r:  # rows written before the sums were recorded
-            r.update(nll_sum=math.log(r["ppl"]) * r["tokens"], kl_sum=r["kl"] * r["tokens"],
-                     top1_sum=r["top1"] * r["tokens"])
-        runs[(r["config"], r["first_window"], r["windows"])] = r
-    out: dict[str, dict] = {}
-    for r in runs.values():
-        c = out.setdefault(r["config"], {**r, "tokens": 0, "windows": 0, "nll_sum": 0.0, "kl_sum": 0.0,
-                                          "top1_sum": 0.0, "ranges": []})
-        for key in ("tokens", "windows", "nll_sum", "kl_sum", "top1_sum"):
-            c[key] += r[key]
-        c["ranges"].append((r["first_window"], r["first_window"] + r["windows"]))
-    for c in out.values():
-        c.update(ppl=math.exp(c["nll_sum"] / c["tokens"]), kl=c["kl_sum"] / c["tokens"],
-                 top1=c["top1_sum"] / c["tokens"])
-    return out
-
-
 def cmd_render(a) -> None:
     rows = combine([json.loads(line) for line in Path(a.ppl).read_text().splitlines() if line.strip()])
     base = {p: rows.get(f"{p}:bf16/bf16:bf16") for p in ("all-decode", "serving")}

@@ -210,6 +210,20 @@ def test_design_variants_match(epilogue):
         _check(y, _reference(x, w_ref, epilogue, r), f"skinny M={m} {epilogue}")
 
 
+@pytest.mark.parametrize("variant", ["s3", "s4"])
+@pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
+def test_skinny_ring_variants(variant, epilogue):
+    """Benchmark-only INT4 skinny variants with shorter rings (more CTAs per SM, larger split), at odd M in
+    both token buckets, on the 8B down shape (split K) and a gate/up-like shape."""
+    for (n, k), seed in (((4096, 14336), 11), ((2048, 4096), 12)):
+        stored, w_ref = _weights("int4", n, k, 128, seed)
+        for m in (9, 13, 31):
+            x, r = _inputs(m, k, n, m + seed)
+            y = _run("int4", stored, x, 128, epilogue, r, kernel="skinny", variant=variant)
+            torch.cuda.synchronize()
+            _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} {epilogue}")
+
+
 def test_back_to_back_launches_respect_the_dependency():
     """PDL: each kernel may start before the previous one ends; it must still read the previous kernel's
     finished output (a chain of projections into NaN-poisoned buffers, one synchronize at the end), also

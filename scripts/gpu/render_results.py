@@ -49,17 +49,22 @@ def gather(work: Path) -> dict:
 
 # ---- quality rows -------------------------------------------------------------------------------------
 def combine(rows: list[dict]) -> dict[str, dict]:
-    """Per configuration: totals over runs on disjoint window ranges (a rerun of the same range replaces)."""
+    """Per configuration: token-weighted totals over runs on disjoint window ranges (a rerun of the same range
+    replaces). Shared with scripts/quality_table.py (its `render`)."""
     runs: dict[tuple, dict] = {}
     for r in rows:
-        runs[(r["config"], r.get("first_window", 0), r["windows"])] = r
+        r.setdefault("first_window", 0)
+        if "nll_sum" not in r:  # rows written before the sums were recorded
+            r.update(nll_sum=math.log(r["ppl"]) * r["tokens"], kl_sum=r["kl"] * r["tokens"],
+                     top1_sum=r["top1"] * r["tokens"])
+        runs[(r["config"], r["first_window"], r["windows"])] = r
     out: dict[str, dict] = {}
     for r in runs.values():
         c = out.setdefault(r["config"], {**r, "tokens": 0, "windows": 0, "nll_sum": 0.0, "kl_sum": 0.0,
                                           "top1_sum": 0.0, "ranges": []})
         for key in ("tokens", "windows", "nll_sum", "kl_sum", "top1_sum"):
             c[key] += r[key]
-        c["ranges"].append((r.get("first_window", 0), r.get("first_window", 0) + r["windows"]))
+        c["ranges"].append((r["first_window"], r["first_window"] + r["windows"]))
     for c in out.values():
         c.update(ppl=math.exp(c["nll_sum"] / c["tokens"]), kl=c["kl_sum"] / c["tokens"],
                  top1=c["top1_sum"] / c["tokens"])

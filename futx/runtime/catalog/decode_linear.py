@@ -29,13 +29,14 @@ def _tile(fmt, group, epilogue, warps, variant="", ci=True):
                           f"{epilogue}, {warps} warps{', ' + variant if variant else ''}")
 
 
-def _skinny(fmt, group, epilogue, m):
-    return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m), module="decode.skinny",
+def _skinny(fmt, group, epilogue, m, variant="", ci=True):
+    return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny",
                       params=(("fmt", fmt), ("group_size", group), ("epilogue", epilogue),
                               ("m_tiles", plan.SKINNY_M_TILES[m]), ("warps", plan.SKINNY_WARPS),
-                              ("nb_per_warp", plan.SKINNY_NB_PER_WARP)),
-                      sources=_SOURCES, expect_sass=("HMMA",),
-                      doc=f"M<={m} skinny GEMM, {plan.fmt_tag(fmt, group)} weights, {epilogue}")
+                              ("nb_per_warp", plan.SKINNY_NB_PER_WARP)) + tuple(plan.SKINNY_VARIANTS[variant].items()),
+                      sources=_SOURCES, expect_sass=("HMMA",), ci=ci,
+                      doc=f"M<={m} skinny GEMM, {plan.fmt_tag(fmt, group)} weights, {epilogue}"
+                          + (f"; benchmark-only variant {variant}" if variant else ""))
 
 
 def _gemv_routed(fmt, m) -> bool:
@@ -52,3 +53,5 @@ SPECS += [_tile(f, g, e, w) for f, g in plan.TILE_FORMATS for e in plan.EPILOGUE
 SPECS += [_gemv("int4", 128, e, 8, v, ci=False) for v in plan.GEMV_VARIANTS if v for e in plan.EPILOGUES]
 SPECS += [_tile(f, g, e, w, v, ci=False) for f, g in plan.TILE_FORMATS for v in plan.TILE_VARIANTS if v
           for e in plan.EPILOGUES for w in _WARPS]
+SPECS += [_skinny("int4", 128, e, m, v, ci=False) for v in plan.SKINNY_VARIANTS if v for e in plan.EPILOGUES
+          for m in plan.SKINNY_M_TILES]
