@@ -7,7 +7,8 @@
 #   (e) per-layer errors (independent + cascaded, all windows) and the synthetic outlier study
 #   (f) the IEEE-division quantizer tests on CUDA, if time is left
 # FUTX_STEPS (default "a b c d e f") runs a subset; FUTX_D_CONFIGS passes --configs to step (d),
-# FUTX_B_PROTOCOLS (default "gptq serving") the protocols of the cross-check (b).
+# FUTX_B_PROTOCOLS (default "gptq serving") the protocols of the cross-check (b), FUTX_B_ARGS its other
+# arguments (replacing the defaults below) and FUTX_B_LIMIT its time limit (s).
 # Every step runs under `timeout`, inside one overall deadline (FUTX_TOTAL_S, default 340 s): a step that
 # would not fit is skipped with a message, never killed half-way by the device's own limit.
 #
@@ -142,7 +143,8 @@ step a_ref 100 205 "$PY" -m futx ppl "${COMMON[@]}" --device "$DEV" --window "$W
   --stepwise --no-progress --json "$WORK/ppl_ref.json" "${A_ARGS[@]}"
 
 # (b) transformers cross-check on the same token ids
-step b_cross 90 165 "$PY" -m futx.eval.crosscheck "${COMMON[@]}" --device "$DEV" --window "$WIN" \
+[ -n "${FUTX_B_ARGS:-}" ] && read -r -a B_ARGS <<< "$FUTX_B_ARGS"
+step b_cross "${FUTX_B_LIMIT:-90}" 165 "$PY" -m futx.eval.crosscheck "${COMMON[@]}" --device "$DEV" --window "$WIN" \
   --protocol ${FUTX_B_PROTOCOLS:-gptq serving} --stepwise --json "$WORK/crosscheck.jsonl" "${B_ARGS[@]}"
 
 # (c) GPTQ on the GPU
