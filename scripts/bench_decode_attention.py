@@ -140,9 +140,19 @@ def _candidates(model, batch, ctx, ablate):
         return call, read["bf16"], ""
 
     def flash_build():
-        from flash_attn import flash_attn_with_kvcache  # ImportError: not installed (no internet on the H200)
-
+        """FlashAttention's decode path on a compact BF16 cache [B, ctx, Hkv, D]: FA2/FA3's
+        flash_attn_with_kvcache when installed, else FlashAttention-4's CuTe-DSL kernel (PyPI flash-attn-4,
+        JIT-compiled by the DSL: a JIT run) with its own split-KV heuristic and packed GQA."""
         kv = bf16_pairs((batch, ctx, hkv, d))
+        try:
+            from flash_attn import flash_attn_with_kvcache
+        except ImportError:
+            from flash_attn.cute import flash_attn_func  # ImportError: neither is installed
+
+            def call(i):
+                k, v = kv[i % len(kv)]
+                return flash_attn_func(q.unsqueeze(1), k, v, num_splits=0, pack_gqa=True)[0]  # (out, lse)
+            return call, read["bf16"], "fa4"
         seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
 
         def call(i):
