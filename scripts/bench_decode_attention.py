@@ -149,10 +149,17 @@ def _candidates(model, batch, ctx, ablate):
         except ImportError:
             from flash_attn.cute import flash_attn_func  # ImportError: neither is installed
 
+            # FA4 has no split-KV on SM90 (it asserts): its heuristic where that works, else one split
+            splits = 0
+            try:
+                flash_attn_func(q.unsqueeze(1), *kv[0], num_splits=0, pack_gqa=True)
+            except AssertionError:
+                splits = 1
+
             def call(i):
                 k, v = kv[i % len(kv)]
-                return flash_attn_func(q.unsqueeze(1), k, v, num_splits=0, pack_gqa=True)[0]  # (out, lse)
-            return call, read["bf16"], "fa4"
+                return flash_attn_func(q.unsqueeze(1), k, v, num_splits=splits, pack_gqa=True)[0]  # (out, lse)
+            return call, read["bf16"], "fa4" + (" s1" if splits else "")
         seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
 
         def call(i):
