@@ -32,7 +32,7 @@ def test_every_shipped_variant_is_registered():
     bench = [cat.kernel_key(ab, p, v) for ab, t in cat._BENCH.items() for p, vs in t.items() for v in vs]
     assert all(not specs[k].ci for k in bench)     # benchmark candidates stay out of the CI compile
     assert len(specs) == sum(len(vs) for t in cat._SHIPPED.values() for vs in t.values()) + len(bench)
-    assert sum(s.ci for s in specs.values()) <= 30  # CI budget: ~15 s per variant on one core
+    assert sum(s.ci for s in specs.values()) <= 36  # CI budget: ~15 s per variant on one core (whole CI ~9 min)
     for ab, table in cat._SHIPPED.items():           # pingpong is every policy's default (measured fastest)
         assert all(names[0] == "n256.pp" for names in table.values()), ab
 
@@ -59,13 +59,20 @@ def test_tile_rule():
     assert cat.choose_variant("bf16", "rho_swiglu_bf16", 2048, 28672, 132) == "n256.pp"
     assert cat.choose_tile_n("e4m3", "scale_rho_swiglu_split_fp8", 512, 4096, 132) == 256  # only width
     pp, coop, n128 = (cat.Variant.parse(v) for v in ("n256.pp", "n256", "n128"))
-    # 8B o-proj at M=512: 64 coop 128x256 tiles leave half the SMs idle; 64-row pingpong tiles and
-    # 128x128 coop tiles both fill them, pingpong at the 256-wide tile's efficiency
-    assert cat._waves(pp, 512, 4096, 132) == 0.5 < cat._waves(n128, 512, 4096, 132) == 0.55 < cat._waves(coop, 512, 4096, 132) == 1
+    # 8B o-proj at M=512: 64 coop 128x256 tiles leave half the SMs idle; 64 pingpong clusters are under
+    # one wave, so each CTA holds one 64x256 tile and one warpgroup idles (a coop tile's time); 128x128
+    # coop tiles fill the SMs with both warpgroups busy (measured: n128 1223 vs pingpong 1150 TF/s)
+    assert cat._waves(n128, 512, 4096, 132) == 0.55 < cat._waves(pp, 512, 4096, 132) == cat._waves(coop, 512, 4096, 132) == 1
+    assert cat.choose_variant("e4m3", "scale_res_bf16", 512, 4096, 132) == "n128"
+    assert cat.choose_variant("bf16", "bf16", 512, 2048, 132) == "n128"
+    # from two tiles per CTA on, pingpong alternates again: 8B QKV (N=6144) and gate/up at M=512 keep it
+    assert cat.choose_variant("e4m3", "scale_bf16", 512, 6144, 132) == "n256.pp"
+    assert cat.choose_variant("e4m3", "scale_bf16", 512, 28672, 132) == "n256.pp"
+    assert cat.choose_variant("e4m3", "scale_bf16", 2048, 4096, 132) == "n256.pp"
     assert cat._waves(pp, 8192, 8192, 132) == cat._waves(coop, 8192, 8192, 132) == 16   # same rate per SM
     assert "n256.pp.g16" in cat.variants("e4m3", "scale_bf16", bench=True)
     assert "n256.pp.g16" not in cat.variants("e4m3", "scale_bf16")
-    assert cat.variants("e4m3", "scale_bf16") == ("n256.pp", "n256")
+    assert cat.variants("e4m3", "scale_bf16") == ("n256.pp", "n256", "n128")
     with pytest.raises(ValueError, match="no prefill GEMM variant"):
         cat.tile_widths("bf16", "scale_fp8")
 

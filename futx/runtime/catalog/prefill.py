@@ -130,30 +130,30 @@ POLICIES = {
 # coop, 8B projections +2-9%, gate/up+SwiGLU 8B 363 vs 411 us FP8, 708 vs 762 us BF16; QKV epilogue
 # 86 vs 98 us; BF16 GEMM +0-4%), because each warpgroup's epilogue overlaps the other's mainloop. The coop
 # 128x256 "n256" stays shipped (CI-compiled) for the plain, scale, FP8-store, residual/RMS, QKV-128 and
-# main SwiGLU policies; for the others it is a benchmark-only alternative (_BENCH): CI compiles 28 variants.
-# (The coop 128x128 "n128" variants are benchmark-only now: 64-row pingpong tiles give the same
-# parallelism at the 256-wide tile's efficiency, so the rule never picks them.)
+# main SwiGLU policies; for the others it is a benchmark-only alternative (_BENCH): CI compiles 35 variants.
+# The coop 128x128 "n128" ships for the plain, scale and residual policies (the O / down projections): the
+# rule picks it where a pingpong launch is under one wave (small M on narrow weights, see _waves).
 _SHIPPED = {
     "e4m3": {
-        "bf16": ("n256.pp", "n256"),
-        "scale_bf16": ("n256.pp", "n256"),
-        "scale_rho_bf16": ("n256.pp", "n256"),
+        "bf16": ("n256.pp", "n256", "n128"),
+        "scale_bf16": ("n256.pp", "n256", "n128"),
+        "scale_rho_bf16": ("n256.pp", "n256", "n128"),
         "scale_fp8": ("n256.pp", "n256"),
         "scale_rho_swiglu_bf16": ("n256.pp",),
         "scale_rho_swiglu_fp8": ("n256.pp", "n256"),
         "scale_rho_swiglu_split_fp8": ("n256.pp",),
-        "scale_res_bf16": ("n256.pp", "n256"),
-        "scale_res_rms_bf16": ("n256.pp", "n256"),
+        "scale_res_bf16": ("n256.pp", "n256", "n128"),
+        "scale_res_rms_bf16": ("n256.pp", "n256", "n128"),
         "scalet_res_rms_bf16": ("n256.pp",),
         "scale_rho_qkv128_bf16": ("n256.pp", "n256"),
         "scale_rho_qkv64_bf16": ("n256.pp",),
     },
     "bf16": {
-        "bf16": ("n256.pp", "n256"),
+        "bf16": ("n256.pp", "n256", "n128"),
         "swiglu_bf16": ("n256.pp",),
         "swiglu_split_bf16": ("n256.pp",),
         "rho_swiglu_bf16": ("n256.pp", "n256"),
-        "res_bf16": ("n256.pp",),
+        "res_bf16": ("n256.pp", "n128"),
         "rho_qkv128_bf16": ("n256.pp",),
     },
 }
@@ -170,7 +170,7 @@ _SHIPPED = {
 # (run 2 also measured n128.pp, 6-16% slower than n256.pp, and coop n256.c1, within 1% of n256: dropped)
 _BENCH = {
     "e4m3": {
-        "scale_bf16": ("n256.st", "n128", "n256.pp.g16", "n256.pp.c1"),
+        "scale_bf16": ("n256.st", "n256.pp.g16", "n256.pp.c1"),
         "scale_rho_swiglu_bf16": ("n256",),
         "scale_rho_swiglu_fp8": ("n256.st", "n128", "n256.pp.g16"),
         "scale_rho_swiglu_split_fp8": ("n256",),
@@ -215,11 +215,16 @@ def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
     Work items are clusters of `cluster_m` CTA tiles over one weight tile, dealt round-robin to the
     num_sms / cluster_m resident clusters. A 128-wide tile costs ~0.55 of a 256-wide one (~10% less
     efficient per FLOP). A pingpong CTA's 64-row tiles take turns on the tensor cores, so each costs
-    half a coop tile: the same rate per SM, at half the granularity (fewer idle SMs in the last wave).
+    half a coop tile: the same rate per SM, at half the granularity (fewer idle SMs in the last wave) --
+    except under one wave, where each CTA holds a single tile and one warpgroup idles: a whole coop tile's
+    time (H200, 2026-11-30 14:54: at M = 512 the coop 128x128 tile beat pingpong by 2-7% on exactly the
+    shapes this predicts, 1B QKV/O/down and 8B O/down, and lost or tied on all others).
     """
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
     slots = max(1, num_sms // v.cluster_m)
     cost = (1.0 if v.tile_n == 256 else 0.55) * (0.5 if v.schedule == "pingpong" else 1.0)
+    if v.schedule == "pingpong" and clusters <= slots:
+        cost *= 2  # one tile per CTA: its second warpgroup has no tile to alternate with
     return math.ceil(clusters / slots) * cost
 
 
