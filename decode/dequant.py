@@ -149,7 +149,27 @@ class Int4Format:
         return s_base + row * 2, s_base + (row + layouts.MMA_N) * 2
 
 
-class E4M3Format:
+class _NaturalActivations:
+    """Activation addressing of the natural-row formats (BF16, E4M3): lane 4g+t reads X[token g][16t ..
+    16t+15] with two 16-byte shared loads."""
+
+    @staticmethod
+    def x_lane_row(lane):
+        return lane // 4
+
+    @staticmethod
+    def x_lane_col(lane):
+        return (lane % 4) * (LANE_K * 2)
+
+    @classmethod
+    def x_lane_offset(cls, lane, row_stride):
+        """Byte offset of X[token g][LANE_K * t] (16 contiguous k, read with two 16-byte loads)."""
+        return cls.x_lane_row(lane) * row_stride + cls.x_lane_col(lane)
+
+    X_LOAD_OFFSETS = (0, LANE_BYTES)
+
+
+class E4M3Format(_NaturalActivations):
     """E4M3 [N, K] (bytes) + one float32 scale per output channel [N]."""
 
     name = "e4m3"
@@ -195,28 +215,13 @@ class E4M3Format:
             out.append((lo0, lo8, hi0, hi8))
         return out
 
-    @staticmethod
-    def x_lane_row(lane):
-        return lane // 4
-
-    @staticmethod
-    def x_lane_col(lane):
-        return (lane % 4) * (LANE_K * 2)
-
-    @classmethod
-    def x_lane_offset(cls, lane, row_stride):
-        """Byte offset of X[token g][LANE_K * t] (16 contiguous k, read with two 16-byte loads)."""
-        return cls.x_lane_row(lane) * row_stride + cls.x_lane_col(lane)
-
-    X_LOAD_OFFSETS = (0, LANE_BYTES)
-
     def b_operands(self, xr, ops=ptx) -> list:
         """X[16t .. 16t+15] as 8 natural pairs -> the (even, even+2), (odd, odd+2) pairs E4M3 uses."""
         return [(ops.prmt(xr[2 * m], xr[2 * m + 1], 0x5410), ops.prmt(xr[2 * m], xr[2 * m + 1], 0x7632))
                 for m in range(WORDS)]
 
 
-class BF16Format:
+class BF16Format(_NaturalActivations):
     """BF16 [N, K], no scale."""
 
     name = "bf16"
@@ -245,21 +250,6 @@ class BF16Format:
     def a_operands(self, regs, consts, ops=ptx) -> list:
         p, q = regs[0:8], regs[8:16]  # 8 k-pairs of row g, of row g + 8
         return [(p[2 * j], q[2 * j], p[2 * j + 1], q[2 * j + 1]) for j in range(WORDS)]
-
-    @staticmethod
-    def x_lane_row(lane):
-        return lane // 4
-
-    @staticmethod
-    def x_lane_col(lane):
-        return (lane % 4) * (LANE_K * 2)
-
-    @classmethod
-    def x_lane_offset(cls, lane, row_stride):
-        """Byte offset of X[token g][LANE_K * t] (16 contiguous k, read with two 16-byte loads)."""
-        return cls.x_lane_row(lane) * row_stride + cls.x_lane_col(lane)
-
-    X_LOAD_OFFSETS = (0, LANE_BYTES)
 
     def b_operands(self, xr, ops=ptx) -> list:
         return [(xr[2 * j], xr[2 * j + 1]) for j in range(WORDS)]
