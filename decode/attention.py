@@ -15,6 +15,9 @@ The CTA owning the last split of a sequence writes the new K/V row first (BF16 m
 mirrors the Hadamard rotation + quantization + packing), so no separate quantization kernel runs.
 The query is rotated once per CTA, the output once per (sequence, head) by whoever finishes it. Split-KV
 partials are merged by the last CTA of a (sequence, KV head) to arrive (self-resetting counter).
+The decode engine's entry (`fused_qkv`) reads q, k and v as heads of the QKV projection's output and applies
+rotate-half RoPE to the query and the new key row as it loads them (lane l holds channels l*n.., its RoPE
+partner channels sit in lane l ^ 16), so no RoPE or split kernel runs between the projection and attention.
 """
 
 from __future__ import annotations
@@ -57,18 +60,18 @@ class DecodeAttention:
     # ---- host side ----------------------------------------------------------------------------------
     @cute.jit
     def launch(self, mQ, mKn, mVn, mPos, mSlot, mKc, mVc, mKq, mKs, mVq, mVs, mLut, mOut, mWsO, mWsML,
-               mCnt, softmax_scale: Float32, stream):
+               mCnt, mRope, softmax_scale: Float32, stream):
         splits = mWsO.shape[2]
         self.kernel(mQ, mKn, mVn, mPos, mSlot, mKc, mVc, mKq, mKs, mVq, mVs, mLut, mOut, mWsO, mWsML, mCnt,
-                    softmax_scale * Float32(LOG2E)).launch(
-            grid=(splits, mKn.shape[1], mQ.shape[0]), block=(32 * self.p.warps, 1, 1), stream=stream)
+                    mRope, softmax_scale * Float32(LOG2E)).launch(
+            grid=(splits, mKc.shape[1], mQ.shape[0]), block=(32 * self.p.warps, 1, 1), stream=stream)
 
     # ---- device side --------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKn: cute.Tensor, mVn: cute.Tensor, mPos: cute.Tensor,
                mSlot: cute.Tensor, mKc: cute.Tensor, mVc: cute.Tensor, mKq: cute.Tensor, mKs: cute.Tensor,
                mVq: cute.Tensor, mVs: cute.Tensor, mLut: cute.Tensor, mOut: cute.Tensor, mWsO: cute.Tensor,
-               mWsML: cute.Tensor, mCnt: cute.Tensor, scale_log2: Float32):
+               mWsML: cute.Tensor, mCnt: cute.Tensor, mRope: cute.Tensor, scale_log2: Float32):
         p = self.p
         D, n, TT, NW = p.head_dim, p.per_lane, p.tile_tokens, p.warps
         tidx, _, _ = cute.arch.thread_idx()
@@ -76,7 +79,15 @@ class DecodeAttention:
         nsplit, _, _ = cute.arch.grid_dim()
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
-        group = mQ.shape[1] // mKn.shape[1]
+        hkv = mKc.shape[1]
+        hq = mOut.shape[1]
+        group = hq // hkv
+        # fused_qkv: q, k, v are heads [0, hq), [hq, hq + hkv), [hq + hkv, hq + 2 hkv) of mQ
+        k_head = kvh
+        v_head = kvh
+        if cutlass.const_expr(p.fused_qkv):
+            k_head = hq + kvh
+            v_head = hq + hkv + kvh
         cap = mKc.shape[2]
         pos = mPos[b]
         slot = mSlot[b]
@@ -103,9 +114,9 @@ class DecodeAttention:
         if split < n_active:
             if split == n_active - 1:  # this CTA's range holds position `pos`: write the new row first
                 if warp == 0:
-                    self.write_row(mKn, mKc, mKq, mKs, b, kvh, slot, pos, lane, True)
+                    self.write_row(mKn, k_head, mRope, mKc, mKq, mKs, b, kvh, slot, pos, lane, True)
                 if warp == 1:
-                    self.write_row(mVn, mVc, mVq, mVs, b, kvh, slot, pos, lane, False)
+                    self.write_row(mVn, v_head, mRope, mVc, mVq, mVs, b, kvh, slot, pos, lane, False)
             if cutlass.const_expr(p.uses_lut):
                 self.fill_lut(mLut, s_lut, tidx, lane)
             if cutlass.const_expr(p.uses_pair):
@@ -113,7 +124,7 @@ class DecodeAttention:
                     ptx.sts32(s_flag + PAIR_CONST_OFFSET, Uint32(ptx.ALU_CONSTANTS["p_lo"]))
                     ptx.sts32(s_flag + PAIR_CONST_OFFSET + 4, Uint32(ptx.ALU_CONSTANTS["p_hi"]))
             for j in range(warp, MAX_GROUP, NW):
-                self.stage_query(mQ, s_q, b, kvh, group, j, lane, scale_log2)
+                self.stage_query(mQ, mRope, pos, s_q, b, kvh, group, j, lane, scale_log2)
             cute.arch.sync_threads()  # new row in global memory, table and query in shared memory
 
             t_begin = split * per_split
@@ -154,13 +165,16 @@ class DecodeAttention:
 
     # ---- setup ----------------------------------------------------------------------------------------
     @cute.jit
-    def write_row(self, mNew, mMain, mMir, mScale, b, kvh, slot, pos, lane, is_key: bool):
-        """One warp: copy the new BF16 row into the main cache; for a mirror also rotate, quantize
-        (scale = amax / qmax, IEEE division, round half to even) and store it in its packed order."""
+    def write_row(self, mNew, src_head, mRope, mMain, mMir, mScale, b, kvh, slot, pos, lane, is_key: bool):
+        """One warp: copy the new BF16 row (row `src_head` of mNew; keys RoPE-rotated first when fused)
+        into the main cache; for a mirror also rotate, quantize (scale = amax / qmax, IEEE division, round
+        half to even) and store it in its packed order."""
         p = self.p
         n = p.per_lane
         c0 = lane * n
-        raw = [mNew[b, kvh, c0 + i] for i in range(n)]
+        raw = [mNew[b, src_head, c0 + i] for i in range(n)]
+        if cutlass.const_expr(p.fused_qkv and is_key):
+            raw = [v.to(BFloat16) for v in self.rope([v.to(Float32) for v in raw], mRope, pos, lane)]
         for i in cutlass.range_constexpr(n):
             mMain[slot, kvh, pos, c0 + i] = raw[i]
         if cutlass.const_expr(p.quantized):
@@ -207,15 +221,35 @@ class DecodeAttention:
                 chunk = (lane + k) % 8  # spread the warp's stores over the banks
                 ptx.sts128(s_lut + e * 128 + chunk * 16, v, v, v, v)
 
-    def stage_query(self, mQ, s_q, b, kvh, group, j, lane, scale_log2):
-        """One warp: query head j of this KV head's group (rotated and pre-scaled for the mirrors) into
-        shared memory as f16 (mirrors) or bf16 (main cache); rows j >= group are zeros."""
+    def rope(self, x, mRope, pos, lane):
+        """Rotate-half RoPE of the n values a lane holds (channels lane*n + i): channel c pairs with
+        c +- D/2, which lane ^ 16 holds at the same i. float32 math, result rounded to bf16 (as the
+        unfused path stores q and k)."""
+        p = self.p
+        n = p.per_lane
+        half = p.head_dim // 2
+        first = lane < 16
+        out = []
+        for i in range(n):
+            partner = cute.arch.shuffle_sync_bfly(x[i], offset=16)
+            j = (lane % 16) * n + i
+            y = x[i] * mRope[pos, j] + cutlass.select_(first, -partner, partner) * mRope[pos, half + j]
+            out.append(y.to(BFloat16).to(Float32))
+        return out
+
+    def stage_query(self, mQ, mRope, pos, s_q, b, kvh, group, j, lane, scale_log2):
+        """One warp: query head j of this KV head's group (RoPE-rotated when fused; Hadamard-rotated and
+        pre-scaled for the mirrors) into shared memory as f16 (mirrors) or bf16 (main cache); rows
+        j >= group are zeros."""
         p = self.p
         n = p.per_lane
         c0 = lane * n
         live = j < group
         head = kvh * group + cutlass.min(j, group - 1)
-        x = [cutlass.select_(live, mQ[b, head, c0 + i].to(Float32), Float32(0.0)) for i in range(n)]
+        x = [mQ[b, head, c0 + i].to(Float32) for i in range(n)]
+        if cutlass.const_expr(p.fused_qkv):
+            x = self.rope(x, mRope, pos, lane)
+        x = [cutlass.select_(live, v, Float32(0.0)) for v in x]
         row = s_q + (j * p.head_dim + c0) * 2
         if cutlass.const_expr(p.quantized):
             if cutlass.const_expr(p.rotate):
@@ -587,6 +621,8 @@ class DecodeAttention:
 # ---- compile entry points (one jit signature per cache format) ------------------------------------------
 def make_entry(plan: AttnPlan):
     kern = DecodeAttention(plan)
+    if plan.fused_qkv:
+        return _make_fused_entry(plan, kern)
     if plan.fmt == "bf16":
         @cute.jit
         def decode_attention_bf16(q: cute.Tensor, k_new: cute.Tensor, v_new: cute.Tensor, positions: cute.Tensor,
@@ -594,7 +630,7 @@ def make_entry(plan: AttnPlan):
                                   ws_o: cute.Tensor, ws_ml: cute.Tensor, counters: cute.Tensor,
                                   softmax_scale: Float32, stream):
             kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_cache, ws_ml, k_cache, ws_ml,
-                        counters, out, ws_o, ws_ml, counters, softmax_scale, stream)
+                        counters, out, ws_o, ws_ml, counters, ws_ml, softmax_scale, stream)
         return decode_attention_bf16
     if plan.fmt == "int4":
         @cute.jit
@@ -604,7 +640,7 @@ def make_entry(plan: AttnPlan):
                                   v_scale: cute.Tensor, lut: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor,
                                   ws_ml: cute.Tensor, counters: cute.Tensor, softmax_scale: Float32, stream):
             kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror,
-                        v_scale, lut, out, ws_o, ws_ml, counters, softmax_scale, stream)
+                        v_scale, lut, out, ws_o, ws_ml, counters, ws_ml, softmax_scale, stream)
         return decode_attention_int4
 
     @cute.jit
@@ -614,8 +650,42 @@ def make_entry(plan: AttnPlan):
                               v_scale: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor, ws_ml: cute.Tensor,
                               counters: cute.Tensor, softmax_scale: Float32, stream):
         kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-                    counters, out, ws_o, ws_ml, counters, softmax_scale, stream)
+                    counters, out, ws_o, ws_ml, counters, ws_ml, softmax_scale, stream)
     return decode_attention_e4m3
+
+
+def _make_fused_entry(plan: AttnPlan, kern: DecodeAttention):
+    """Entry points reading the QKV projection's output qkv [B, Hq + 2 Hkv, D] and a RoPE table
+    rope [capacity, D] float32 (cos of the D/2 angles, then their sin) instead of q, k_new, v_new."""
+    if plan.fmt == "bf16":
+        @cute.jit
+        def decode_attention_qkv_bf16(qkv: cute.Tensor, positions: cute.Tensor, slots: cute.Tensor,
+                                      k_cache: cute.Tensor, v_cache: cute.Tensor, rope: cute.Tensor,
+                                      out: cute.Tensor, ws_o: cute.Tensor, ws_ml: cute.Tensor, counters: cute.Tensor,
+                                      softmax_scale: Float32, stream):
+            kern.launch(qkv, qkv, qkv, positions, slots, k_cache, v_cache, k_cache, ws_ml, k_cache, ws_ml,
+                        counters, out, ws_o, ws_ml, counters, rope, softmax_scale, stream)
+        return decode_attention_qkv_bf16
+    if plan.fmt == "int4":
+        @cute.jit
+        def decode_attention_qkv_int4(qkv: cute.Tensor, positions: cute.Tensor, slots: cute.Tensor,
+                                      k_cache: cute.Tensor, v_cache: cute.Tensor, k_mirror: cute.Tensor,
+                                      k_scale: cute.Tensor, v_mirror: cute.Tensor, v_scale: cute.Tensor,
+                                      lut: cute.Tensor, rope: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor,
+                                      ws_ml: cute.Tensor, counters: cute.Tensor, softmax_scale: Float32, stream):
+            kern.launch(qkv, qkv, qkv, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+                        lut, out, ws_o, ws_ml, counters, rope, softmax_scale, stream)
+        return decode_attention_qkv_int4
+
+    @cute.jit
+    def decode_attention_qkv_e4m3(qkv: cute.Tensor, positions: cute.Tensor, slots: cute.Tensor,
+                                  k_cache: cute.Tensor, v_cache: cute.Tensor, k_mirror: cute.Tensor,
+                                  k_scale: cute.Tensor, v_mirror: cute.Tensor, v_scale: cute.Tensor,
+                                  rope: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor, ws_ml: cute.Tensor,
+                                  counters: cute.Tensor, softmax_scale: Float32, stream):
+        kern.launch(qkv, qkv, qkv, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
+                    counters, out, ws_o, ws_ml, counters, rope, softmax_scale, stream)
+    return decode_attention_qkv_e4m3
 
 
 def fake_args(plan: AttnPlan):
@@ -629,16 +699,21 @@ def fake_args(plan: AttnPlan):
 
     D = plan.head_dim
     B, HQ, HKV, S, C, NSPL = (cute.sym_int() for _ in range(6))
-    C8 = cute.sym_int()
-    args = [t(BFloat16, (B, HQ, D)), t(BFloat16, (B, HKV, D)), t(BFloat16, (B, HKV, D)),
-            t(Int32, (B,), 4), t(Int32, (B,), 4),
-            t(BFloat16, (S, HKV, C, D)), t(BFloat16, (S, HKV, C, D))]
+    C8, HT, R = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    if plan.fused_qkv:
+        args = [t(BFloat16, (B, HT, D))]
+    else:
+        args = [t(BFloat16, (B, HQ, D)), t(BFloat16, (B, HKV, D)), t(BFloat16, (B, HKV, D))]
+    args += [t(Int32, (B,), 4), t(Int32, (B,), 4),
+             t(BFloat16, (S, HKV, C, D)), t(BFloat16, (S, HKV, C, D))]
     if plan.fmt == "int4":
         args += [t(Uint8, (S, HKV, C8, 32, D // 8)), t(Float32, (S, HKV, C)),
                  t(Uint8, (S, HKV, C, D // 2)), t(Float32, (S, HKV, C)), t(Int32, (256,))]
     elif plan.fmt == "e4m3":
         args += [t(Uint8, (S, HKV, C, D)), t(Float32, (S, HKV, C)), t(Uint8, (S, HKV, C, D)),
                  t(Float32, (S, HKV, C))]
+    if plan.fused_qkv:
+        args += [t(Float32, (R, D))]
     args += [t(BFloat16, (B, HQ, D)), t(Float32, (B, HKV, NSPL, MAX_GROUP, D)),
              t(Float32, (B, HKV, NSPL, MAX_GROUP, 2)), t(Int32, (B, HKV), 4),
              Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)]
@@ -647,10 +722,10 @@ def fake_args(plan: AttnPlan):
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, hadamard_block: int = 0,
                    k_dequant: str | None = None, v_dequant: str | None = None, warps: int = 4, stages: int = 3,
-                   saturating_warps: int = 8, lean_issue: bool | None = None):
+                   saturating_warps: int = 8, lean_issue: bool | None = None, fused_qkv: bool = False):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
     differ in it are distinct registry entries)."""
     plan = default_plan(fmt, head_dim, rotate, hadamard_block, k_dequant, v_dequant, warps, stages,
-                        saturating_warps, lean_issue)
+                        saturating_warps, lean_issue, fused_qkv)
     return make_entry(plan), fake_args(plan)

@@ -135,6 +135,8 @@ class AttnPlan:
     v_dequant: str = "alu"   # INT4 values, same choices ("alu": prmt + xor + lop3 + f16 ops; "pair": no xor)
     saturating_warps: int = 8  # split policy only: resident warps per SM assumed to reach full bandwidth
     lean_issue: bool = False   # whole tiles skip the per-chunk context tests of the async copies
+    fused_qkv: bool = False    # read q, k, v from the QKV projection's output [B, Hq + 2 Hkv, D] and apply
+                               # RoPE (rotate-half, cos/sin table [capacity, D]) to q and the new k row
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -393,7 +395,7 @@ class AttnPlan:
 
 def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: int = 0,
                  k_dequant: str | None = None, v_dequant: str | None = None, warps: int = 4, stages: int = 3,
-                 saturating_warps: int = 8, lean_issue: bool | None = None) -> AttnPlan:
+                 saturating_warps: int = 8, lean_issue: bool | None = None, fused_qkv: bool = False) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
     D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
     INT4 keys and values by "pair" dequantization with lean issue (H200 run 3, 2026-11-30 14:02 UTC, 8B
@@ -407,7 +409,7 @@ def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: 
     return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, hadamard_block=hadamard_block,
                     tile_tokens=tt, stages=stages, warps=warps, k_dequant=k_dequant or ("pair" if int4 else "lut"),
                     v_dequant=v_dequant or ("pair" if int4 else "alu"), saturating_warps=saturating_warps,
-                    lean_issue=int4 if lean_issue is None else lean_issue)
+                    lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv)
 
 
 SMEM_PER_SM = 227 * 1024

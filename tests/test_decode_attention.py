@@ -13,7 +13,7 @@ from decode.attn_plan import (E4M3_PAIR_SELECTORS, AttnPlan, check_int4_key_form
                               default_plan, int4_value_pairs)
 from futx.quant import layouts
 from futx.runtime import select
-from futx.runtime.catalog.decode_attention import SHIPPED, VARIANTS, attn_key
+from futx.runtime.catalog.decode_attention import SHIPPED, VARIANTS, attn_key, qkv_key
 
 
 # ---- mma.sync.m16n8k16 fragment semantics (PTX ISA) -----------------------------------------------------
@@ -56,6 +56,9 @@ def test_every_variant_has_consistent_maps(spec):
     plan = default_plan(fmt, d, rotate, 0, **p)
     plan.check_maps()
     assert plan.smem_bytes <= 227 * 1024
+    if p.pop("fused_qkv", False):  # the engine's entry: the default plan, q/k/v from the QKV output
+        assert not p and spec.key == qkv_key(fmt, d, rotate) and spec.ci
+        return
     variant = [k for k, v in VARIANTS.items() if v == p]
     assert len(variant) == 1 and attn_key(fmt, d, rotate, variant[0]) == spec.key
     assert spec.ci == (variant[0] == "" or variant[0] in SHIPPED), \
@@ -63,7 +66,8 @@ def test_every_variant_has_consistent_maps(spec):
 
 
 def test_ci_variant_count_stays_modest():
-    assert len([s for s in select("decode.attn*") if s.ci]) <= 14
+    assert len([s for s in select("decode.attn*") if s.ci and not s.key.endswith(".qkv")]) <= 14
+    assert len([s for s in select("decode.attn*.qkv")]) == 6  # the engine's: 3 cache formats x 2 head dims
 
 
 def test_variant_resolution():

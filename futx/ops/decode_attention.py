@@ -25,7 +25,7 @@ from futx.ops import checks
 from futx.ops.registration import futx_op
 from futx.quant import layouts
 from futx.runtime import get_kernel
-from futx.runtime.catalog.decode_attention import VARIANTS, attn_key
+from futx.runtime.catalog.decode_attention import VARIANTS, attn_key, qkv_key
 
 FORMATS = ("bf16", "int4", "e4m3")
 MAX_SPLITS = 64  # choose_splits never asks for more; a larger explicit count is a caller error
@@ -67,10 +67,11 @@ def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, 
         raise ValueError("decode_attention: the BF16 main cache is never rotated (rotate=True needs a mirror)")
     checks.cuda("q", q)
     dev = q.device
-    for name, t in (("k_new", k_new), ("v_new", v_new), ("positions", positions), ("slots", slots),
-                    ("k_cache", k_cache), ("v_cache", v_cache)):
+    new_rows = () if k_new is None else (("k_new", k_new), ("v_new", v_new))  # None: the fused QKV entry
+    for name, t in (*new_rows, ("positions", positions), ("slots", slots), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
         checks.cuda(name, t, dev)
-    for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("q", q), *new_rows, ("k_cache", k_cache), ("v_cache", v_cache)):
         checks.dtype(name, t, torch.bfloat16)
     checks.dtype("positions", positions, torch.int32)
     checks.dtype("slots", slots, torch.int32)
@@ -90,8 +91,8 @@ def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, 
         raise ValueError(f"decode_attention: {hq // hkv} query heads per KV head; at most {MAX_GROUP} supported")
     checks.shape("k_cache", k_cache, (s, hkv, cap, d))
     checks.shape("v_cache", v_cache, (s, hkv, cap, d))
-    checks.shape("k_new", k_new, (b, hkv, d))
-    checks.shape("v_new", v_new, (b, hkv, d))
+    for name, t in new_rows:
+        checks.shape(name, t, (b, hkv, d))
     checks.shape("positions", positions, (b,))
     checks.shape("slots", slots, (b,))
     mirrors = (("k_mirror", k_mirror), ("k_scale", k_scale), ("v_mirror", v_mirror), ("v_scale", v_scale))
@@ -119,7 +120,7 @@ def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, 
             checks.dtype("v_mirror", v_mirror, (torch.float8_e4m3fn, torch.uint8))
             checks.shape("k_mirror", k_mirror, (s, hkv, cap, d))
             checks.shape("v_mirror", v_mirror, (s, hkv, cap, d))
-    for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("positions", positions), ("slots", slots),
+    for name, t in (("q", q), *new_rows, ("positions", positions), ("slots", slots),
                     ("k_cache", k_cache), ("v_cache", v_cache), *mirrors):
         if t is not None:
             checks.contiguous(name, t)
@@ -153,7 +154,12 @@ def resolve(cache_format: str, head_dim: int, rotate: bool, variant: str):
 
 def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
             cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant,
-            out) -> None:
+            out, qkv=None, rope=None) -> None:
+    """Validate, size the split-KV workspace and launch. With `qkv` (and `rope`) the fused entry of the engine
+    runs: q, k_new, v_new are None and come from qkv's heads."""
+    if qkv is not None:
+        _check_fused(qkv, rope, out, k_cache)
+        q = out  # same shape and device: what check_inputs validates the query against
     check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
                  cache_format, rotate)
     checks.cuda("out", out, q.device)
@@ -175,18 +181,62 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
     ws_o = torch.empty(b, hkv, num_splits, MAX_GROUP, d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(b, hkv, num_splits, MAX_GROUP, 2, dtype=torch.float32, device=q.device)
     counters = _counters(q.device, b, hkv)
-    kernel = get_kernel(attn_key(cache_format, d, rotate, variant))
-    if cache_format == "bf16":
-        kernel(q, k_new, v_new, positions, slots, k_cache, v_cache, out, ws_o, ws_ml, counters, scale)
-    elif cache_format == "int4":
-        kernel(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-               _lut(q.device), out, ws_o, ws_ml, counters, scale)
+    if qkv is not None:
+        kernel, heads, extra = get_kernel(qkv_key(cache_format, d, rotate)), (qkv,), (rope,)
     else:
-        kernel(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror.view(torch.uint8), k_scale,
-               v_mirror.view(torch.uint8), v_scale, out, ws_o, ws_ml, counters, scale)
+        kernel, heads, extra = get_kernel(attn_key(cache_format, d, rotate, variant)), (q, k_new, v_new), ()
+    tail = (*extra, out, ws_o, ws_ml, counters, scale)
+    if cache_format == "bf16":
+        kernel(*heads, positions, slots, k_cache, v_cache, *tail)
+    elif cache_format == "int4":
+        kernel(*heads, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, _lut(q.device), *tail)
+    else:
+        kernel(*heads, positions, slots, k_cache, v_cache, k_mirror.view(torch.uint8), k_scale,
+               v_mirror.view(torch.uint8), v_scale, *tail)
 
 
 _MUTATED = ("k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror", "v_scale")
+
+
+# ---- the engine's entry: q, k, v straight from the QKV projection, RoPE in the kernel ------------------
+def _check_fused(qkv, rope, out, k_cache) -> None:
+    checks.cuda("out", out)
+    checks.cuda("qkv", qkv, out.device)
+    checks.dtype("qkv", qkv, torch.bfloat16)
+    checks.cuda("rope", rope, qkv.device)
+    checks.dtype("rope", rope, torch.float32)
+    if out.dim() != 3 or qkv.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"qkv [B, Hq + 2 Hkv, D], out [B, Hq, D] and k_cache [slots, Hkv, capacity, D] expected, "
+                         f"got {list(qkv.shape)}, {list(out.shape)}, {list(k_cache.shape)}")
+    b, hq, d = out.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    checks.shape("qkv", qkv, (b, hq + 2 * hkv, d))
+    if rope.dim() != 2 or rope.shape[1] != d or rope.shape[0] < cap:
+        raise ValueError(f"rope must be float32 [rows >= capacity {cap}, D = {d}] (cos | sin per position), got "
+                         f"{list(rope.shape)}")
+    for name, t in (("qkv", qkv), ("rope", rope)):
+        checks.contiguous(name, t)
+        checks.aligned(name, t)
+
+
+@futx_op("decode_attention_qkv_", mutates_args=(*_MUTATED, "out"))
+def decode_attention_qkv_(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                          v_mirror: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], rope: torch.Tensor,
+                          out: torch.Tensor, cache_format: str, rotate: bool = False, softmax_scale: float = 0.0,
+                          num_splits: int = 0, max_context: int = 0, check_positions_on_host: bool = True) -> None:
+    """decode_attention_ for the decode engine: q, k_new, v_new are heads [0, Hq), [Hq, Hq + Hkv) and
+    [Hq + Hkv, Hq + 2 Hkv) of qkv [B, Hq + 2 Hkv, D] (the QKV projection's output, viewed), and the kernel
+    applies rotate-half RoPE to q and the new k row with rope[position] = (cos of the D/2 angles, their sin),
+    rounding them to bf16 as an unfused RoPE would store them. out [B, Hq, D] bf16."""
+    _launch(None, None, None, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, cache_format,
+            rotate, softmax_scale, num_splits, max_context, check_positions_on_host, "", out, qkv, rope)
+
+
+@decode_attention_qkv_.register_fake
+def _(qkv, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, rope, out, cache_format,
+      rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True):
+    return None
 
 
 @futx_op("decode_attention", mutates_args=_MUTATED)

@@ -7,7 +7,7 @@ import importlib
 
 from futx.runtime.registry import register
 
-FAMILIES = ("smoke", "prefill", "decode_linear", "decode_attention")
+FAMILIES = ("smoke", "prefill", "decode_linear", "decode_attention", "engine")
 
 for _name in FAMILIES:
     try:

@@ -48,6 +48,24 @@ def _spec(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> KernelSpe
                              f"{extra}" if variant else ""))
 
 
+# The decode engine's attention: q, k, v read from the QKV projection's output and RoPE applied in the
+# kernel, for the engine's cache formats (INT4 rotated, E4M3, BF16).
+ENGINE_CACHES = (("int4", True), ("e4m3", False), ("bf16", False))
+
+
+def qkv_key(fmt: str, head_dim: int, rotate: bool) -> str:
+    return attn_key(fmt, head_dim, rotate) + ".qkv"
+
+
+def _qkv_spec(fmt: str, head_dim: int, rotate: bool) -> KernelSpec:
+    return KernelSpec(key=qkv_key(fmt, head_dim, rotate), module="decode.attention",
+                      params=(("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate), ("fused_qkv", True)),
+                      sources=SOURCES, expect_sass=("HMMA",),
+                      doc=f"decode attention of the engine over the {fmt} cache, head dim {head_dim}: q/k/v from the "
+                          "QKV projection output, RoPE in the kernel, new K/V row written")
+
+
 SPECS = [_spec(fmt, d, rot) for fmt in ("int4", "e4m3") for d in (64, 128) for rot in (False, True)] + \
         [_spec("bf16", d, False) for d in (64, 128)] + \
-        [_spec("int4", 128, True, v) for v in SHIPPED + BENCH_ONLY]
+        [_spec("int4", 128, True, v) for v in SHIPPED + BENCH_ONLY] + \
+        [_qkv_spec(fmt, d, rot) for fmt, rot in ENGINE_CACHES for d in (64, 128)]

@@ -1,0 +1,55 @@
+"""RMSNorm row factor of the decode step: y[m] = bf16(x[m] * rsqrt(mean(x[m]^2) + eps)), one CTA per row.
+
+The norm's gain is folded into the next projection's weights (futx.quant.fold), so only the row factor
+is left; it runs between the residual epilogue that produced x and the projection that reads y. Loads
+are coalesced across the CTA (thread t reads elements t, t + 256, ...); the second pass re-reads x from
+L1/L2 (a row is at most 32 KB).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory as cmem
+from cutlass import BFloat16, Float32
+
+THREADS = 256
+WARPS = THREADS // 32
+
+
+class RmsRows:
+    @cute.jit
+    def __call__(self, x: cute.Tensor, y: cute.Tensor, eps: Float32, stream):
+        self.kernel(x, y, eps).launch(grid=(x.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, y: cute.Tensor, eps: Float32):
+        tid, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        k = x.shape[1]
+        part = cmem.SmemAllocator().allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
+        ss = Float32(0.0)
+        for c in cutlass.range(tid, k, THREADS, unroll=4):
+            v = x[row, c].to(Float32)
+            ss = ss + v * v
+        for s in (16, 8, 4, 2, 1):
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=s)
+        if tid % 32 == 0:
+            part[tid // 32] = ss
+        cute.arch.sync_threads()
+        total = part[0]
+        for w in cutlass.range_constexpr(1, WARPS):
+            total = total + part[w]
+        r = cute.math.rsqrt(total / Float32(k) + eps)
+        for c in cutlass.range(tid, k, THREADS, unroll=4):
+            y[row, c] = (x[row, c].to(Float32) * r).to(BFloat16)
+
+
+def compile_target():
+    """Registry factory: (jit callable, fake arguments) for bf16 rows [M, K] (M and K dynamic)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    m, k = cute.sym_int(), cute.sym_int()
+    x = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
+    y = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
+    return RmsRows(), (x, y, Float32(1e-5), make_fake_stream(use_tvm_ffi_env_stream=True))

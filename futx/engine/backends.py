@@ -1,0 +1,147 @@
+"""The operations a decode step is made of, in two interchangeable backends.
+
+* `KernelOps`: futx's own kernels (`torch.ops.futx.*`), for Hopper GPUs.
+* `EmulatedOps`: the same functions in PyTorch with float32 arithmetic and BF16 storage at exactly the
+  points where the kernel path stores BF16 (any device, CPU included). It is the kernel path's
+  specification: the decode step built on it runs in CI, and GPU tests compare the two step by step.
+
+Both take and return the same tensors (BF16 activations [M, ...], the engine cache's layer tensors), so
+`futx.engine.model` is written once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from futx.config import LlamaConfig
+from futx.rope import inv_freq
+
+from .cache import EngineCache
+from .packed import Weight, dequantize_weight
+
+
+def rope_table(config: LlamaConfig, capacity: int, device) -> torch.Tensor:
+    """float32 [capacity, D]: cos of the D/2 angles of each position, then their sin (angles in float64)."""
+    pos = torch.arange(capacity, dtype=torch.float64)
+    ang = pos[:, None] * inv_freq(config)[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).to(device=device, dtype=torch.float32)
+
+
+def apply_rope_f32(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [M, heads, D] (float32 math) with rows of `rope_table` at `positions`."""
+    d = x.shape[-1]
+    cs = table[positions.long()]                      # [M, D]
+    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2:]
+    a, b = x[..., : d // 2].float(), x[..., d // 2:].float()
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def split_rope(qkv: torch.Tensor, config: LlamaConfig, table: torch.Tensor, positions: torch.Tensor) -> tuple:
+    """q, k (RoPE applied, rounded to bf16) and v [M, heads, D] from the QKV projection's output [M, (Hq+2Hkv) D]."""
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
+    q = apply_rope_f32(x[:, :hq], table, positions).to(torch.bfloat16)
+    k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)
+    return q, k, x[:, hq + hkv:]
+
+
+def rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """bf16(x * rsqrt(mean(x^2) + eps)) per row: RMSNorm with its gain folded into the next projection."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+
+
+class EmulatedOps:
+    name = "emulated"
+
+    def __init__(self):
+        self._dequant: dict[int, torch.Tensor] = {}
+
+    def _w(self, w: Weight) -> torch.Tensor:
+        key = id(w)
+        if key not in self._dequant:
+            self._dequant[key] = dequantize_weight(w)
+        return self._dequant[key]
+
+    def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_rows(x, eps)
+
+    def linear(self, x: torch.Tensor, w: Weight, epilogue: str = "store", residual=None) -> torch.Tensor:
+        y = x.float() @ self._w(w).T
+        if epilogue == "swiglu":
+            y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
+        elif epilogue == "residual":
+            y = y + residual.float()
+        return y.to(torch.bfloat16)
+
+    def attention(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
+                  layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k, new K/V row into the cache, GQA attention over positions [0, pos] -> out [M, Hq, D]."""
+        c = cache.config
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        m = qkv.shape[0]
+        q, k, v = split_rope(qkv, c, table, positions)
+        cache.write_rows(layer, slots, positions, k, v)
+        g = hq // hkv
+        if cache.values is None:
+            raise ValueError("the emulated backend needs an EngineCache made with keep_values=True")
+        ctx = int(positions.max()) + 1  # rows attend over their own [0, pos]; later positions are masked
+        idx = slots.long()
+        kk = cache.values[layer][0][:, :, :ctx].index_select(0, idx)        # [M, Hkv, ctx, D] float32
+        vv = cache.values[layer][1][:, :, :ctx].index_select(0, idx)
+        s = (q.float().view(m, hkv, g, d) @ kk.transpose(-1, -2)) / math.sqrt(d)  # [M, Hkv, g, ctx]
+        late = torch.arange(ctx, device=q.device)[None, :] > positions.long()[:, None]
+        p = torch.softmax(s.masked_fill(late[:, None, None, :], float("-inf")), dim=-1)
+        out.copy_((p @ vv).reshape(m, hq, d).to(torch.bfloat16))
+        return out
+
+
+class KernelOps:
+    """futx kernels. glue="fused" (default): the RMSNorm row factor is one kernel and RoPE runs inside the
+    attention kernel, which reads q/k/v straight from the QKV output; glue="torch": both as PyTorch ops
+    between the kernels (the naive chain, kept to measure what fusing saves)."""
+
+    name = "kernels"
+
+    def __init__(self, glue: str = "fused"):
+        import futx.ops  # noqa: F401  (registers torch.ops.futx.*)
+        from futx.ops import decode_linear as dl
+
+        if glue not in ("fused", "torch"):
+            raise ValueError(f"glue must be 'fused' or 'torch', got {glue!r}")
+        self.glue = glue
+        self._dl = dl
+
+    def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.glue == "torch":
+            return rms_rows(x, eps)
+        y = torch.empty_like(x)
+        torch.ops.futx.rms_rows_(x, y, eps)
+        return y
+
+    def linear(self, x: torch.Tensor, w: Weight, epilogue: str = "store", residual=None) -> torch.Tensor:
+        return self._dl.decode_linear(x, w, epilogue, residual)
+
+    def attention(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
+                  layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        c = cache.config
+        lc = cache.layers[layer]
+        if self.glue == "fused":
+            x = qkv.view(qkv.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim)
+            torch.ops.futx.decode_attention_qkv_(x, positions, slots, *lc.tensors(), table, out, cache.fmt,
+                                                 cache.rotate, 0.0, 0, 0, False)
+            return out
+        q, k, v = split_rope(qkv, c, table, positions)
+        torch.ops.futx.decode_attention_(q, k, v.contiguous(), positions, slots, *lc.tensors(), out, cache.fmt,
+                                         cache.rotate, 0.0, 0, 0, False)
+        return out
+
+
+def make_ops(backend: str, glue: str = "fused"):
+    if backend == "kernels":
+        return KernelOps(glue)
+    if backend == "emulated":
+        return EmulatedOps()
+    raise ValueError(f"unknown engine backend {backend!r}: 'kernels' or 'emulated'")

@@ -1,0 +1,216 @@
+"""`futx generate` / `futx ppl` on the decode engine, and `futx pack` (quantize a checkpoint once, load it fast)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .support import CACHE_FORMATS, MAX_BATCH, WEIGHT_FORMATS
+
+BACKENDS = ("auto", "kernels", "reference", "emulated")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None:
+    g = p.add_argument_group("decode engine (kernel path)")
+    g.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="kernels: futx's decode kernels (Hopper GPU); reference: the PyTorch reference model; "
+                        "emulated: the kernel path's arithmetic in PyTorch (any device); auto (default): kernels "
+                        "when a Hopper GPU is present, else reference")
+    g.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS, help="decode weight format (default int4)")
+    g.add_argument("--cache", default="int4", choices=CACHE_FORMATS,
+                   help="KV-cache mirror that decode attention reads (int4 = Hadamard-rotated INT4; default)")
+    g.add_argument("--gptq", default=None, help="a saved GPTQ result (python -m futx.quant.gptq) for --weights int4")
+    g.add_argument("--group-size", type=int, default=None, help="INT4 group size (default 128, or 64 where K needs)")
+    g.add_argument("--max-batch", type=int, default=batch_default, help=f"rows per step (1..{MAX_BATCH})")
+    g.add_argument("--no-graphs", action="store_true", help="run steps eagerly instead of replaying CUDA graphs")
+
+
+def engine_device(args) -> str:
+    return "cuda" if args.backend == "kernels" else args.device
+
+
+def build_engine(args, capacity: int, float_weights=None):
+    """(DecodeModel, GraphSteps or None) for the engine options."""
+    from .graphs import GraphSteps
+    from .load import load_packed
+    from .model import DecodeModel
+
+    dev = engine_device(args)
+    packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev,
+                         float_weights=float_weights)
+    model = DecodeModel(packed, args.cache, max_batch=args.max_batch, capacity=capacity,
+                        backend="kernels" if args.backend == "kernels" else "emulated", device=dev)
+    graphs = None
+    if model.device.type == "cuda" and not args.no_graphs:
+        graphs = GraphSteps(model)
+    return model, graphs
+
+
+def tokenizer_for(spec):
+    from futx.tokenizer import load_tokenizer
+
+    from .packed import is_packed_dir
+
+    if spec is not None and is_packed_dir(spec):
+        from .load import packed_source
+
+        tok_json = Path(spec) / "tokenizer.json"
+        if tok_json.is_file():
+            from futx.tokenizer import Tokenizer
+
+            return Tokenizer.from_hf_dir(Path(spec))
+        spec = packed_source(spec)
+    return load_tokenizer(spec)
+
+
+# ---- futx generate --backend kernels ---------------------------------------------------------------------
+def read_prompts(args) -> list[str]:
+    if args.prompts:
+        lines = [ln.rstrip("\n") for ln in Path(args.prompts).read_text(encoding="utf-8").splitlines()]
+        prompts = [ln for ln in lines if ln.strip()]
+        if not prompts:
+            raise ValueError(f"{args.prompts} holds no prompts (one per line)")
+        return prompts
+    return [args.prompt]
+
+
+def run_generate(args) -> int:
+    import torch
+
+    from .generate import generate
+
+    tok = tokenizer_for(args.model)
+    prompts = read_prompts(args)
+    ids = [tok.encode(tok.chat_prompt(p) if args.chat else p) for p in prompts]
+    for i, x in enumerate(ids):
+        if not x:
+            raise ValueError(f"prompt {i} encodes to no tokens")
+    capacity = max(len(x) for x in ids) + args.max_new_tokens
+    with torch.inference_mode():
+        model, graphs = build_engine(args, capacity)
+        single = len(prompts) == 1
+        out = sys.stdout
+        shown = [""] * len(prompts)
+        produced: list[list[int]] = [[] for _ in prompts]
+        eos = () if args.ignore_eos else set(tok.eos_ids)
+
+        def on_token(i: int, t: int) -> None:
+            if t in tok.eos_ids and not args.ignore_eos:
+                return
+            produced[i].append(t)
+            if single:
+                text = tok.decode(produced[i], skip_special=True)
+                if not text.endswith("\ufffd"):
+                    out.write(text[len(shown[i]):])
+                    out.flush()
+                    shown[i] = text
+
+        if single and not args.chat:
+            out.write(prompts[0])
+            out.flush()
+        outputs, stats = generate(model, ids, args.max_new_tokens, eos_ids=eos, graphs=graphs, on_token=on_token)
+    if single:
+        out.write(tok.decode(produced[0], skip_special=True)[len(shown[0]):] + "\n")
+    else:
+        for i, p in enumerate(prompts):
+            out.write(f"[{i}] {p}{tok.decode(produced[i], skip_special=True)}\n")
+    out.flush()
+    g = "CUDA graphs" if graphs is not None else "eager"
+    print(f"\n[{model.config.name} on the {model.backend} path ({g}), weights {model.packed.weights}, cache "
+          f"{model.cache.fmt}] {len(prompts)} prompt(s), {stats.steps} steps ({stats.rows} rows; prompts are read "
+          f"one token per step), {stats.generated} tokens generated: {stats.ms_per_step:.3f} ms per step (median, "
+          f"host loop included), {stats.tokens_per_s:.1f} generated tokens/s", file=sys.stderr)
+    return 0
+
+
+# ---- futx ppl --backend kernels --------------------------------------------------------------------------
+def run_ppl(args, windows, text, n_text_tokens: int) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from futx.eval.device import describe
+    from futx.eval.perplexity import format_table, scored_per_window
+    from futx.quant.simulated import quantized_weights
+
+    from .packed import is_packed_dir
+    from .perplexity import PROTOCOLS, evaluate_engine
+
+    bad = [p for p in args.protocol if p not in PROTOCOLS]
+    if bad:
+        raise ValueError(f"protocol {bad[0]!r} is a prefill of whole windows, which the decode engine does not run "
+                         f"yet; use {' / '.join(PROTOCOLS)} with --backend {args.backend}")
+    if args.model is not None and is_packed_dir(args.model):
+        raise ValueError("futx ppl needs the checkpoint (for the reference prefill and the float LM head), "
+                         "not a packed directory")
+    from futx.checkpoint import load
+
+    dev = engine_device(args)
+    weights = load(args.model, dtype=torch.float32, device=dev)
+    if args.max_batch > MAX_BATCH:
+        raise ValueError(f"--max-batch must be at most {MAX_BATCH}")
+    results = []
+    with torch.inference_mode():
+        model, graphs = build_engine(args, windows.shape[1], float_weights=weights)
+        prefill = quantized_weights(weights, "bf16") if "serving" in args.protocol else None
+        total = sum(windows.shape[0] * scored_per_window(p, windows.shape[1]) for p in args.protocol)
+        with tqdm(total=total, unit="tok", desc="ppl (engine)", disable=args.no_progress) as bar:
+            for p in dict.fromkeys(args.protocol):
+                results.append(evaluate_engine(model, windows, p, weights, prefill_weights=prefill, graphs=graphs,
+                                               bar=bar))
+    print(f"{n_text_tokens} tokens in the text; {windows.shape[0]} windows of {windows.shape[1]} on the "
+          f"{model.backend} path: weights {model.packed.weights}, cache {model.cache.fmt}, one token per step"
+          + ("; the serving protocol's first half is prefilled on the BF16 reference path (float32, BF16-valued "
+             "weights: no prefill engine yet)" if "serving" in args.protocol else ""))
+    print(format_table(results, model=weights.config.name, text=str(text)))
+    if args.json:
+        where = describe(model.device)
+        Path(args.json).write_text(json.dumps([
+            {"protocol": r.protocol, "windows": r.windows, "window": r.window, "scored_tokens": r.tokens,
+             "nll_sum": r.nll_sum, "mean_nll": r.mean_nll, "ppl": r.ppl, "seconds": r.seconds,
+             "backend": model.backend, "weights": model.packed.weights, "cache": model.cache.fmt,
+             "model": weights.config.name, **where} for r in results], indent=2) + "\n")
+    return 0
+
+
+# ---- futx pack ---------------------------------------------------------------------------------------------
+def _configure_pack(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF Llama directory, .gguf file or 'smollm2-135m' (default)")
+    p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
+    p.add_argument("--gptq", default=None, help="a saved GPTQ result to use for --weights int4")
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--device", default=None, help="where to quantize (default: cuda if present, else cpu)")
+    p.add_argument("--out", required=True, help="output directory (model.safetensors + futx-model.json)")
+
+
+def _run_pack(args) -> int:
+    import shutil
+    import time
+
+    import torch
+
+    from futx.checkpoint import resolve
+
+    from .load import load_packed
+
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev)
+    out = packed.save(args.out)
+    src = resolve(args.model)
+    if src.is_dir() and (src / "tokenizer.json").is_file():
+        shutil.copy(src / "tokenizer.json", out / "tokenizer.json")
+    gb = packed.projection_bytes() / 1e9
+    print(f"packed {packed.config.name} ({packed.weights}, group {packed.group_size}) into {out}: {gb:.3f} GB of "
+          f"projections, {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def register_commands() -> None:
+    from futx.cli import COMMANDS, register
+
+    if "pack" in COMMANDS:  # main() may run more than once in a process (tests)
+        return
+    register("pack", "quantize a checkpoint for the decode kernels and save it (load it with --model DIR)",
+             _configure_pack, _run_pack)

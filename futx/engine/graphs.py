@@ -1,0 +1,73 @@
+"""The decode step captured once per batch-size bucket as a CUDA graph, then replayed.
+
+Buckets follow vLLM (1, 2, 4, then steps of 8) up to the model's max batch; a batch is padded up to the
+next bucket, padded rows pointing at the cache's scratch slot. Graphs are captured largest first into
+one memory pool, so the smaller ones reuse its workspace (as SGLang does).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .model import DecodeModel
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+
+
+def buckets_for(max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The buckets <= max_batch, plus max_batch itself (so every batch size has a bucket)."""
+    out = sorted({b for b in buckets if 1 <= b <= max_batch} | {max_batch})
+    return tuple(out)
+
+
+def bucket_of(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"batch of {n} rows exceeds the largest captured bucket {max(buckets)}")
+
+
+class GraphSteps:
+    """CUDA graphs of `model.step(rows)` for each bucket; `run` pads, replays and returns next tokens."""
+
+    def __init__(self, model: DecodeModel, buckets: Optional[Sequence[int]] = None, warmup: int = 2):
+        if model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.buckets = buckets_for(model.max_batch, buckets or DEFAULT_BUCKETS)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stream = torch.cuda.Stream(model.device)
+        pool = None
+        for rows in sorted(self.buckets, reverse=True):
+            self._scratch_inputs(rows)
+            with torch.cuda.stream(self.stream):  # warm up on the capture stream: kernels load, buffers exist
+                for _ in range(warmup):
+                    model.step(rows)
+            self.stream.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=self.stream):
+                model.step(rows)
+            pool = g.pool()
+            self.graphs[rows] = g
+        torch.cuda.synchronize(model.device)
+
+    def _scratch_inputs(self, rows: int) -> None:
+        b = self.model.buffers
+        b.tokens[:rows].zero_()
+        b.positions[:rows].zero_()
+        b.slots[:rows].fill_(self.model.cache.scratch_slot)
+
+    def bucket(self, n: int) -> int:
+        return bucket_of(n, self.buckets)
+
+    def replay(self, rows: int) -> None:
+        """Replay the graph of bucket `rows` on the current stream (inputs already in the buffers)."""
+        self.graphs[rows].replay()
+
+    def run(self, tokens, positions, slots) -> torch.Tensor:
+        n = len(tokens)
+        rows = self.model.load_inputs(tokens, positions, slots, self.bucket(n))
+        self.graphs[rows].replay()
+        return self.model.buffers.next_tokens[:n]

@@ -1,0 +1,274 @@
+"""Whole-model decode step on the H200 (`futx bench decode`): ms per step of the kernel-path engine for every
+weight x cache format at several (batch, context) points, against the bytes floor, per-layer breakdown,
+and the peers in the same process.
+
+Every candidate is one CUDA graph of the complete step (32 layers of the Llama-3.1-8B shape with random
+weights drawn in the kernel format, BF16 LM head, greedy argmax), each row at position context - 1 of a
+random-filled cache; candidates are interleaved round by round and the median of the rounds is reported.
+Floor = bytes one step must read (projections, LM head, the cache rows attended) / 4.36 TB/s.
+
+  python scripts/bench_engine.py --points 1x1024,8x1024,32x4096 --out bench.json --md bench.md --plot bench.png
+  python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4   (all 80 layers fit in INT4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from futx.config import PRESETS, RopeScaling, LlamaConfig  # noqa: E402
+
+HBM_BYTES_PER_S = 4.36e12  # measured read-only ceiling of the H200 (docs/results.md)
+FORMATS = ("int4", "e4m3", "bf16")
+
+
+def config_for(shape: str, layers: int | None) -> LlamaConfig:
+    if shape == "llama-3.1-70b":
+        cfg = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                          head_dim=128, num_hidden_layers=80, vocab_size=128256, rope_theta=500000.0,
+                          rope_scaling=RopeScaling(), max_position_embeddings=131072, name="llama-3.1-70b")
+    else:
+        cfg = PRESETS[shape]
+    return cfg if layers is None else cfg.replace(num_hidden_layers=layers)
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    c = model.config
+    head = c.vocab_size * c.hidden_size * 2
+    cache = batch * context * model.cache.read_bytes_per_token() * c.num_hidden_layers
+    return model.packed.projection_bytes() + head + cache
+
+
+class Timer:
+    """Interleaved rounds of `reps` graph replays per candidate; median ms per replay."""
+
+    def __init__(self, reps: int, rounds: int):
+        self.reps, self.rounds = reps, rounds
+
+    def run(self, cands: dict) -> dict:
+        times = {k: [] for k in cands}
+        names = list(cands)
+        for fn in cands.values():
+            fn()
+        torch.cuda.synchronize()
+        for r in range(self.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                fn = cands[name]
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(self.reps):
+                    fn()
+                b.record()
+                torch.cuda.synchronize()
+                times[name].append(a.elapsed_time(b) / self.reps)
+        return {k: {"ms": statistics.median(v), "spread": (max(v) - min(v)) / statistics.median(v)}
+                for k, v in times.items()}
+
+
+def graph_of(fn, stream, copies: int = 1) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of `copies` back-to-back calls (copies > 1: the graph launch is amortized, and each
+    call waits for the previous one as inside a step)."""
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    stream.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(copies):
+            fn()
+    return g
+
+
+def breakdown(model, rows: int, timer: Timer, stream) -> dict:
+    """Per-layer time vs the layer's ops each timed alone: a graph of 16 back-to-back copies of one op (or of
+    the whole layer, or of the final norm + LM head + argmax), replayed; us per copy."""
+    from futx.engine.backends import KernelOps
+
+    ops: KernelOps = model.ops
+    c, eps = model.config, model.config.rms_norm_eps
+    w = model.packed.layers[0]
+    b = model.buffers
+    x = torch.randn(rows, c.hidden_size, device=model.device).to(torch.bfloat16)
+    h = ops.rms_rows(x, eps)
+    qkv = ops.linear(h, w.qkv)
+    attn = model._attn_out[:rows]
+    z = ops.linear(h, w.gateup, "swiglu")
+    pos, slt = b.positions[:rows], b.slots[:rows]
+    parts = {
+        "rms_rows": lambda: ops.rms_rows(x, eps),
+        "qkv": lambda: ops.linear(h, w.qkv),
+        "attention": lambda: ops.attention(qkv, pos, slt, model.cache, 0, model.rope, attn),
+        "o+residual": lambda: ops.linear(attn.view(rows, c.q_size), w.o, "residual", x),
+        "rms_rows (mlp)": lambda: ops.rms_rows(x, eps),
+        "gate/up+swiglu": lambda: ops.linear(h, w.gateup, "swiglu"),
+        "down+residual": lambda: ops.linear(z, w.down, "residual", x),
+    }
+
+    def layer():
+        y = ops.linear(ops.rms_rows(x, eps), w.qkv)
+        ops.attention(y, pos, slt, model.cache, 0, model.rope, attn)
+        y = ops.linear(attn.view(rows, c.q_size), w.o, "residual", x)
+        y2 = ops.linear(ops.rms_rows(y, eps), w.gateup, "swiglu")
+        ops.linear(y2, w.down, "residual", y)
+
+    def head():
+        model.buffers.next_tokens[:rows].copy_(model.logits(x).argmax(-1))
+
+    copies = 16
+    graphs = {k: graph_of(f, stream, copies) for k, f in {**parts, "layer": layer, "head": head}.items()}
+    t = timer.run({k: g.replay for k, g in graphs.items()})
+    out = {k: t[k]["ms"] * 1e3 / copies for k in t}
+    out["sum of the ops"] = sum(out[k] for k in parts)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b", help="llama-3.1-8b (default) or llama-3.1-70b")
+    p.add_argument("--layers", type=int, default=None, help="layers (default: the model's; fewer to fit memory)")
+    p.add_argument("--points", default="1x1024,8x1024,32x4096", help="BATCHxCONTEXT,...")
+    p.add_argument("--weights", default=",".join(FORMATS))
+    p.add_argument("--cache", default=",".join(FORMATS))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--breakdown", default="int4/int4", help="weights/cache whose per-layer breakdown to measure "
+                                                           "('' for none)")
+    p.add_argument("--glue", action="store_true", help="also the unfused chain (RMSNorm/RoPE as torch ops)")
+    p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--md", default=None, help="Markdown table")
+    p.add_argument("--plot", default=None, help="PNG plot of ms per step")
+    a = p.parse_args(argv)
+
+    from futx.engine import DecodeModel, random_packed
+    from futx.engine.cache import EngineCache
+    from futx.engine.graphs import GraphSteps
+
+    if not torch.cuda.is_available():
+        raise SystemExit("futx bench decode needs a CUDA GPU")
+    cfg = config_for(a.shape, a.layers)
+    points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
+    wfs, cfs = a.weights.split(","), a.cache.split(",")
+    timer = Timer(a.reps, a.rounds)
+    stream = torch.cuda.Stream()
+    t0 = time.perf_counter()
+    packed = {wf: random_packed(cfg, wf, seed=i) for i, wf in enumerate(wfs)}
+    for wf in wfs[1:]:  # one embedding/head for all: keeps memory for the caches
+        packed[wf].embed, packed[wf].lm_head = packed[wfs[0]].embed, packed[wfs[0]].lm_head
+    print(f"{cfg.name}: {cfg.num_hidden_layers} layers, weights packed in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": cfg.name,
+               "layers": cfg.num_hidden_layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "command": " ".join(sys.argv), "points": []}
+    for batch, context in points:
+        cap = -(-context // 8) * 8
+        caches = {cf: EngineCache(cfg, cf, batch, cap, "cuda") for cf in cfs}
+        for i, c in enumerate(caches.values()):
+            c.randomize(i)
+        models, cands = {}, {}
+        for wf in wfs:
+            for cf in cfs:
+                m = DecodeModel(packed[wf], cf, max_batch=batch, capacity=cap, shared_cache=caches[cf])
+                g = GraphSteps(m, buckets=[batch])
+                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                models[(wf, cf)] = m
+                cands[f"{wf}/{cf}"] = (lambda g=g: g.replay(batch))
+        if a.glue:
+            m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"],
+                            glue="torch")
+            g = GraphSteps(m, buckets=[batch])
+            m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+            cands["int4/int4 unfused glue"] = lambda g=g: g.replay(batch)
+        peers = {}
+        if a.peers:
+            from scripts.decode_peers import make_peer
+
+            for name in a.peers.split(","):
+                try:
+                    peers[name] = make_peer(name, cfg, batch, context)
+                    cands[name] = peers[name].replay
+                except Exception as exc:  # noqa: BLE001 - report and keep measuring the others
+                    print(f"peer {name} unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                          flush=True)
+        t = timer.run(cands)
+        point = {"batch": batch, "context": context, "rows": []}
+        for name, r in t.items():
+            row = {"candidate": name, "ms": r["ms"], "spread": r["spread"], "tokens_per_s": batch / r["ms"] * 1e3}
+            key = tuple(name.split(" ")[0].split("/")) if "/" in name else None
+            if key in models:
+                floor = step_bytes(models[key], batch, context) / HBM_BYTES_PER_S * 1e3
+                row.update(floor_ms=floor, of_floor=floor / r["ms"])
+            point["rows"].append(row)
+            print(f"B={batch:3d} ctx={context:5d} {name:24s} {r['ms']:8.3f} ms  {row['tokens_per_s']:9.0f} tok/s"
+                  + (f"  {100 * row['of_floor']:5.1f}% of floor {row['floor_ms']:.3f} ms" if "floor_ms" in row
+                     else ""), flush=True)
+        if a.breakdown:
+            wf, cf = a.breakdown.split("/")
+            bd = breakdown(models[(wf, cf)], batch, timer, stream)
+            bd["layer in the step"] = (t[a.breakdown]["ms"] * 1e3 - bd["head"]) / cfg.num_hidden_layers
+            point["breakdown"] = {"format": a.breakdown, "us": bd}
+            print("  per layer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in bd.items()), flush=True)
+        results["points"].append(point)
+        del models, cands, caches, peers
+        torch.cuda.empty_cache()
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+    md = render(results)
+    print(md)
+    if a.md:
+        Path(a.md).write_text(md + "\n")
+    if a.plot:
+        plot(results, a.plot)
+    return 0
+
+
+def render(results: dict) -> str:
+    lines = [f"{results['shape']} ({results['layers']} layers), {results['gpu']}, {results['date']}", "",
+             "| B | context | candidate | ms / step | tokens/s | floor ms | of floor |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for pt in results["points"]:
+        for r in pt["rows"]:
+            fl = f"{r['floor_ms']:.3f} | {100 * r['of_floor']:.0f}%" if "floor_ms" in r else "– | –"
+            lines.append(f"| {pt['batch']} | {pt['context']} | {r['candidate']} | {r['ms']:.3f} | "
+                         f"{r['tokens_per_s']:.0f} | {fl} |")
+    for pt in results["points"]:
+        if "breakdown" in pt:
+            bd = pt["breakdown"]["us"]
+            lines.append(f"\nPer layer at B={pt['batch']} ctx={pt['context']} ({pt['breakdown']['format']}), us: "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in bd.items()))
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    pts = results["points"]
+    fig, axes = plt.subplots(1, len(pts), figsize=(5 * len(pts), 4), squeeze=False)
+    for ax, pt in zip(axes[0], pts):
+        names = [r["candidate"] for r in pt["rows"]]
+        ax.barh(names, [r["ms"] for r in pt["rows"]], color="tab:blue", label="measured")
+        ax.barh(names, [r.get("floor_ms", 0) for r in pt["rows"]], color="tab:gray", alpha=0.6, label="bytes floor")
+        ax.set_title(f"B={pt['batch']}, context {pt['context']}")
+        ax.set_xlabel("ms per step")
+        ax.invert_yaxis()
+    axes[0][0].legend()
+    fig.suptitle(f"{results['shape']} decode step, {results['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

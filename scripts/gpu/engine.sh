@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU runs of the decode engine (issue 11), AOT kernels (scripts/gpu/stage.sh 'smoke.*,decode.*,engine.*').
+#   bash scripts/gpu/engine.sh PART...   (after `source scripts/gpu/remote.sh`)
+# Parts:
+#   stage      keep what a second, back-to-back run needs in /tmp: GGUF part 1 (.gpu-data1, carried), the
+#              AOT kernels with their runtime library
+#   tests      the engine's GPU tests (tests/test_engine_gpu.py, SmolLM2 test skipped: no model here)
+#   bench      futx bench decode, 8B shape (FUTX_BENCH_ARGS overrides the arguments)
+#   data       unpack SmolLM2's GGUF and WikiText-2 (part 1 staged by an earlier run on this machine, .gpu-data
+#              carried: scripts/gpu/stage_data.sh); needed by the parts below
+#   equality   kernel path == simulated quantization, 9 formats x 2 protocols, all windows (FUTX_EQ_ARGS adds)
+#   diag       kernels vs emulated vs simulated on the first 32 windows (FUTX_DIAG: weights/cache pairs)
+#   cli        futx generate (one prompt, chat, a prompts file) and futx ppl on the kernels
+#   peers-bf16, peers-int4  gpt-fast-style peers beside the engine; peers-transformers (not yet run on the
+#              H200: written and checked eagerly on the CPU);  bench70  the 70B shape
+# Logs -> $OUT/logs.tgz; results (JSON, Markdown, plot) -> $OUT.
+set -u
+source scripts/gpu/steps.sh
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+for part in "$@"; do
+  case "$part" in
+    stage)
+      mkdir -p /tmp/futx-stage /tmp/futx-aot
+      cp .gpu-data1/* /tmp/futx-stage/ 2>/dev/null
+      cp -r "$FUTX_AOT_DIR"/. /tmp/futx-aot/
+      echo "staged: $(ls /tmp/futx-stage | tr '\n' ' ')$(du -sh /tmp/futx-aot | cut -f1) of kernels" ;;
+    tests)  # with 'data' first, the SmolLM2 test runs too
+      FUTX_SMOLLM2_GGUF=$( [ -f /tmp/futx-eq/smollm2.gguf ] && echo /tmp/futx-eq/smollm2.gguf ) \
+      FUTX_WIKITEXT=$( [ -f /tmp/futx-eq/wiki.test.raw ] && echo /tmp/futx-eq/wiki.test.raw ) \
+      PYTHONPATH=/tmp/futx-eq/site:$PYTHONPATH \
+      TAILN=12 step engine_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_engine_gpu.py ;;
+    attn_tests)  # the decode-attention suite (its op shares the launch path with the engine's fused entry)
+      TAILN=6 step attn_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --maxfail=5 \
+        tests/test_decode_attention_gpu.py ;;
+    bench)
+      TAILN=60 step bench 240 python3 -m futx.cli bench decode ${FUTX_BENCH_ARGS:---rounds 5 --reps 10 \
+        --glue --out $OUT/bench.json --md $OUT/bench.md --plot $OUT/bench.png} ;;
+    peers-bf16)  # the gpt-fast-style peers, one process per peer (and per point for INT4: a second compiled
+                 # INT4 peer in one process, new shapes after a graph capture, hits a device-side index assert)
+      TAILN=12 step gptfast-bf16 200 python3 -m futx.cli bench decode --weights bf16 --cache int4,bf16 \
+        --peers gptfast-bf16 --breakdown "" --rounds 5 --reps 10 --out $OUT/gptfast-bf16.json ;;
+    peers-int4)
+      for pt in 1x1024 8x1024 32x4096; do
+        TAILN=6 step gptfast-int4-$pt 120 python3 -m futx.cli bench decode --weights int4 --cache int4,bf16 \
+          --points $pt --peers gptfast-int4 --breakdown "" --rounds 5 --reps 10 --out $OUT/gptfast-int4-$pt.json
+      done ;;
+    peers-transformers)  # transformers LlamaForCausalLM, static cache, torch.compile(mode="reduce-overhead")
+      for pt in 1x1024 32x4096; do
+        TAILN=6 step transformers-$pt 240 python3 -m futx.cli bench decode --weights bf16,int4 --cache int4,bf16 \
+          --points $pt --peers transformers --breakdown "" --rounds 5 --reps 10 --out $OUT/transformers-$pt.json
+      done ;;
+    bench70)
+      TAILN=12 step bench70 200 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
+        --cache int4 --points 1x1024,32x4096 --rounds 5 --reps 5 --out $OUT/bench70.json ;;
+    data)  # the default model's GGUF and WikiText-2 from the staged parts (part 1 left by 'stage')
+      W=/tmp/futx-eq; mkdir -p $W
+      cat /tmp/futx-stage/smollm2.gguf.xz.part1 .gpu-data/smollm2.gguf.xz.part2 | xz -d > $W/smollm2.gguf \
+        || { echo "GGUF part 1 missing: run 'stage' first on this machine"; break; }
+      xz -d -c .gpu-data/wiki.test.raw.xz > $W/wiki.test.raw
+      python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site .gpu-data/wheels/*.whl
+      export PYTHONPATH="$W/site:$PYTHONPATH" ;;  # (for the parts below, in this shell)
+    equality)
+      TAILN=40 step equality 560 python3 scripts/engine_equality.py --model $W/smollm2.gguf --text $W/wiki.test.raw \
+        --reference --out $OUT/equality.jsonl ${FUTX_EQ_ARGS:-} ;;
+    diag)
+      TAILN=12 step diag 300 python3 scripts/engine_equality.py --model $W/smollm2.gguf --text $W/wiki.test.raw \
+        --combos int4/int4 --diag-combos ${FUTX_DIAG:-int4/int4,bf16/bf16} --diag-windows 32 \
+        --out $OUT/diag.jsonl ;;
+    cli)  # the user's commands, on the kernels (a Hopper GPU is present: --backend auto picks them)
+      printf 'The capital of France is\nOnce upon a time, there was a\nThe three primary colors are\n' > $W/prompts.txt
+      TAILN=8 step generate 60 python3 -m futx.cli generate --model $W/smollm2.gguf --max-new-tokens 32 \
+        --weights bf16 --cache bf16
+      TAILN=8 step generate_int4 60 python3 -m futx.cli generate --model $W/smollm2.gguf --chat \
+        --prompt "What is the capital of France?" --max-new-tokens 24
+      TAILN=8 step generate_batch 60 python3 -m futx.cli generate --model $W/smollm2.gguf --prompts $W/prompts.txt \
+        --max-new-tokens 24 --weights e4m3 --cache int4
+      TAILN=12 step ppl_cli 120 python3 -m futx.cli ppl --model $W/smollm2.gguf --text $W/wiki.test.raw \
+        --backend kernels --protocol all-decode serving --max-windows 32 --no-progress --json $OUT/ppl_cli.json ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+pack
