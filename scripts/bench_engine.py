@@ -113,11 +113,7 @@ def breakdown(model, rows: int, timer: Timer, stream) -> dict:
     }
 
     def layer():
-        y = ops.linear(ops.rms_rows(x, eps), w.qkv)
-        ops.attention(y, pos, slt, model.cache, 0, model.rope, attn)
-        y = ops.linear(attn.view(rows, c.q_size), w.o, "residual", x)
-        y2 = ops.linear(ops.rms_rows(y, eps), w.gateup, "swiglu")
-        ops.linear(y2, w.down, "residual", y)
+        model.layer(0, x, pos, slt)
 
     def head():
         model.buffers.next_tokens[:rows].copy_(model.logits(x).argmax(-1))

@@ -16,26 +16,26 @@ import math
 import torch
 
 from futx.config import LlamaConfig
-from futx.rope import inv_freq
+from futx.quant.fold import rms_row_factor
+from futx.rope import apply_rope, cos_sin
 
 from .cache import EngineCache
 from .packed import Weight, dequantize_weight
 
 
 def rope_table(config: LlamaConfig, capacity: int, device) -> torch.Tensor:
-    """float32 [capacity, D]: cos of the D/2 angles of each position, then their sin (angles in float64)."""
-    pos = torch.arange(capacity, dtype=torch.float64)
-    ang = pos[:, None] * inv_freq(config)[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=1).to(device=device, dtype=torch.float32)
+    """float32 [capacity, D]: cos of the D/2 angles of each position, then their sin (futx.rope's tables,
+    which repeat the D/2 angles twice, kept once each): what the attention kernel reads."""
+    cos, sin = cos_sin(config, torch.arange(capacity), torch.float32)
+    half = config.head_dim // 2
+    return torch.cat([cos[:, :half], sin[:, :half]], dim=1).to(device)
 
 
 def apply_rope_f32(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [M, heads, D] (float32 math) with rows of `rope_table` at `positions`."""
-    d = x.shape[-1]
-    cs = table[positions.long()]                      # [M, D]
-    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2:]
-    a, b = x[..., : d // 2].float(), x[..., d // 2:].float()
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    """futx.rope.apply_rope of x [M, heads, D] in float32 with rows of `rope_table` at `positions`."""
+    cs = table[positions.long()]                      # [M, D]: cos | sin of the D/2 angles
+    cos, sin = cs.chunk(2, dim=1)
+    return apply_rope(x.float(), torch.cat([cos, cos], 1), torch.cat([sin, sin], 1))
 
 
 def split_rope(qkv: torch.Tensor, config: LlamaConfig, table: torch.Tensor, positions: torch.Tensor) -> tuple:
@@ -49,8 +49,7 @@ def split_rope(qkv: torch.Tensor, config: LlamaConfig, table: torch.Tensor, posi
 
 def rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     """bf16(x * rsqrt(mean(x^2) + eps)) per row: RMSNorm with its gain folded into the next projection."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+    return (x.float() * rms_row_factor(x, eps)[..., None]).to(torch.bfloat16)
 
 
 class EmulatedOps:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .support import CACHE_FORMATS, MAX_BATCH, WEIGHT_FORMATS
+from .support import CACHE_FORMATS, MAX_BATCH, WEIGHT_FORMATS, check_batch
 
 BACKENDS = ("auto", "kernels", "reference", "emulated")
 
@@ -37,6 +37,7 @@ def build_engine(args, capacity: int, float_weights=None):
     from .load import load_packed
     from .model import DecodeModel
 
+    check_batch(args.max_batch)  # before packing, which takes the time
     dev = engine_device(args)
     packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev,
                          float_weights=float_weights)
@@ -148,8 +149,6 @@ def run_ppl(args, windows, text, n_text_tokens: int) -> int:
 
     dev = engine_device(args)
     weights = load(args.model, dtype=torch.float32, device=dev)
-    if args.max_batch > MAX_BATCH:
-        raise ValueError(f"--max-batch must be at most {MAX_BATCH}")
     results = []
     with torch.inference_mode():
         model, graphs = build_engine(args, windows.shape[1], float_weights=weights)

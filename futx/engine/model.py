@@ -25,10 +25,12 @@ from typing import Optional
 
 import torch
 
+from futx.reference import rms_norm
+
 from .backends import make_ops, rope_table
 from .cache import EngineCache
 from .packed import PackedModel
-from .support import MAX_BATCH, check_formats, check_model, round_capacity
+from .support import check_batch, check_formats, check_model, round_capacity
 
 
 @dataclass
@@ -58,8 +60,7 @@ class DecodeModel:
                  shared_cache: Optional[EngineCache] = None):
         check_formats(packed.weights, cache)
         check_model(packed.config, packed.weights, packed.group_size)
-        if not 1 <= max_batch <= MAX_BATCH:
-            raise ValueError(f"max_batch must be in [1, {MAX_BATCH}] (rows of one decode projection), got {max_batch}")
+        check_batch(max_batch)
         self.device = torch.device(device) if device is not None else packed.device
         if backend == "kernels" and self.device.type != "cuda":
             raise ValueError("the kernel backend needs a CUDA (Hopper) device; use backend='emulated' elsewhere")
@@ -85,24 +86,28 @@ class DecodeModel:
     # ---- the step --------------------------------------------------------------------------------
     def step(self, rows: int) -> None:
         """One decode step over buffers[:rows] (inputs tokens/positions/slots; outputs hidden/next_tokens)."""
-        b, ops, c, eps = self.buffers, self.ops, self.config, self.config.rms_norm_eps
+        b = self.buffers
         positions, slots = b.positions[:rows], b.slots[:rows]
         x = self.packed.embed[b.tokens[:rows]]
-        attn = self._attn_out[:rows]
-        for i, w in enumerate(self.packed.layers):
-            qkv = ops.linear(ops.rms_rows(x, eps), w.qkv)
-            ops.attention(qkv, positions, slots, self.cache, i, self.rope, attn)
-            x = ops.linear(attn.view(rows, c.q_size), w.o, "residual", x)
-            z = ops.linear(ops.rms_rows(x, eps), w.gateup, "swiglu")
-            x = ops.linear(z, w.down, "residual", x)
+        for i in range(len(self.packed.layers)):
+            x = self.layer(i, x, positions, slots)
         b.hidden[:rows].copy_(x)
         b.next_tokens[:rows].copy_(self.logits(x).argmax(dim=-1))
 
+    def layer(self, i: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Decoder block i on the residual stream x [M, H] (writes this layer's K/V rows)."""
+        ops, w, eps = self.ops, self.packed.layers[i], self.config.rms_norm_eps
+        attn = self._attn_out[:x.shape[0]]
+        qkv = ops.linear(ops.rms_rows(x, eps), w.qkv)
+        ops.attention(qkv, positions, slots, self.cache, i, self.rope, attn)
+        x = ops.linear(attn.view(x.shape[0], self.config.q_size), w.o, "residual", x)
+        z = ops.linear(ops.rms_rows(x, eps), w.gateup, "swiglu")
+        return ops.linear(z, w.down, "residual", x)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V] of the final residual stream x (final RMSNorm with its gain, BF16 LM head)."""
-        xf = x.float()
-        h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(torch.bfloat16)
-        return (h * self.packed.final_norm.to(torch.bfloat16)) @ self.packed.lm_head.T
+        h = rms_norm(x, self.packed.final_norm.to(torch.bfloat16), self.config.rms_norm_eps)
+        return h @ self.packed.lm_head.T
 
     # ---- host-side convenience ---------------------------------------------------------------------
     def load_inputs(self, tokens, positions, slots, rows: Optional[int] = None) -> int:

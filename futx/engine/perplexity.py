@@ -17,7 +17,7 @@ import torch
 
 from futx.eval.perplexity import PerplexityResult, scored_per_window
 from futx.kvcache import KVCache
-from futx.reference import PackedBatch, forward_hidden
+from futx.reference import PackedBatch, forward_hidden, rms_norm
 from futx.reference.weights import ModelWeights
 
 from .model import DecodeModel
@@ -26,8 +26,7 @@ PROTOCOLS = ("all-decode", "serving")
 
 
 def _nll(hidden: torch.Tensor, targets: torch.Tensor, head: ModelWeights) -> torch.Tensor:
-    x = hidden.float()
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.config.rms_norm_eps) * head.final_norm.float()
+    h = rms_norm(hidden.float(), head.final_norm.float(), head.config.rms_norm_eps)
     logp = (h @ head.output_weight.float().T).log_softmax(-1)
     return -logp.gather(1, targets[:, None]).squeeze(1).double()
 

@@ -58,6 +58,11 @@ def check_model(config: LlamaConfig, weights: str = "bf16", group_size: int = 12
         raise UnsupportedModel(f"INT4 group size {group_size} has no decode kernel (supported: {INT4_GROUPS})")
 
 
+def check_batch(max_batch: int) -> None:
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise ValueError(f"max_batch must be in [1, {MAX_BATCH}] (rows of one decode projection), got {max_batch}")
+
+
 def check_capacity(cache: str, capacity: int) -> None:
     if capacity < 1:
         raise UnsupportedModel(f"cache capacity must be positive, got {capacity}")
