@@ -23,21 +23,50 @@ partner channels sit in lane l ^ 16), so no RoPE or split kernel runs between th
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 import cutlass.memory as cmem
 
-from decode import attn_ptx as ptx
+from decode import ptx
 from decode import hadamard_warp as hw
-from decode.attn_plan import (E4M3_PAIR_SELECTORS, MAX_GROUP, QMAX, AttnPlan, default_plan, int4_key_pair_slot,
-                              int4_value_pairs)
+from decode.attn_plan import (ATTN_TENSORS, E4M3_PAIR_SELECTORS, MAX_GROUP, QMAX, AttnPlan, default_plan,
+                              int4_key_pair_slot, int4_value_pairs)
 from decode.splitkv_combine import merge_splits, merge_warps
 
 LOG2E = math.log2(math.e)
 PAIR_CONST_OFFSET = 64  # bytes into the 128-byte flag area after the ring (the split flag uses the first 4)
 XOR8 = 0x88888888  # signed nibbles -> offset binary (n + 8), for the arithmetic dequantization
+
+
+class AttnTensors(NamedTuple):
+    """Every tensor the kernel may read or write, passed as its one tensor argument. A compile entry fills
+    exactly the fields it declares (attn_plan.entry_tensors); the others stay None and the kernel never
+    touches them (which ones are used follows from the plan at trace time)."""
+
+    q: Optional[cute.Tensor] = None          # [B, Hq, D] bf16           (unfused entries)
+    k_new: Optional[cute.Tensor] = None      # [B, Hkv, D] bf16          (unfused entries)
+    v_new: Optional[cute.Tensor] = None      # [B, Hkv, D] bf16          (unfused entries)
+    qkv: Optional[cute.Tensor] = None        # [B, Hq + 2 Hkv, D] bf16   (fused_qkv)
+    rope: Optional[cute.Tensor] = None       # [>= capacity, D] f32 cos | sin (fused_qkv)
+    positions: Optional[cute.Tensor] = None  # [B] int32
+    slots: Optional[cute.Tensor] = None      # [B] int32
+    k_cache: Optional[cute.Tensor] = None    # [S, Hkv, C, D] bf16 main copy (always written)
+    v_cache: Optional[cute.Tensor] = None
+    k_mirror: Optional[cute.Tensor] = None   # int4 / e4m3 mirror (uint8) and its per-token f32 scales
+    k_scale: Optional[cute.Tensor] = None
+    v_mirror: Optional[cute.Tensor] = None
+    v_scale: Optional[cute.Tensor] = None
+    lut: Optional[cute.Tensor] = None        # [256] int32 byte -> f16x2 table (int4; read when plan.uses_lut)
+    out: Optional[cute.Tensor] = None        # [B, Hq, D] bf16
+    ws_o: Optional[cute.Tensor] = None       # split-KV workspace [B, Hkv, splits, MAX_GROUP, D] f32
+    ws_ml: Optional[cute.Tensor] = None      # [B, Hkv, splits, MAX_GROUP, 2] f32
+    counters: Optional[cute.Tensor] = None   # [B, Hkv] int32 split-arrival counters
+
+
+assert AttnTensors._fields == ATTN_TENSORS
 
 
 def _row_addr(t: cute.Tensor, slot, kvh, elem_bytes: int):
@@ -57,22 +86,26 @@ class DecodeAttention:
         plan.check_maps()
         self.p = plan
 
+    def tensors(self, **given) -> AttnTensors:
+        """AttnTensors of a compile entry, by keyword: exactly the tensors its plan declares, in order."""
+        if tuple(given) != self.p.tensors:
+            raise TypeError(f"decode attention entry passes {tuple(given)}, its plan declares {self.p.tensors}")
+        return AttnTensors(**given)
+
     # ---- host side ----------------------------------------------------------------------------------
     @cute.jit
-    def launch(self, mQ, mKn, mVn, mPos, mSlot, mKc, mVc, mKq, mKs, mVq, mVs, mLut, mOut, mWsO, mWsML,
-               mCnt, mRope, softmax_scale: Float32, stream):
-        splits = mWsO.shape[2]
-        self.kernel(mQ, mKn, mVn, mPos, mSlot, mKc, mVc, mKq, mKs, mVq, mVs, mLut, mOut, mWsO, mWsML, mCnt,
-                    mRope, softmax_scale * Float32(LOG2E)).launch(
-            grid=(splits, mKc.shape[1], mQ.shape[0]), block=(32 * self.p.warps, 1, 1), stream=stream)
+    def launch(self, t: AttnTensors, softmax_scale: Float32, stream):
+        self.kernel(t, softmax_scale * Float32(LOG2E)).launch(
+            grid=(t.ws_o.shape[2], t.k_cache.shape[1], t.out.shape[0]), block=(32 * self.p.warps, 1, 1),
+            stream=stream)
 
     # ---- device side --------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mKn: cute.Tensor, mVn: cute.Tensor, mPos: cute.Tensor,
-               mSlot: cute.Tensor, mKc: cute.Tensor, mVc: cute.Tensor, mKq: cute.Tensor, mKs: cute.Tensor,
-               mVq: cute.Tensor, mVs: cute.Tensor, mLut: cute.Tensor, mOut: cute.Tensor, mWsO: cute.Tensor,
-               mWsML: cute.Tensor, mCnt: cute.Tensor, mRope: cute.Tensor, scale_log2: Float32):
+    def kernel(self, t: AttnTensors, scale_log2: Float32):
         p = self.p
+        mPos, mSlot, mKc, mVc, mOut = t.positions, t.slots, t.k_cache, t.v_cache, t.out
+        mWsO, mWsML, mCnt = t.ws_o, t.ws_ml, t.counters
+        mQ = self._heads(t, "q")
         D, n, TT, NW = p.head_dim, p.per_lane, p.tile_tokens, p.warps
         tidx, _, _ = cute.arch.thread_idx()
         split, kvh, b = cute.arch.block_idx()
@@ -114,23 +147,22 @@ class DecodeAttention:
         if split < n_active:
             if split == n_active - 1:  # this CTA's range holds position `pos`: write the new row first
                 if warp == 0:
-                    self.write_row(mKn, k_head, mRope, mKc, mKq, mKs, b, kvh, slot, pos, lane, True)
+                    self.write_row(t, k_head, b, kvh, slot, pos, lane, True)
                 if warp == 1:
-                    self.write_row(mVn, v_head, mRope, mVc, mVq, mVs, b, kvh, slot, pos, lane, False)
+                    self.write_row(t, v_head, b, kvh, slot, pos, lane, False)
             if cutlass.const_expr(p.uses_lut):
-                self.fill_lut(mLut, s_lut, tidx, lane)
+                self.fill_lut(t.lut, s_lut, tidx, lane)
             if cutlass.const_expr(p.uses_pair):
                 if tidx == 0:  # the "pair" constants, read back in attend() (see there)
                     ptx.sts32(s_flag + PAIR_CONST_OFFSET, Uint32(ptx.ALU_CONSTANTS["p_lo"]))
                     ptx.sts32(s_flag + PAIR_CONST_OFFSET + 4, Uint32(ptx.ALU_CONSTANTS["p_hi"]))
             for j in range(warp, MAX_GROUP, NW):
-                self.stage_query(mQ, mRope, pos, s_q, b, kvh, group, j, lane, scale_log2)
+                self.stage_query(mQ, t.rope, pos, s_q, b, kvh, group, j, lane, scale_log2)
             cute.arch.sync_threads()  # new row in global memory, table and query in shared memory
 
             t_begin = split * per_split
             t_end = cutlass.min(tiles, t_begin + per_split)
-            self.attend(mKc, mVc, mKq, mKs, mVq, mVs, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end,
-                        warp, lane, scale_log2)
+            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2)
             cute.arch.sync_threads()  # scratch (the ring) holds every warp's partial
 
             for h in range(warp, group, NW):
@@ -164,17 +196,28 @@ class DecodeAttention:
                         self.finish_row(mOut, b, kvh * group + h, lane, [res[i] for i in range(n)], res[n])
 
     # ---- setup ----------------------------------------------------------------------------------------
+    def _heads(self, t: AttnTensors, which: str):
+        """The tensor holding the new q / k / v heads: qkv when fused (heads offset in the kernel)."""
+        return t.qkv if self.p.fused_qkv else getattr(t, which)
+
+    def _row_tensors(self, t: AttnTensors, is_key: bool):
+        """(new rows, main cache, mirror, scales) of the keys or the values (mirror/scales None for bf16)."""
+        if is_key:
+            return self._heads(t, "k_new"), t.k_cache, t.k_mirror, t.k_scale
+        return self._heads(t, "v_new"), t.v_cache, t.v_mirror, t.v_scale
+
     @cute.jit
-    def write_row(self, mNew, src_head, mRope, mMain, mMir, mScale, b, kvh, slot, pos, lane, is_key: bool):
-        """One warp: copy the new BF16 row (row `src_head` of mNew; keys RoPE-rotated first when fused)
-        into the main cache; for a mirror also rotate, quantize (scale = amax / qmax, IEEE division, round
-        half to even) and store it in its packed order."""
+    def write_row(self, t: AttnTensors, src_head, b, kvh, slot, pos, lane, is_key: bool):
+        """One warp: copy the new BF16 row (row `src_head` of k_new / v_new, or of qkv when fused; keys
+        RoPE-rotated first when fused) into the main cache; for a mirror also rotate, quantize (scale =
+        amax / qmax, IEEE division, round half to even) and store it in its packed order."""
         p = self.p
         n = p.per_lane
+        mNew, mMain, mMir, mScale = self._row_tensors(t, is_key)
         c0 = lane * n
         raw = [mNew[b, src_head, c0 + i] for i in range(n)]
         if cutlass.const_expr(p.fused_qkv and is_key):
-            raw = [v.to(BFloat16) for v in self.rope([v.to(Float32) for v in raw], mRope, pos, lane)]
+            raw = [v.to(BFloat16) for v in self.rope([v.to(Float32) for v in raw], t.rope, pos, lane)]
         for i in cutlass.range_constexpr(n):
             mMain[slot, kvh, pos, c0 + i] = raw[i]
         if cutlass.const_expr(p.quantized):
@@ -196,8 +239,8 @@ class DecodeAttention:
                 for e in cutlass.range_constexpr(n // 2):
                     byte = Uint8((q[2 * e] & 0xF) | ((q[2 * e + 1] & 0xF) << 4))
                     if cutlass.const_expr(is_key):
-                        t, sb = int4_key_pair_slot(c0 + 2 * e)
-                        mMir[slot, kvh, pos // 8, 4 * (pos % 8) + t, sb] = byte
+                        quad, sb = int4_key_pair_slot(c0 + 2 * e)
+                        mMir[slot, kvh, pos // 8, 4 * (pos % 8) + quad, sb] = byte
                     else:
                         mMir[slot, kvh, pos, c0 // 2 + e] = byte
             else:
@@ -263,28 +306,29 @@ class DecodeAttention:
 
     # ---- main loop ------------------------------------------------------------------------------------
     @cute.jit
-    def attend(self, mKc, mVc, mKq, mKs, mVq, mVs, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp,
-               lane, scale_log2):
+    def attend(self, t: AttnTensors, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2):
         """This warp's tiles first + warp, first + warp + NW, ... of [t_begin, t_end) through a
         `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch)."""
         p = self.p
         D, TT, NS, NW, SB = p.head_dim, p.tile_tokens, p.stages, p.warps, p.stage_bytes
         qa = self.query_fragments(s_q, lane)
-        self.consts = {k: ptx.const_u32(v) for k, v in ptx.ALU_CONSTANTS.items()}
+        self.consts = {k: ptx.const_b32(v, Uint32) for k, v in ptx.ALU_CONSTANTS.items()}
         if cutlass.const_expr(p.uses_pair):
             # Loaded from shared memory, so ptxas cannot see that they are constants: otherwise it
             # re-materializes them (one MOV per LOP3, ~120 per tile) instead of keeping two registers.
             s_flag = s_ring + p.ring_bytes
             self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
             self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
-        if cutlass.const_expr(p.fmt == "bf16"):
-            k_glob = _row_addr(mKc, slot, kvh, 2)
-            v_glob = _row_addr(mVc, slot, kvh, 2)
+        ks_glob = None  # scale rows: the mirrors only
+        vs_glob = None
+        if cutlass.const_expr(p.quantized):
+            k_glob = _row_addr(t.k_mirror, slot, kvh, 1)
+            v_glob = _row_addr(t.v_mirror, slot, kvh, 1)
+            ks_glob = _row_addr(t.k_scale, slot, kvh, 4)
+            vs_glob = _row_addr(t.v_scale, slot, kvh, 4)
         else:
-            k_glob = _row_addr(mKq, slot, kvh, 1)
-            v_glob = _row_addr(mVq, slot, kvh, 1)
-        ks_glob = _row_addr(mKs, slot, kvh, 4)
-        vs_glob = _row_addr(mVs, slot, kvh, 4)
+            k_glob = _row_addr(t.k_cache, slot, kvh, 2)
+            v_glob = _row_addr(t.v_cache, slot, kvh, 2)
 
         ring = s_ring + warp * (NS * SB)
         first = t_begin + warp
@@ -350,10 +394,10 @@ class DecodeAttention:
             dst = sb + off
             if cutlass.const_expr(p.fmt != "int4"):
                 dst = sb + p.k_smem_offset(off // R, (off % R) // 16)
-            ptx.cp_async_16(dst, kb + Int64(off), 16)
+            ptx.cp_async_16_zfill(dst, kb + Int64(off), 16)
         for i in cutlass.range_constexpr(p.chunks_per_lane(p.tile_tokens * R)):
             off = (lane + 32 * i) * 16
-            ptx.cp_async_16(sb + p.v_offset + (off // R) * p.v_stride + off % R, vb + Int64(off), 16)
+            ptx.cp_async_16_zfill(sb + p.v_offset + (off // R) * p.v_stride + off % R, vb + Int64(off), 16)
         if cutlass.const_expr(p.quantized):
             q4 = p.tile_tokens // 4
             if lane < 2 * q4:
@@ -361,7 +405,7 @@ class DecodeAttention:
                 is_v = lane >= q4
                 src = cutlass.select_(is_v, vs_glob, ks_glob) + Int64((tok0 + 4 * j) * 4)
                 dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
-                ptx.cp_async_16(dst, src, 16)
+                ptx.cp_async_16_zfill(dst, src, 16)
 
     @cute.jit
     def issue_tail(self, sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
@@ -376,14 +420,14 @@ class DecodeAttention:
             if cutlass.const_expr(p.fmt != "int4"):
                 dst = sb + p.k_smem_offset(row, (off % R) // 16)
             src = cutlass.select_(live, k_glob + Int64(tok0 * R + off), k_glob)
-            ptx.cp_async_16(dst, src, cutlass.select_(live, 16, 0))
+            ptx.cp_async_16_zfill(dst, src, cutlass.select_(live, 16, 0))
         for i in cutlass.range_constexpr(p.chunks_per_lane(p.tile_tokens * R)):
             off = (lane + 32 * i) * 16
             row = off // R
             live = tok0 + row < ctx
             dst = sb + p.v_offset + row * p.v_stride + off % R
             src = cutlass.select_(live, v_glob + Int64(tok0 * R + off), v_glob)
-            ptx.cp_async_16(dst, src, cutlass.select_(live, 16, 0))
+            ptx.cp_async_16_zfill(dst, src, cutlass.select_(live, 16, 0))
         if cutlass.const_expr(p.quantized):
             q4 = p.tile_tokens // 4  # 16-byte chunks of one scale vector
             if lane < 2 * q4:
@@ -394,7 +438,7 @@ class DecodeAttention:
                 src = cutlass.select_(is_v, vs_glob, ks_glob)
                 src = cutlass.select_(valid > 0, src + Int64(tok * 4), src)
                 dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
-                ptx.cp_async_16(dst, src, valid * 4)
+                ptx.cp_async_16_zfill(dst, src, valid * 4)
 
     def query_fragments(self, s_q, lane):
         """B registers of Q^T per k16 tile: column g = head g, k pairs 2t and 2t + 8 (channels from the
@@ -409,7 +453,7 @@ class DecodeAttention:
                     lb, hb, step, sel = p.q_pair_loads(tile, r)
                     lo = ptx.lds32(s_q + (g * p.head_dim + lb + step * t) * 2)
                     hi = ptx.lds32(s_q + (g * p.head_dim + hb + step * t) * 2)
-                    regs.append(ptx.prmt(lo, hi, sel))
+                    regs.append(ptx.prmt(lo, hi, sel, Uint32))
                 else:
                     base, step = p.q_channel_parts(tile, r)
                     regs.append(ptx.lds32(s_q + (g * p.head_dim + base + step * t) * 2))
@@ -512,13 +556,13 @@ class DecodeAttention:
             for off in (4, 8, 16):  # partial sums of the 8 lanes that share head 2t + h
                 l = l + cute.arch.shuffle_sync_bfly(l, offset=off)
             # every lane of the column holds the same (m, l); the 8 writes of a value coincide
-            ptx.sts_f32(m_base + (warp * MAX_GROUP + 2 * t + h) * 4, m_run[h])
-            ptx.sts_f32(l_base + (warp * MAX_GROUP + 2 * t + h) * 4, l)
+            ptx.sts_f32_def(m_base + (warp * MAX_GROUP + 2 * t + h) * 4, m_run[h])
+            ptx.sts_f32_def(l_base + (warp * MAX_GROUP + 2 * t + h) * 4, l)
         for mt in range(p.ktiles):
             for k in range(4):
                 base, step = p.out_channel_parts(mt, k >> 1)
                 head = 2 * t + (k & 1)
-                ptx.sts_f32(s_ring + ((warp * MAX_GROUP + head) * D + base + step * g) * 4, acc[4 * mt + k])
+                ptx.sts_f32_def(s_ring + ((warp * MAX_GROUP + head) * D + base + step * g) * 4, acc[4 * mt + k])
 
     # ---- operand fragments ----------------------------------------------------------------------------
     def _lut(self, word, byte: int, lane4, s_lut):
@@ -600,8 +644,8 @@ class DecodeAttention:
                                        self._lut(lo23, i, lane4, s_lut), self._lut(hi23, i, lane4, s_lut))
             else:
                 for e, sel in enumerate(E4M3_PAIR_SELECTORS):
-                    a0, a1 = ptx.e4m3x4_to_f16x2x2(ptx.prmt(w[0], w[1], sel))
-                    a2, a3 = ptx.e4m3x4_to_f16x2x2(ptx.prmt(w[2], w[3], sel))
+                    a0, a1 = ptx.e4m3x4_to_f16x2x2(ptx.prmt(w[0], w[1], sel, Uint32))
+                    a2, a3 = ptx.e4m3x4_to_f16x2x2(ptx.prmt(w[2], w[3], sel, Uint32))
                     out[2 * cc + e] = (a0, a1, a2, a3)
         return out
 
@@ -618,7 +662,9 @@ class DecodeAttention:
             mOut[b, head, lane * n + i] = y[i].to(BFloat16)
 
 
-# ---- compile entry points (one jit signature per cache format) ------------------------------------------
+# ---- compile entry points (one jit signature per cache format and head source) ----------------------------
+# Each declares exactly the tensors of attn_plan.entry_tensors(fmt, fused_qkv), in that order, and passes
+# them by keyword into one AttnTensors (DecodeAttention.tensors checks the names against the table).
 def make_entry(plan: AttnPlan):
     kern = DecodeAttention(plan)
     if plan.fused_qkv:
@@ -629,8 +675,9 @@ def make_entry(plan: AttnPlan):
                                   slots: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, out: cute.Tensor,
                                   ws_o: cute.Tensor, ws_ml: cute.Tensor, counters: cute.Tensor,
                                   softmax_scale: Float32, stream):
-            kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_cache, ws_ml, k_cache, ws_ml,
-                        counters, out, ws_o, ws_ml, counters, ws_ml, softmax_scale, stream)
+            kern.launch(kern.tensors(q=q, k_new=k_new, v_new=v_new, positions=positions, slots=slots,
+                                     k_cache=k_cache, v_cache=v_cache, out=out, ws_o=ws_o, ws_ml=ws_ml,
+                                     counters=counters), softmax_scale, stream)
         return decode_attention_bf16
     if plan.fmt == "int4":
         @cute.jit
@@ -639,8 +686,10 @@ def make_entry(plan: AttnPlan):
                                   k_mirror: cute.Tensor, k_scale: cute.Tensor, v_mirror: cute.Tensor,
                                   v_scale: cute.Tensor, lut: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor,
                                   ws_ml: cute.Tensor, counters: cute.Tensor, softmax_scale: Float32, stream):
-            kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror,
-                        v_scale, lut, out, ws_o, ws_ml, counters, ws_ml, softmax_scale, stream)
+            kern.launch(kern.tensors(q=q, k_new=k_new, v_new=v_new, positions=positions, slots=slots,
+                                     k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale,
+                                     v_mirror=v_mirror, v_scale=v_scale, lut=lut, out=out, ws_o=ws_o, ws_ml=ws_ml,
+                                     counters=counters), softmax_scale, stream)
         return decode_attention_int4
 
     @cute.jit
@@ -649,8 +698,10 @@ def make_entry(plan: AttnPlan):
                               k_mirror: cute.Tensor, k_scale: cute.Tensor, v_mirror: cute.Tensor,
                               v_scale: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor, ws_ml: cute.Tensor,
                               counters: cute.Tensor, softmax_scale: Float32, stream):
-        kern.launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-                    counters, out, ws_o, ws_ml, counters, ws_ml, softmax_scale, stream)
+        kern.launch(kern.tensors(q=q, k_new=k_new, v_new=v_new, positions=positions, slots=slots, k_cache=k_cache,
+                                 v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror,
+                                 v_scale=v_scale, out=out, ws_o=ws_o, ws_ml=ws_ml, counters=counters),
+                    softmax_scale, stream)
     return decode_attention_e4m3
 
 
@@ -663,8 +714,9 @@ def _make_fused_entry(plan: AttnPlan, kern: DecodeAttention):
                                       k_cache: cute.Tensor, v_cache: cute.Tensor, rope: cute.Tensor,
                                       out: cute.Tensor, ws_o: cute.Tensor, ws_ml: cute.Tensor, counters: cute.Tensor,
                                       softmax_scale: Float32, stream):
-            kern.launch(qkv, qkv, qkv, positions, slots, k_cache, v_cache, k_cache, ws_ml, k_cache, ws_ml,
-                        counters, out, ws_o, ws_ml, counters, rope, softmax_scale, stream)
+            kern.launch(kern.tensors(qkv=qkv, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
+                                     rope=rope, out=out, ws_o=ws_o, ws_ml=ws_ml, counters=counters),
+                        softmax_scale, stream)
         return decode_attention_qkv_bf16
     if plan.fmt == "int4":
         @cute.jit
@@ -673,8 +725,10 @@ def _make_fused_entry(plan: AttnPlan, kern: DecodeAttention):
                                       k_scale: cute.Tensor, v_mirror: cute.Tensor, v_scale: cute.Tensor,
                                       lut: cute.Tensor, rope: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor,
                                       ws_ml: cute.Tensor, counters: cute.Tensor, softmax_scale: Float32, stream):
-            kern.launch(qkv, qkv, qkv, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-                        lut, out, ws_o, ws_ml, counters, rope, softmax_scale, stream)
+            kern.launch(kern.tensors(qkv=qkv, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
+                                     k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale,
+                                     lut=lut, rope=rope, out=out, ws_o=ws_o, ws_ml=ws_ml, counters=counters),
+                        softmax_scale, stream)
         return decode_attention_qkv_int4
 
     @cute.jit
@@ -683,14 +737,15 @@ def _make_fused_entry(plan: AttnPlan, kern: DecodeAttention):
                                   k_scale: cute.Tensor, v_mirror: cute.Tensor, v_scale: cute.Tensor,
                                   rope: cute.Tensor, out: cute.Tensor, ws_o: cute.Tensor, ws_ml: cute.Tensor,
                                   counters: cute.Tensor, softmax_scale: Float32, stream):
-        kern.launch(qkv, qkv, qkv, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-                    counters, out, ws_o, ws_ml, counters, rope, softmax_scale, stream)
+        kern.launch(kern.tensors(qkv=qkv, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
+                                 k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale, rope=rope,
+                                 out=out, ws_o=ws_o, ws_ml=ws_ml, counters=counters), softmax_scale, stream)
     return decode_attention_qkv_e4m3
 
 
 def fake_args(plan: AttnPlan):
-    """Fake tensors in the argument order of make_entry(plan) (row-major, dynamic batch/heads/slots/
-    capacity/splits)."""
+    """Fake tensors in the argument order of make_entry(plan) (plan.tensors, then the softmax scale and the
+    stream; row-major, dynamic batch/heads/slots/capacity/splits)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     def t(dtype, shape, align=16):
@@ -700,24 +755,20 @@ def fake_args(plan: AttnPlan):
     D = plan.head_dim
     B, HQ, HKV, S, C, NSPL = (cute.sym_int() for _ in range(6))
     C8, HT, R = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    if plan.fused_qkv:
-        args = [t(BFloat16, (B, HT, D))]
-    else:
-        args = [t(BFloat16, (B, HQ, D)), t(BFloat16, (B, HKV, D)), t(BFloat16, (B, HKV, D))]
-    args += [t(Int32, (B,), 4), t(Int32, (B,), 4),
-             t(BFloat16, (S, HKV, C, D)), t(BFloat16, (S, HKV, C, D))]
-    if plan.fmt == "int4":
-        args += [t(Uint8, (S, HKV, C8, 32, D // 8)), t(Float32, (S, HKV, C)),
-                 t(Uint8, (S, HKV, C, D // 2)), t(Float32, (S, HKV, C)), t(Int32, (256,))]
-    elif plan.fmt == "e4m3":
-        args += [t(Uint8, (S, HKV, C, D)), t(Float32, (S, HKV, C)), t(Uint8, (S, HKV, C, D)),
-                 t(Float32, (S, HKV, C))]
-    if plan.fused_qkv:
-        args += [t(Float32, (R, D))]
-    args += [t(BFloat16, (B, HQ, D)), t(Float32, (B, HKV, NSPL, MAX_GROUP, D)),
-             t(Float32, (B, HKV, NSPL, MAX_GROUP, 2)), t(Int32, (B, HKV), 4),
-             Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)]
-    return tuple(args)
+    mirror = {"int4": (Uint8, (S, HKV, C8, 32, D // 8)), "e4m3": (Uint8, (S, HKV, C, D))}
+    value = {"int4": (Uint8, (S, HKV, C, D // 2)), "e4m3": (Uint8, (S, HKV, C, D))}
+    make = {
+        "q": lambda: t(BFloat16, (B, HQ, D)), "k_new": lambda: t(BFloat16, (B, HKV, D)),
+        "v_new": lambda: t(BFloat16, (B, HKV, D)), "qkv": lambda: t(BFloat16, (B, HT, D)),
+        "rope": lambda: t(Float32, (R, D)), "positions": lambda: t(Int32, (B,), 4),
+        "slots": lambda: t(Int32, (B,), 4), "k_cache": lambda: t(BFloat16, (S, HKV, C, D)),
+        "v_cache": lambda: t(BFloat16, (S, HKV, C, D)), "k_mirror": lambda: t(*mirror[plan.fmt]),
+        "k_scale": lambda: t(Float32, (S, HKV, C)), "v_mirror": lambda: t(*value[plan.fmt]),
+        "v_scale": lambda: t(Float32, (S, HKV, C)), "lut": lambda: t(Int32, (256,)),
+        "out": lambda: t(BFloat16, (B, HQ, D)), "ws_o": lambda: t(Float32, (B, HKV, NSPL, MAX_GROUP, D)),
+        "ws_ml": lambda: t(Float32, (B, HKV, NSPL, MAX_GROUP, 2)), "counters": lambda: t(Int32, (B, HKV), 4),
+    }
+    return (*(make[name]() for name in plan.tensors), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, hadamard_block: int = 0,

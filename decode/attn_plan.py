@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from futx.hardware import SMEM_PER_CTA
 from futx.quant import layouts
 
 FORMATS = ("int4", "e4m3", "bf16")
@@ -74,7 +75,7 @@ def check_int4_key_formulas(head_dim: int) -> list[tuple[int, int]]:
 
 
 def int4_pair_key_channels(head_dim: int) -> dict[tuple[int, int], tuple[int, int, list[tuple[int, int]]]]:
-    """The "pair" key dequantization (attn_ptx.int4_word_to_f16x2x4_pair) turns word j of a lane's segment
+    """The "pair" key dequantization (ptx.int4_word_to_f16x2x4_pair) turns word j of a lane's segment
     into four registers m = 0..3 whose halves are nibble m % 2 of bytes 4j + m // 2 and 4j + 2 + m // 2.
     Register m feeds the A-fragment slot (k16 tile 2j + m // 2, register m % 2); the reduction is a sum over
     channels, so any slot works as long as the query fragment holds the same two channels.
@@ -121,6 +122,24 @@ def int4_value_pairs(w_even, w_odd):
     return lo, hi
 
 
+# ---- the kernel's tensors --------------------------------------------------------------------------
+# Every tensor the kernel may read or write: the fields of decode.attention.AttnTensors, which the kernel
+# receives as one argument (fields a format or entry does not use are None, never a placeholder).
+ATTN_TENSORS = ("q", "k_new", "v_new", "qkv", "rope", "positions", "slots", "k_cache", "v_cache", "k_mirror",
+                "k_scale", "v_mirror", "v_scale", "lut", "out", "ws_o", "ws_ml", "counters")
+_MIRROR_TENSORS = {"bf16": (), "int4": ("k_mirror", "k_scale", "v_mirror", "v_scale", "lut"),
+                   "e4m3": ("k_mirror", "k_scale", "v_mirror", "v_scale")}
+
+
+def entry_tensors(fmt: str, fused_qkv: bool) -> tuple[str, ...]:
+    """The one table of which tensors a compile entry declares, in its argument order (softmax_scale and
+    the stream follow): the jit entries (checked when traced), their fake arguments and the op's launch
+    all read it."""
+    heads = ("qkv",) if fused_qkv else ("q", "k_new", "v_new")
+    return (*heads, "positions", "slots", "k_cache", "v_cache", *_MIRROR_TENSORS[fmt],
+            *(("rope",) if fused_qkv else ()), "out", "ws_o", "ws_ml", "counters")
+
+
 @dataclass(frozen=True)
 class AttnPlan:
     fmt: str                 # cache the kernel reads: "int4" | "e4m3" (mirrors) | "bf16" (main copy)
@@ -156,6 +175,11 @@ class AttnPlan:
         for which in (self.k_dequant, self.v_dequant):
             if which not in DEQUANT:
                 raise ValueError(f"decode attention: dequantization {which!r} must be one of {DEQUANT}")
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The tensors this plan's compile entry declares (entry_tensors)."""
+        return entry_tensors(self.fmt, self.fused_qkv)
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -412,7 +436,7 @@ def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: 
                     lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv)
 
 
-SMEM_PER_SM = 227 * 1024
+SMEM_PER_SM = SMEM_PER_CTA  # residency budget: the per-CTA cap, a conservative bound on what an SM holds
 
 
 def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, sms: int = 132) -> int:

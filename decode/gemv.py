@@ -38,23 +38,22 @@ from futx.quant import layouts
 
 WARP = layouts.WARP
 BUFFER_REGS = {1: 50, 2: 30}   # prefetch registers per lane by token groups (128 registers at 16 warps)
-ROUND_BARRIER = 1              # named barrier id (0 is __syncthreads)
 
 
 class Gemv:
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 1,
                  warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0, raw_scales: bool = True):
         self.fmt = make_format(fmt, group_size, fold and fmt == "int4")
-        self.epilogue = epi.check(epilogue)
+        self.epi = epi.make(epilogue)
         self.m_tiles, self.warps, self.pdl, self.raw_scales = m_tiles, warps, pdl, raw_scales
         self.m_pad = TOKENS * m_tiles
         self.bpu, self.unit_k = stream.units_of(self.fmt)
         unit_regs = 4 * self.fmt.loads_per_block * self.bpu + (2 if self.fmt.grouped else 0)
         self.depth = depth or max(2, BUFFER_REGS[m_tiles] // unit_regs)
-        self.smem = GemvSmem(self.unit_k, m_tiles, warps, self.fmt.fold, epilogue == "residual", fmt == "e4m3")
+        self.smem = GemvSmem(self.unit_k, m_tiles, warps, self.fmt.fold, self.epi.residual, fmt == "e4m3")
 
     def _n_blocks(self, y):
-        return y.shape[1] * 2 // CHANNELS if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1] // CHANNELS
+        return self.epi.weight_rows(y.shape[1]) // CHANNELS
 
     # ---- host side ---------------------------------------------------------------------------
     @cute.jit
@@ -112,7 +111,7 @@ class Gemv:
                 for b in cutlass.range_constexpr(self.bpu):
                     frags = self._x_frags(x_lane[mt], sa + u, b)
                     for j in cutlass.range_constexpr(WORDS):
-                        part = ptx.mma_bf16_16816((ones, ones, ones, ones), frags[j], part)
+                        part = ptx.mma_16816((ones, ones, ones, ones), frags[j], part, "bf16")
                 if lane < 4:
                     ptx.sts_f32x2(sums + ((sa + u) * self.m_pad + mt * TOKENS + 2 * t) * 4, part[0], part[1])
         cute.arch.sync_warp()
@@ -120,7 +119,7 @@ class Gemv:
     @cute.jit
     def _stage_epilogue_inputs(self, r, s, n, m, nb0, tc, tiles, res_s, csc_s, tid, threads):
         """Residual rows and E4M3 channel scales of this CTA's tiles -> shared memory (cp.async)."""
-        if cutlass.const_expr(self.epilogue == "residual"):
+        if cutlass.const_expr(self.epi.residual):
             per_tok = tc * (CHANNELS * 2 // LANE_BYTES)
             r_base = r.iterator.toint()
             for c in cutlass.range(tid, m * per_tok, threads, unroll=1):
@@ -148,19 +147,13 @@ class Gemv:
 
     @cute.jit
     def _output(self, o, slot, j, out):
-        """Output o of round (tile) j: sum, epilogue, store."""
+        """Output o of round (tile) j: sums, epilogue, store."""
         weff, nb0, tiles, res_s, csc_s, y_base, ldy = out
-        if cutlass.const_expr(self.epilogue == "swiglu"):
-            jj, tok = o % (CHANNELS // 2), o // (CHANNELS // 2)
-            h = epi.silu_mul(self._channel(slot, 2 * jj, tok, j, weff, csc_s),
-                             self._channel(slot, 2 * jj + 1, tok, j, weff, csc_s))
-            ptx.stg_bf16(y_base + (Int64(tok) * ldy + (nb0 + j) * (CHANNELS // 2) + jj) * 2, h)
-        else:
-            row, tok = o % CHANNELS, o // CHANNELS
-            v = self._channel(slot, row, tok, j, weff, csc_s)
-            if cutlass.const_expr(self.epilogue == "residual"):
-                v = v + ptx.lds_bf16_to_f32(res_s + (tok * (tiles * CHANNELS) + j * CHANNELS + row) * 2)
-            ptx.stg_bf16(y_base + (Int64(tok) * ldy + (nb0 + j) * CHANNELS + row) * 2, v)
+        cols = CHANNELS // self.epi.rows_per_output  # output columns of an n-block
+        col, tok = o % cols, o // cols
+        v = self.epi.finish(tuple(self._channel(slot, row, tok, j, weff, csc_s) for row in self.epi.rows(col)),
+                            lambda: ptx.lds_bf16_to_f32(res_s + (tok * (tiles * CHANNELS) + j * CHANNELS + col) * 2))
+        ptx.stg_bf16(y_base + (Int64(tok) * ldy + (nb0 + j) * cols + col) * 2, v)
 
     @cute.jit
     def _round_end(self, accs, j, slots, warp, lane, tid, n_out, out):
@@ -175,7 +168,7 @@ class Gemv:
             for h in cutlass.range_constexpr(2):  # c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8
                 ptx.sts_f32x2(mine + ((g + 8 * h) * self.m_pad + mt * TOKENS + 2 * t) * 4,
                               accs[mt][2 * h], accs[mt][2 * h + 1])
-        ptx.bar_sync(ROUND_BARRIER, weff * WARP)
+        ptx.bar_sync(ptx.Barrier.GEMV_ROUND, weff * WARP)
         # the finishing group starts at warp j % 4 (spreads the work; no division)
         rot = tid - WARP * cutlass.select_(weff >= 4, j & 3, Int32(0))
         rot = cutlass.select_(rot < 0, rot + weff * WARP, rot)
@@ -209,7 +202,7 @@ class Gemv:
         n = self._n_blocks(y) * CHANNELS
         units = k // self.unit_k
         n_pos = tc * uw
-        n_out = m * (CHANNELS // 2 if cutlass.const_expr(self.epilogue == "swiglu") else CHANNELS)
+        n_out = m * (CHANNELS // self.epi.rows_per_output)
         s_base = Int64(0)
         if cutlass.const_expr(fmt.grouped):
             s_base = s.iterator.toint()

@@ -4,7 +4,8 @@ every formula sticks to +, * and // (no min/max/if on sizes)."""
 
 from __future__ import annotations
 
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+from futx.hardware import SMEM_PER_CTA as SMEM_LIMIT  # noqa: F401 (the planner's budget)
+
 X_ROW_PAD = 16           # bytes: consecutive activation rows land 16 bytes apart in the banks (ldmatrix rows)
 CHANNELS = 16            # output channels per n-block
 TOKENS = 8               # token columns per MMA

@@ -51,7 +51,7 @@ class GemvTile:
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
         self.fmt = make_format(fmt, group_size)
-        self.epilogue = epi.check(epilogue)
+        self.epi = epi.make(epilogue)
         self.warps, self.pipeline = warps, pipeline
         self.raw = pipeline == "rolling"
         self.bpu, self.unit_k = stream.units_of(self.fmt)
@@ -65,7 +65,7 @@ class GemvTile:
     def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                  y: cute.Tensor, stream):
         k = x.shape[1]
-        n_tiles = y.shape[1] * 2 // BLOCK_N if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1] // BLOCK_N
+        n_tiles = self.epi.weight_rows(y.shape[1]) // BLOCK_N
         smem = k * 2 + self.warps * BLOCK_N * 4  # = smem_bytes(k, warps)
         self.kernel(x, w, s, r, y).launch(grid=(n_tiles, 1, 1), block=(WARP * self.warps, 1, 1), smem=smem,
                                           stream=stream)
@@ -173,18 +173,13 @@ class GemvTile:
 
     @cute.jit
     def _epilogue(self, tid, nb, red, s, r, y):
+        """Thread tid < the tile's output columns finishes output column tid."""
         y_base = y.iterator.toint()
-        if cutlass.const_expr(self.epilogue == "swiglu"):
-            if tid < BLOCK_N // 2:
-                h = epi.silu_mul(self._channel(red, nb, 2 * tid, s), self._channel(red, nb, 2 * tid + 1, s))
-                ptx.stg_bf16(y_base + (Int64(nb) * (BLOCK_N // 2) + tid) * 2, h)
-        else:
-            if tid < BLOCK_N:
-                n = Int64(nb) * BLOCK_N + tid
-                v = self._channel(red, nb, tid, s)
-                if cutlass.const_expr(self.epilogue == "residual"):
-                    v = v + ptx.ldg_bf16_to_f32(r.iterator.toint() + n * 2)
-                ptx.stg_bf16(y_base + n * 2, v)
+        cols = BLOCK_N // self.epi.rows_per_output
+        if tid < cols:
+            v = self.epi.finish(tuple(self._channel(red, nb, row, s) for row in self.epi.rows(tid)),
+                                lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + (Int64(nb) * cols + tid) * 2))
+            ptx.stg_bf16(y_base + (Int64(nb) * cols + tid) * 2, v)
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,

@@ -1,32 +1,24 @@
 """Variant choice and launch shape of the decode projections (no DSL import: used by the torch ops and the
 kernel catalog, so compile-time parameters and launch shapes come from one place).
 
-The default routing (`kernel="auto"`) is the measured-fastest futx kernel per format and M bucket, from the
-two H200 runs of 2026-11-30 (CUDA-graph replay, L2 flushed, medians; docs/results-decode-linear.md):
+The default routing (`kernel="auto"`, `default_kernel`), per format and M; each rule's measured reason is in
+docs/routing.md:
 
-* INT4 (group 128), M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, the run-1 design with batches of
-  2 units since run 5), with 8 warps when K > 8192 and 4 otherwise. Run 5 (2026-11-30), 8B layer
-  6.8/6.2/19.8/11.3 us (QKV/O/gate-up/down, 44.2 us = 58% of the floor) against 49.0 with run 1's batches
-  of 3 units, 47.8 with 1 unit and 52.2 with 4; the persistent GEMV (with the scale fix) 59.2 us; 70B
-  131.0 us (77%) against 140.3 (3 units) and 150.3 (persistent GEMV). 8 warps beat 4 only on the down
-  projections (run 1; run 5: 8B down 11.3 vs 14.0 us, 70B 39.9 vs 50.4).
-* INT4, 2 <= M <= 8 -> the persistent GEMV (`gemv.py`) where the activation rows fit in shared memory
-  (run 2: 8B QKV/O/gate-up 13.8/10.1/33.1 us, 70B 23.8/22.6/98.1 us; the skinny kernel 14.3/12.7/36.3 and
-  27.0/23.1/107.6), now with the scale-conversion fix (group scales converted where used, see gemv.py).
-* INT4, 9 <= M <= 32 -> the skinny kernel: at M = 16 it beat the persistent GEMV on 8B QKV (12.8 vs
-  14.5 us) and gate-up (29.7 vs 42.6 us) and lost only on O (13.4 vs 12.5); the GEMV's second token group
-  doubles its MMA and dequantization work (and turns the fold off).
-* BF16 and E4M3, 1 <= M <= 16 -> the persistent GEMV where the activation rows fit (run 2, M = 1, 8B
-  layer: BF16 122.2 us = 82 % of the floor vs 151.1 us for the run-1 GEMV; E4M3 84.9 vs 85.0 us, 70B 244.0
-  vs 281.4 us), else the skinny kernel.
+* INT4 group 128, M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, batches of 2 units), 8 warps when
+  K > TILE_LARGE_K, else 4 (where the activation row fits in shared memory).
+* INT4, M <= INT4_GEMV_MAX_M -> the persistent GEMV (`gemv.py`, one 8-token group, folded nibble bias)
+  where the activation rows fit in shared memory, else the skinny kernel.
+* INT4, INT4_GEMV_MAX_M < M <= 32 -> the skinny kernel (a second token group doubles the GEMV's MMA and
+  dequantization work and turns the fold off).
+* BF16 and E4M3, M <= GEMV_MAX_M -> the persistent GEMV where the activation rows fit, else the skinny kernel.
 * otherwise (up to M = 32) -> the skinny kernel: 128-channel tiles and an activation ring, split K across
   CTAs until the resident CTA slots are filled (never a partial second wave), at least `MIN_UNITS` units
   per CTA.
 
-Variants the router never picks are benchmark-only (catalog `ci=False`): the persistent GEMV as measured
-in run 2 (`r2`: scales converted at the load) and without the fold (`nofold`), the INT4 GEMV with two
-token groups (M bucket 16), the tile GEMV with a rolling prefetch (`rolling`) or other batch sizes, and
-the INT4 skinny kernel with shorter rings (`s3`, `s4`: more CTAs per SM).
+The package registry (futx/runtime/catalog/decode_linear.py) holds exactly the variants this router picks.
+The `*_VARIANTS` tables below (and the INT4 GEMV M bucket 16) describe the tuning space: design comparisons
+the router never picks, which `choose(kernel=..., variant=...)` can still name and scripts/tuning_space.py
+registers and compiles on demand.
 """
 
 from __future__ import annotations
@@ -47,19 +39,20 @@ GEMV_M_TILES = {8: 1, 16: 2}      # token columns -> 8-token MMA groups
 INT4_GEMV_MAX_M = 8               # INT4 with two token groups: the skinny kernel measured faster
 SKINNY_M_TILES = {16: 2, 32: 4}  # M <= 16 reaches the skinny kernel only where the GEMV cannot run
 GEMV_WARPS = 16
-# benchmark-only design comparisons of the GEMV (key suffix -> changed compile parameters)
+# tuning space of the GEMV (key suffix -> changed compile parameters): without the fold, and with the
+# scales converted at the load
 GEMV_VARIANTS = {"": {}, "nofold": {"fold": False}, "r2": {"raw_scales": False}}
 # the one-tile-per-CTA M = 1 GEMV (gemv_tile.py): formats with compiled variants, warps by K
 TILE_FORMATS = (("int4", 128),)
 TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
 TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
-# benchmark-only: a rolling prefetch (6 units deep); batches of 1, 3 (run 1) or 4 units instead of 2 (INT4 g128)
+# tuning space: a rolling prefetch (6 units deep); batches of 1, 3 or 4 units instead of 2 (INT4 g128)
 TILE_VARIANTS = {"": {"pipeline": "batch"}, "rolling": {"pipeline": "rolling", "prefetch": 3},
                  **{f"p{u}": {"pipeline": "batch", "prefetch": u} for u in (1, 3, 4)}}
 SKINNY_WARPS, SKINNY_NB_PER_WARP = 4, 2
 TILE_N = SKINNY_WARPS * SKINNY_NB_PER_WARP * 16
 CTAS_PER_SM = 2
-# benchmark-only skinny variants (INT4): a shorter ring so that more CTAs (warps) fit per SM, the split
+# tuning space of the skinny kernel (INT4): a shorter ring so that more CTAs (warps) fit per SM, the split
 # then filling that many CTA slots per SM ("ctas_per_sm" only steers the host's split choice)
 SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3}}
 MIN_UNITS = 4
@@ -84,6 +77,11 @@ def _bucket(m: int, buckets) -> int:
 def m_bucket(m: int) -> int:
     """Token-column bucket of the skinny kernel (also validates 1 <= M <= MAX_M)."""
     return _bucket(m, SKINNY_M_TILES)
+
+
+def gemv_buckets(fmt: str) -> tuple[int, ...]:
+    """GEMV M buckets the router picks for this format (INT4 stops at INT4_GEMV_MAX_M)."""
+    return tuple(b for b in sorted(GEMV_M_TILES) if fmt != "int4" or b <= INT4_GEMV_MAX_M)
 
 
 def unit_k(fmt: str, group_size: int) -> int:
@@ -121,7 +119,7 @@ def gemv_tiles(params: dict, m: int, n: int, k: int, sms: int, tiles: Optional[i
     return tiles if smem <= SMEM_LIMIT else None
 
 
-# ---- skinny (17 <= M <= 32, and benchmark comparisons) -----------------------------------------
+# ---- skinny (M beyond the GEMV's reach, up to 32) -----------------------------------------------
 def skinny_key(fmt: str, group_size: int, epilogue: str, m: int, variant: str = "") -> str:
     if variant not in SKINNY_VARIANTS:
         raise ValueError(f"unknown skinny variant {variant!r}; known: {sorted(SKINNY_VARIANTS)}")
@@ -159,7 +157,8 @@ def tile_fits(k: int, warps: int) -> bool:
 
 def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int = 132,
                    epilogue: str = "residual") -> str:
-    """The measured-fastest kernel for this format and M (the rule in the module docstring)."""
+    """The measured-fastest kernel for this format and M (the rules in the module docstring and
+    docs/routing.md)."""
     if m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS and tile_fits(k, tile_warps(k)):
         return "tile"
     if fmt == "int4" and m > INT4_GEMV_MAX_M:
@@ -182,7 +181,8 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
            kernel: str = "auto", variant: str = "", tiles: Optional[int] = None,
            split: Optional[int] = None, warps: Optional[int] = None) -> Launch:
     """Kernel and launch shape. `kernel` other than "auto", `variant`, `tiles`, `split` and `warps` (tile
-    GEMV) force a design for tests and benchmarks."""
+    GEMV) force a design for tests and benchmarks; keys outside the router's choices exist only once
+    scripts/tuning_space.py has registered them."""
     fmt_tag(fmt, group_size)
     m_bucket(m)  # validates M
     if kernel not in KERNELS:

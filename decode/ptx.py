@@ -1,17 +1,27 @@
-"""Thin inline-PTX wrappers for the decode kernels: exactly the instructions we want, nothing implicit.
+"""Thin inline-PTX wrappers for the decode kernels (projections and attention): exactly the instructions we
+want, nothing implicit.
 
-Addresses are plain integers: Int64 for global memory, Int32 (shared-window offsets from `smem_addr`)
-for shared memory. Arithmetic wrappers are side-effect free (LLVM may CSE and schedule them). Loads are marked as having
-side effects so that LLVM keeps them where the kernel issues them: weight prefetches must stay ahead of
-the work that hides their latency, and shared loads after the barrier that publishes their data.
+Addresses are plain integers: Int64 for global memory, Int32 (shared-window offsets from `smem_addr` or
+`ptr.toint()`) for shared memory. Arithmetic wrappers are side-effect free (LLVM may CSE and schedule them).
+Memory instructions are marked as having side effects so that LLVM keeps them where the kernel issues them:
+weight prefetches must stay ahead of the work that hides their latency, shared loads after the barrier
+(or async-copy wait) that publishes their data.
 """
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Int64
+from enum import IntEnum
+
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+class Barrier(IntEnum):
+    """Named CTA barrier ids of the decode kernels (0 is __syncthreads)."""
+
+    GEMV_ROUND = 1  # decode/gemv.py: the warps of a round meet before its epilogue
 
 
 def _struct(n: int, ty: str = "i32") -> ir.Type:
@@ -22,6 +32,14 @@ def _i32(x, loc, ip):
     return Int32(x).ir_value(loc=loc, ip=ip)
 
 
+def _u32(x, loc, ip):
+    return Uint32(x).ir_value(loc=loc, ip=ip)
+
+
+def _f32(x, loc, ip):
+    return Float32(x).ir_value(loc=loc, ip=ip)
+
+
 def _unpack(res, n, ty, wrap, loc, ip):
     return tuple(wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n))
 
@@ -30,7 +48,7 @@ def _asm(ret, args, text, cons, side_effects=False, loc=None, ip=None):
     return llvm.inline_asm(ret, args, text, cons, has_side_effects=side_effects, loc=loc, ip=ip)
 
 
-# ---- global memory -----------------------------------------------------------------------------
+# ---- global memory --------------------------------------------------------------------------------------
 @dsl_user_op
 def ldg_stream_v4(addr: Int64, pred, *, loc=None, ip=None) -> tuple:
     """16 bytes of streamed weights, skipped when `pred` is 0 (registers then hold garbage).
@@ -111,7 +129,7 @@ def ldg_cg_f32x2(addr: Int64, *, loc=None, ip=None) -> tuple:
     return _unpack(res, 2, T.f32(), Float32, loc, ip)
 
 
-# ---- shared memory -----------------------------------------------------------------------------
+# ---- shared memory --------------------------------------------------------------------------------------
 @dsl_user_op
 def smem_addr(ptr, *, loc=None, ip=None) -> Int32:
     """32-bit shared-window address of a shared-memory cute pointer."""
@@ -182,13 +200,13 @@ def lds_bf16_to_f32(saddr: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def bar_sync(barrier_id: int, threads, *, loc=None, ip=None) -> None:
+def bar_sync(barrier_id: Barrier, threads, *, loc=None, ip=None) -> None:
     """Named CTA barrier over `threads` threads, non-`.aligned`: warps may reach it from different
     (unrolled) instructions, as long as each warp arrives as a whole."""
-    _asm(None, [_i32(threads, loc, ip)], f"barrier.sync {barrier_id}, $0;", "r", True, loc, ip)
+    _asm(None, [_i32(threads, loc, ip)], f"barrier.sync {int(barrier_id)}, $0;", "r", True, loc, ip)
 
 
-# ---- arithmetic --------------------------------------------------------------------------------
+# ---- arithmetic -----------------------------------------------------------------------------------------
 @dsl_user_op
 def lop3(a: Int32, b: Int32, c: Int32, lut: int, *, loc=None, ip=None) -> Int32:
     """Any 3-input bitwise function; `lut` is f(0xF0, 0xCC, 0xAA)."""
@@ -197,10 +215,10 @@ def lop3(a: Int32, b: Int32, c: Int32, lut: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
-    """Byte permute of {b:a} with an immediate selector."""
-    return Int32(_asm(T.i32(), [_i32(a, loc, ip), _i32(b, loc, ip)], f"prmt.b32 $0, $1, $2, {selector:#x};",
-                      "=r,r,r", loc=loc, ip=ip))
+def prmt(a, b, selector: int, dtype=Int32, *, loc=None, ip=None):
+    """Byte permute of {b:a} (a = bytes 0-3) with an immediate selector, as `dtype` (Int32 or Uint32)."""
+    return dtype(_asm(T.i32(), [dtype(a).ir_value(loc=loc, ip=ip), dtype(b).ir_value(loc=loc, ip=ip)],
+                      f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -222,25 +240,283 @@ def imm(value: int) -> Int32:
 
 
 @dsl_user_op
-def const_b32(value: int, *, loc=None, ip=None) -> Int32:
-    """A 32-bit constant kept in a register (packed bf16 operands have no immediate form)."""
+def const_b32(value: int, dtype=Int32, *, loc=None, ip=None):
+    """A 32-bit constant kept in a register, as `dtype` (Int32 or Uint32). Opaque to LLVM, so it is
+    materialized once instead of folded: packed operands have no immediate form, and SASS LOP3 / HFMA2
+    take at most one immediate, so a constant written inside each asm would be re-moved on every use."""
     v = value & 0xFFFFFFFF
-    return Int32(_asm(T.i32(), [], f"mov.b32 $0, {v:#x};", "=r", loc=loc, ip=ip))
-
-
-@dsl_user_op
-def mma_bf16_16816(a: tuple, b: tuple, c: tuple, *, loc=None, ip=None) -> tuple:
-    """D = A * B + C for mma.sync m16n8k16, bf16 inputs, float32 accumulators (row.col)."""
-    ops = [_i32(x, loc, ip) for x in a] + [_i32(x, loc, ip) for x in b]
-    ops += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
-    res = _asm(_struct(4, "f32"), ops,
-               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc=loc, ip=ip)
-    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+    return dtype(_asm(T.i32(), [], f"mov.b32 $0, {v:#x};", "=r", loc=loc, ip=ip))
 
 
 @dsl_user_op
 def shfl_xor_f32(v: Float32, mask: int, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [Float32(v).ir_value(loc=loc, ip=ip)],
                         f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;", "=f,f", True, loc, ip))
+
+
+# ---- tensor cores ---------------------------------------------------------------------------------------
+@dsl_user_op
+def mma_16816(a, b, c, kind: str = "f16", *, loc=None, ip=None):
+    """D = A (16x16) * B (16x8) + C with f32 accumulation; a: 4 regs, b: 2 regs, c: 4 floats.
+
+    kind "f16" or "bf16" names the operand type of A and B (packed pairs, low half first)."""
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 4),
+               [_u32(x, loc, ip) for x in (*a, *b)] + [_f32(x, loc, ip) for x in c],
+               f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", False, loc, ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def movmatrix_trans(x, *, loc=None, ip=None):
+    """Transpose an 8x8 b16 matrix held in fragment order (lane (g, t) holds row g, columns 2t, 2t+1):
+    afterwards lane (g, t) holds row g, columns 2t, 2t+1 of the transpose."""
+    return Uint32(_asm(T.i32(), [_u32(x, loc, ip)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r",
+                       True, loc, ip))
+
+
+# ---- attention: asynchronous copies ---------------------------------------------------------------------
+@dsl_user_op
+def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None):
+    """Copy 16 bytes global -> shared, reading only `src_bytes` (0..16) and zero-filling the rest,
+    so rows past the context end arrive as zeros (finite) instead of whatever the cache holds."""
+    _asm(T.i32(), [_i32(smem_addr, loc, ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+                   _i32(src_bytes, loc, ip)],
+         "cp.async.cg.shared.global [$1], [$2], 16, $3;\n\tmov.u32 $0, 0;", "=r,r,l,r", True, loc, ip)
+
+
+# ---- attention: shared memory ---------------------------------------------------------------------------
+@dsl_user_op
+def lds32(addr, *, loc=None, ip=None):
+    return Uint32(_asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", True, loc, ip))
+
+
+@dsl_user_op
+def lds64(addr, *, loc=None, ip=None):
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_i32(addr, loc, ip)],
+               "ld.shared.v2.b32 {$0,$1}, [$2];", "=r,=r,r", True, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def lds128(addr, *, loc=None, ip=None):
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i32(addr, loc, ip)],
+               "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", True, loc, ip)
+    return _unpack(res, 4, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def sts32(addr, value, *, loc=None, ip=None):
+    _asm(T.i32(), [_i32(addr, loc, ip), _u32(value, loc, ip)],
+         "st.shared.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,r,r", True, loc, ip)
+
+
+@dsl_user_op
+def sts128(addr, v0, v1, v2, v3, *, loc=None, ip=None):
+    _asm(T.i32(), [_i32(addr, loc, ip)] + [_u32(v, loc, ip) for v in (v0, v1, v2, v3)],
+         "st.shared.v4.b32 [$1], {$2,$3,$4,$5};\n\tmov.u32 $0, 0;", "=r,r,r,r,r,r", True, loc, ip)
+
+
+@dsl_user_op
+def sts_f32_def(addr, value, *, loc=None, ip=None):
+    """`sts_f32` as the attention kernel issues it: like sts32 / sts128 it also defines a dummy register.
+    Dropping that definition changes ptxas's register allocation (and the attention objects)."""
+    _asm(T.i32(), [_i32(addr, loc, ip), _f32(value, loc, ip)],
+         "st.shared.f32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,r,f", True, loc, ip)
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(addr, *, loc=None, ip=None):
+    """Four transposed 8x8 b16 matrices: lane 8i+r supplies row r of matrix i; lane (g, t) receives
+    element pairs (row 2t, 2t+1) of column g of each matrix."""
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i32(addr, loc, ip)],
+               "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
+               "=r,=r,=r,=r,r", True, loc, ip)
+    return _unpack(res, 4, T.i32(), Uint32, loc, ip)
+
+
+# ---- attention: global memory ---------------------------------------------------------------------------
+@dsl_user_op
+def ldg_cg_f32(addr, *, loc=None, ip=None):
+    """Load through L2 only: partial results another CTA wrote during this launch (L1 is not coherent)."""
+    return Float32(_asm(T.f32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.f32 $0, [$1];",
+                        "=f,l", True, loc, ip))
+
+
+@dsl_user_op
+def atomic_add_acq_rel_gpu(addr, value, *, loc=None, ip=None):
+    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), _i32(value, loc, ip)],
+                      "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", True, loc, ip))
+
+
+# ---- attention: conversions and bit manipulation --------------------------------------------------------
+@dsl_user_op
+def pack_f16x2(lo, hi, *, loc=None, ip=None):
+    """(fp16(lo), fp16(hi)) in one register, lo in the low half (round to nearest even)."""
+    return Uint32(_asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)], "cvt.rn.f16x2.f32 $0, $1, $2;",
+                       "=r,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def pack_bf16x2(lo, hi, *, loc=None, ip=None):
+    return Uint32(_asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)], "cvt.rn.bf16x2.f32 $0, $1, $2;",
+                       "=r,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def bf16x2_to_f32(word, *, loc=None, ip=None):
+    """Unpack a bf16 pair (exact: bf16 is the top half of an f32)."""
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 2), [_u32(word, loc, ip)],
+               "{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, $2, 16;\n\tand.b32 hi, $2, 0xffff0000;\n\t"
+               "mov.b32 $0, lo;\n\tmov.b32 $1, hi;\n\t}", "=f,=f,r", False, loc, ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def e4m3x4_to_f16x2x2(word, *, loc=None, ip=None):
+    """Four E4M3 bytes -> two f16 pairs (bytes 0,1) and (bytes 2,3), exact."""
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_u32(word, loc, ip)],
+               "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, $2;\n\t"
+               "cvt.rn.f16x2.e4m3x2 $0, lo;\n\tcvt.rn.f16x2.e4m3x2 $1, hi;\n\t}", "=r,=r,r", False, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None):
+    """Round four floats to E4M3 (nearest even, saturating to +-448), x0 in the lowest byte."""
+    return Uint32(_asm(T.i32(), [_f32(x, loc, ip) for x in (x0, x1, x2, x3)],
+                       "{\n\t.reg .b16 lo, hi;\n\tcvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+                       "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\tmov.b32 $0, {lo, hi};\n\t}",
+                       "=r,f,f,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def lut_offset(word, byte: int, lane4, *, loc=None, ip=None):
+    """128 * byte_`byte`(word) | lane4: the shared-memory offset of this lane's copy of the table
+    entry (entries 128 bytes apart, lane copies 4 bytes apart). Kept as one asm block so that it
+    stays a shift and one LOP3 instead of being re-associated into adds."""
+    shift = f"shl.b32 t, $1, 7;" if byte == 0 else f"shr.u32 t, $1, {8 * byte - 7};"
+    return Int32(_asm(T.i32(), [_u32(word, loc, ip), _u32(lane4, loc, ip)],
+                      "{\n\t.reg .b32 t;\n\t" + shift + "\n\tand.b32 t, t, 0x7f80;\n\tor.b32 $0, t, $2;\n\t}",
+                      "=r,r,r", False, loc, ip))
+
+
+# signed nibble n (two's complement) -> offset binary n + 8 by xor 8; placed in the mantissa of f16 1024.0,
+# it reads 1024 + n + 8 (low nibble of a half) or 1024 + 16 (n + 8) (high nibble); one f16x2 FMA removes it.
+# The constants come in as registers (ALU_CONSTANTS, materialized once by the caller): SASS LOP3 and
+# HFMA2 take at most one immediate, so constants written inside the asm would be re-moved on every use.
+ALU_CONSTANTS = {
+    "magic": 0x64006400,      # f16x2 (1024, 1024)
+    "k_mul": 0x2C003C00,      # (1, 1/16): low nibble as is, high nibble scaled down from 16 n
+    "k_add": 0xD480E408,      # (-1032, -72)
+    "v_sub": 0x64086408,      # (1032, 1032)
+    "v_mul": 0x2C002C00,      # (1/16, 1/16)
+    "v_add": 0xD480D480,      # (-72, -72)
+    "k_mask": 0x00F0000F,     # low nibble of the low half, high nibble of the high half
+    "v_lo": 0x000F000F,
+    "v_hi": 0x00F000F0,
+    # the "pair" dequantization (below): nibble (xor 8) under an f16 exponent whose unit is exactly 1
+    "p_lo": 0x64086408,       # f16x2 (1024 + 8, ...): low nibble of each half, bits 0-3 (unit 1)
+    "p_hi": 0x54805480,       # f16x2 (64 + 8, ...): high nibble of each half, bits 4-7 (unit 16/16 = 1)
+}
+
+
+@dsl_user_op
+def int4_byte_to_f16x2_alu(word_x8, byte: int, c: dict, *, loc=None, ip=None):
+    """Arithmetic twin of the table lookup for key bytes: byte `byte` of word_x8 (= word ^ 0x88888888)
+    -> f16x2 (low nibble, high nibble). prmt + lop3 + fma."""
+    sel = byte | (4 << 4) | (byte << 8) | (4 << 12)  # byte -> bytes 0 and 2
+    return Uint32(_asm(T.i32(), [_u32(word_x8, loc, ip)] + [_u32(c[k], loc, ip) for k in
+                                                             ("magic", "k_mul", "k_add", "k_mask")],
+                       "{\n\t.reg .b32 x;\n\t"
+                       f"prmt.b32 x, $1, 0, {sel};\n\t"
+                       "and.b32 x, x, $5;\n\tor.b32 x, x, $2;\n\t"
+                       "fma.rn.f16x2 $0, x, $3, $4;\n\t}", "=r,r,r,r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def int4_token_pair_to_f16x2_alu(w_even_x8, w_odd_x8, byte: int, c: dict, *, loc=None, ip=None):
+    """Arithmetic V dequantization: byte `byte` of two value words (tokens 2t, 2t+1, both xor 0x88888888)
+    -> (f16x2 of the even channel for both tokens, f16x2 of the odd channel). prmt + 2 lop3 + 2 f16x2."""
+    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)  # token 2t -> bytes 0,1; 2t+1 -> 2,3
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2),
+               [_u32(w_even_x8, loc, ip), _u32(w_odd_x8, loc, ip)]
+               + [_u32(c[k], loc, ip) for k in ("magic", "v_sub", "v_mul", "v_add", "v_lo", "v_hi")],
+               "{\n\t.reg .b32 x, lo, hi;\n\t"
+               f"prmt.b32 x, $2, $3, {sel};\n\t"
+               "and.b32 lo, x, $8;\n\tor.b32 lo, lo, $4;\n\t"
+               "and.b32 hi, x, $9;\n\tor.b32 hi, hi, $4;\n\t"
+               "sub.f16x2 $0, lo, $5;\n\tfma.rn.f16x2 $1, hi, $6, $7;\n\t}",
+               "=r,=r,r,r,r,r,r,r,r,r", False, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def rint_s32(x, *, loc=None, ip=None):
+    """Round to the nearest integer, ties to even (torch.round), as int32."""
+    return Int32(_asm(T.i32(), [_f32(x, loc, ip)], "cvt.rni.s32.f32 $0, $1;", "=r,f", False, loc, ip))
+
+
+@dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None):
+    """IEEE single-precision division (what torch computes), independent of fast-math settings."""
+    return Float32(_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "div.rn.f32 $0, $1, $2;", "=f,f,f",
+                        False, loc, ip))
+
+
+@dsl_user_op
+def ex2(x, *, loc=None, ip=None):
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", False, loc, ip))
+
+
+@dsl_user_op
+def bits_f32(word, *, loc=None, ip=None):
+    return Float32(_asm(T.f32(), [_u32(word, loc, ip)], "mov.b32 $0, $1;", "=f,r", False, loc, ip))
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None):
+    return Uint32(_asm(T.i32(), [_f32(x, loc, ip)], "mov.b32 $0, $1;", "=r,f", False, loc, ip))
+
+
+# ---- "pair" dequantization: two instructions per f16x2 register, no table, no xor pass ------------------
+# A nibble n (two's complement) sits at bits 0-3 (or 4-7) of each 16-bit half. (x & mask) ^ C with
+# C = magic | (8 << shift) places n ^ 8 = n + 8 under the f16 exponent of 1024 (bits 0-3, unit 1) or of 64
+# (bits 4-7, unit 1/16, so 16 (n + 8) reads n + 8); subtracting C as an f16x2 (1032 or 72) leaves n,
+# exactly. One LOP3 and one HADD2 per register (the constant C is both the xor mask and the subtrahend).
+@dsl_user_op
+def int4_word_to_f16x2x4_pair(word, c: dict, *, loc=None, ip=None):
+    """Key word (4 bytes = 8 nibbles n0..n7, n_k at bits 4k) -> four f16x2 registers
+    (n0, n4), (n1, n5), (n2, n6), (n3, n7): the halves of a register are nibbles 16 bits apart, i.e.
+    bytes b and b + 2 of the word, same nibble; the query fragment is permuted to match
+    (attn_plan.int4_pair_key_channels)."""
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 4),
+               [_u32(word, loc, ip), _u32(c["p_lo"], loc, ip), _u32(c["p_hi"], loc, ip)],
+               "{\n\t.reg .b32 s, a, b, e, f;\n\t"
+               "shr.b32 s, $4, 8;\n\t"
+               "and.b32 a, $4, 0x000F000F;\n\txor.b32 a, a, $5;\n\t"
+               "and.b32 b, $4, 0x00F000F0;\n\txor.b32 b, b, $6;\n\t"
+               "and.b32 e, s, 0x000F000F;\n\txor.b32 e, e, $5;\n\t"
+               "and.b32 f, s, 0x00F000F0;\n\txor.b32 f, f, $6;\n\t"
+               "sub.f16x2 a, a, $5;\n\tsub.f16x2 b, b, $6;\n\tsub.f16x2 e, e, $5;\n\tsub.f16x2 f, f, $6;\n\t"
+               "mov.b32 $0, a;\n\tmov.b32 $1, b;\n\tmov.b32 $2, e;\n\tmov.b32 $3, f;\n\t}",
+               "=r,=r,=r,=r,r,r,r", False, loc, ip)
+    return _unpack(res, 4, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def int4_token_pair_to_f16x2_pair(w_even, w_odd, byte: int, c: dict, *, loc=None, ip=None):
+    """Value words of tokens 2t, 2t+1 (raw, natural channel order), byte `byte` -> (f16x2 of the even channel
+    2 byte of both tokens, f16x2 of the odd channel): prmt + 2 x (lop3 + hadd2), no xor pass."""
+    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)  # token 2t -> bytes 0,1; 2t+1 -> 2,3
+    res = _asm(llvm.StructType.get_literal([T.i32()] * 2),
+               [_u32(w_even, loc, ip), _u32(w_odd, loc, ip), _u32(c["p_lo"], loc, ip), _u32(c["p_hi"], loc, ip)],
+               "{\n\t.reg .b32 x, a, b;\n\t"
+               f"prmt.b32 x, $2, $3, {sel};\n\t"
+               "and.b32 a, x, 0x000F000F;\n\txor.b32 a, a, $4;\n\t"
+               "and.b32 b, x, 0x00F000F0;\n\txor.b32 b, b, $5;\n\t"
+               "sub.f16x2 a, a, $4;\n\tsub.f16x2 b, b, $5;\n\t"
+               "mov.b32 $0, a;\n\tmov.b32 $1, b;\n\t}",
+               "=r,=r,r,r,r,r", False, loc, ip)
+    return _unpack(res, 2, T.i32(), Uint32, loc, ip)

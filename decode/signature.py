@@ -17,6 +17,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from futx.quant import layouts
 
+from .epilogue import make as make_epilogue
+
 
 def _rowmajor(dtype, shape):
     return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
@@ -40,7 +42,7 @@ def fake_args(fmt: str, epilogue: str, m=None) -> tuple:
         s = None
     else:
         raise ValueError(f"unknown decode weight format {fmt!r}")
-    r = _rowmajor(cutlass.BFloat16, (m, cute.sym_int())) if epilogue == "residual" else None
+    r = _rowmajor(cutlass.BFloat16, (m, cute.sym_int())) if make_epilogue(epilogue).residual else None
     y = _rowmajor(cutlass.BFloat16, (m, cute.sym_int()))
     return (x, w, s, r, y, make_fake_stream(use_tvm_ffi_env_stream=True))
 

@@ -33,7 +33,7 @@ class Skinny:
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                  warps: int = 4, nb_per_warp: int = 2, stages: int = 0):
         self.fmt = make_format(fmt, group_size)
-        self.epilogue = epi.check(epilogue)
+        self.epi = epi.make(epilogue)
         self.m_tiles, self.warps, self.nbw = m_tiles, warps, nb_per_warp
         self.bpu, self.unit_k = stream.units_of(self.fmt)
         self.lanes_bytes = self.fmt.loads_per_block * self.bpu * layouts.WARP * LANE_BYTES  # per n-block/unit
@@ -55,7 +55,7 @@ class Skinny:
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                  y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, split: Int32, stream_):
-        n = y.shape[1] * 2 if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1]
+        n = self.epi.weight_rows(y.shape[1])
         n_tiles = (n + self.tile_n - 1) // self.tile_n
         self.kernel(x, w, s, r, y, ws, counters, split).launch(
             grid=(n_tiles, split, 1), block=(WARP * self.warps, 1, 1), smem=self.smem_bytes(), stream=stream_,
@@ -129,7 +129,7 @@ class Skinny:
         g = lane // 4
         m = x.shape[0]
         k = x.shape[1]
-        n = y.shape[1] * 2 if cutlass.const_expr(self.epilogue == "swiglu") else y.shape[1]
+        n = self.epi.weight_rows(y.shape[1])
         n_blocks = n // BLOCK_N
         n_units = k // self.unit_k
         ua = sy * n_units // split
@@ -246,23 +246,15 @@ class Skinny:
             for mt in cutlass.range_constexpr(self.m_tiles):
                 v = accs[i][mt]
                 v = (v[0] * sc[0], v[1] * sc[0], v[2] * sc[1], v[3] * sc[1])
-                if cutlass.const_expr(self.epilogue == "swiglu"):
-                    # row 2j = gate j sits in lane 4g+t with g even, row 2j+1 in the next quad
-                    up = tuple(ptx.shfl_xor_f32(e, 4) for e in v)
-                    for q in cutlass.range_constexpr(4):
-                        tok = mt * TOKENS + 2 * t + q % 2
-                        col = (row0 + (q // 2) * layouts.MMA_N) // 2
-                        if (nb < n_blocks) & (g % 2 == 0) & (tok < m):
-                            ptx.stg_bf16(y_base + (Int64(tok) * ldy + col) * 2, epi.silu_mul(v[q], up[q]))
-                else:
-                    for q in cutlass.range_constexpr(4):
-                        tok = mt * TOKENS + 2 * t + q % 2
-                        col = row0 + (q // 2) * layouts.MMA_N
-                        if (nb < n_blocks) & (tok < m):
-                            val = v[q]
-                            if cutlass.const_expr(self.epilogue == "residual"):
-                                val = val + ptx.ldg_bf16_to_f32(r.iterator.toint() + (Int64(tok) * ldy + col) * 2)
-                            ptx.stg_bf16(y_base + (Int64(tok) * ldy + col) * 2, val)
+                others = self.epi.partners(v)  # the rows of an output held by other lanes (SwiGLU: up)
+                for q in cutlass.range_constexpr(4):
+                    tok = mt * TOKENS + 2 * t + q % 2
+                    col = self.epi.out_col(row0 + (q // 2) * layouts.MMA_N)
+                    if self.epi.owner(nb < n_blocks, g) & (tok < m):
+                        sums = (v[q],) if cutlass.const_expr(others is None) else (v[q], others[q])
+                        val = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(
+                            r.iterator.toint() + (Int64(tok) * ldy + col) * 2))
+                        ptx.stg_bf16(y_base + (Int64(tok) * ldy + col) * 2, val)
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,

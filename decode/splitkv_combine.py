@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from decode import attn_ptx as ptx
+from decode import ptx
 
 NEG_INF = float("-inf")
 

@@ -59,7 +59,7 @@ def mma_unit(fmt, bpu: int, cur: tuple, b_ops: list, accs: list, valid, consts, 
         for j in range(WORDS):
             for mt in range(len(accs)):
                 c = step % chains
-                parts[mt][c] = ptx.mma_bf16_16816(a_ops[j], b_ops[b][mt][j], parts[mt][c])
+                parts[mt][c] = ptx.mma_16816(a_ops[j], b_ops[b][mt][j], parts[mt][c], "bf16")
             step += 1
     parts = [tuple(p[0][e] + p[1][e] for e in range(4)) if chains == 2 else p[0] for p in parts]
     if cutlass.const_expr(fmt.grouped):

@@ -43,20 +43,17 @@ Writing a new policy: see README.md ("Writing an epilogue policy") for a worked 
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Int32
+from epilogues.dsl import Int32, cute, cutlass
 
-_DTYPES = {
-    "f32": cutlass.Float32,
-    "f64": cutlass.Float64,
-    "bf16": cutlass.BFloat16,
-    "e4m3": cutlass.Float8E4M3FN,
-    "i32": cutlass.Int32,
-}
+# dtype names of Arg and out_dtype -> the DSL's type names (looked up only when a kernel compiles)
+_DTYPES = {"f32": "Float32", "f64": "Float64", "bf16": "BFloat16", "e4m3": "Float8E4M3FN", "i32": "Int32"}
 
 
 @dataclass(frozen=True)
@@ -72,13 +69,24 @@ class Arg:
     shape: tuple
     writes: bool = False
 
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"Arg {self.name!r}: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
     @property
     def cute_dtype(self):
-        return _DTYPES[self.dtype]
+        return getattr(cutlass, _DTYPES[self.dtype])
 
 
 class Policy:
-    """Base class of one epilogue step (see module docstring)."""
+    """Base class of one epilogue step (see module docstring).
+
+    The class attributes (or what __init__ sets) are the policy's one declaration: op validation, the
+    fake kernel, the kernel key and `futx build` all read them from the chain. Two host-side hooks
+    (plain Python, run by the op before any launch) cover what shapes alone cannot say:
+        check(sizes, tensors, tile_n)   raise ValueError for inputs the kernel cannot serve
+        out_width(n, tensors)           D's width when it is not N / n_ratio (QKV: the Q columns)
+    """
 
     kind = "map"
     args: tuple = ()
@@ -97,8 +105,19 @@ class Policy:
         pass
 
     def key(self) -> str:
-        """Stable short name used in kernel keys and variant caches."""
+        """Short readable name (messages, documentation); kernels are keyed by `fingerprint`."""
         return self.name
+
+    def check(self, sizes: dict, tensors: dict, tile_n: int) -> None:
+        """Host-side validation beyond the declared shapes (sizes: m, n, n_out and the free symbols)."""
+
+    def out_width(self, n: int, tensors: dict) -> int | None:
+        """Columns of D when they are not N / n_ratio (None: the default)."""
+        return None
+
+    def static_params(self) -> dict:
+        """The instance's compile-time configuration (part of the fingerprint)."""
+        return {k: v for k, v in sorted(vars(self).items())}
 
     def setup(self, ctx: Any, *tensors) -> Any:
         return tuple(tensors)
@@ -200,14 +219,56 @@ class Chain:
         return 2 if self.pair is not None else 1
 
     @property
+    def out(self) -> str:
+        """dtype name of D ("bf16", "e4m3")."""
+        return self.store.out_dtype
+
+    @property
     def out_dtype(self):
-        return _DTYPES[self.store.out_dtype]
+        """The DSL type of D (compile time)."""
+        return getattr(cutlass, _DTYPES[self.store.out_dtype])
 
     def key(self) -> str:
         return "+".join(s.key() for s in self.steps)
 
+    def __repr__(self) -> str:
+        return f"Chain({', '.join(type(s).__name__ for s in self.steps)})"
+
     def args(self) -> tuple:
         return tuple(a for s in self.steps for a in s.args)
+
+    def writes(self) -> tuple:
+        """Names of the tensors the kernel writes besides D."""
+        return tuple(a.name for a in self.args() if a.writes)
+
+    def out_width(self, n: int, tensors: dict) -> int:
+        for s in self.steps:
+            w = s.out_width(n, tensors)
+            if w is not None:
+                return w
+        return n // self.n_ratio
+
+    def check(self, sizes: dict, tensors: dict, tile_n: int) -> None:
+        for s in self.steps:
+            s.check(sizes, tensors, tile_n)
+
+    def fingerprint(self) -> str:
+        """Hash of every step's class, static parameters and source (the modules of its class and bases).
+
+        Part of a composed chain's kernel key: editing a policy, or building it with other parameters,
+        names a different kernel, so a stale compiled one is never loaded."""
+        h = hashlib.sha256()
+        for step in self.steps:
+            cls = type(step)
+            params = repr(step.static_params())
+            if " at 0x" in params:
+                raise ValueError(f"{cls.__name__}: a static parameter has no stable repr ({params}); "
+                                 "keep policy attributes to numbers, strings, tuples and Args")
+            h.update(f"{cls.__module__}.{cls.__qualname__}|{params}|".encode())
+            for base in cls.__mro__:
+                if base is not object and base is not Policy:
+                    h.update(_source_digest(base).encode())
+        return h.hexdigest()
 
     def split(self, tensors: tuple) -> list:
         """Flat runtime tensors -> one tuple per step."""
@@ -231,6 +292,20 @@ class Chain:
 
         d = fake(self.out_dtype, ("m", "n_out"))
         return (d, *(fake(a.cute_dtype, a.shape) for a in self.args()))
+
+
+def _source_digest(cls) -> str:
+    try:
+        path = Path(inspect.getfile(cls))
+    except (TypeError, OSError):   # defined interactively: its name and attributes are all there is
+        return f"{cls.__module__}.{cls.__qualname__}"
+    st = path.stat()
+    return _file_digest(str(path), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=None)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def resolve(policy: str) -> Chain:

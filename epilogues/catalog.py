@@ -33,6 +33,7 @@ CHAINS = {
     "scale_rho_swiglu_split_fp8": lambda: Chain(ScaleRestore(rho=True), SwiGLU("split"), StoreFP8()),
     # output / down projections: residual add (+ the next RMSNorm's sum-of-squares partials)
     "res_bf16": lambda: Chain(ResidualAdd(), StoreBF16()),
+    "res_rms_bf16": lambda: Chain(ResidualAdd(), RmsPartials(), StoreBF16()),
     "scale_res_bf16": lambda: Chain(ScaleRestore(), ResidualAdd(), StoreBF16()),
     "scale_res_rms_bf16": lambda: Chain(ScaleRestore(), ResidualAdd(), RmsPartials(), StoreBF16()),
     "scalet_res_rms_bf16": lambda: Chain(ScaleRestore(row="tensor"), ResidualAdd(), RmsPartials(), StoreBF16()),
@@ -40,6 +41,7 @@ CHAINS = {
     "scale_rho_qkv128_bf16": lambda: Chain(ScaleRestore(rho=True), QKVPlacement(128), StoreBF16()),
     "scale_rho_qkv64_bf16": lambda: Chain(ScaleRestore(rho=True), QKVPlacement(64), StoreBF16()),
     "rho_qkv128_bf16": lambda: Chain(ScaleRestore(row=None, col=False, rho=True), QKVPlacement(128), StoreBF16()),
+    "rho_qkv64_bf16": lambda: Chain(ScaleRestore(row=None, col=False, rho=True), QKVPlacement(64), StoreBF16()),
 }
 
 

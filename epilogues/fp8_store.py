@@ -13,13 +13,23 @@ are ignored by the amax (fmax returns the other operand).
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32
+from typing import Any, NamedTuple
 
 from epilogues.base import Arg, Policy
+from epilogues.dsl import cutlass, cute, Float32, Int32
 
 E4M3_MAX = 448.0
+
+
+class Fp8State(NamedTuple):
+    """Per-thread state of StoreFP8."""
+
+    ctx: Any
+    inv: Any           # 1 / scale
+    amax: Any          # [1] FP32, max-accumulated (written)
+    saturated: Any     # [1] int32 count (written)
+    running: Any       # registers: this thread's amax
+    clamped: Any       # registers: this thread's count of saturated values
 
 
 class StoreFP8(Policy):
@@ -39,31 +49,29 @@ class StoreFP8(Policy):
         clamped = cute.make_rmem_tensor((1,), Int32)
         clamped[0] = Int32(0)
         inv = Float32(1.0) / scale[0]       # once per thread: exact, matches the reference
-        return ctx, inv, amax, saturated, running, clamped
+        return Fp8State(ctx, inv, amax, saturated, running, clamped)
 
     @cute.jit
     def convert(self, state, frag):
-        ctx, inv, amax, saturated, running, clamped = state
-        m = running[0]
-        n_sat = clamped[0]
+        m = state.running[0]
+        n_sat = state.clamped[0]
         for i in cutlass.range_constexpr(frag.size):
             r, c = frag.coord(i)
             # rows/columns past M/N hold clamped-index garbage: keep them out of the statistics
-            v = frag.vals[i] if ctx.in_bounds(r, c) else Float32(0.0)
+            v = frag.vals[i] if state.ctx.in_bounds(r, c) else Float32(0.0)
             a = cute.arch.fmax(v, -v)
             m = cute.arch.fmax(m, a)
-            n_sat += Int32(1) if a * inv > Float32(E4M3_MAX) else Int32(0)
-            frag.vals[i] = frag.vals[i] * inv
-        running[0] = m
-        clamped[0] = n_sat
+            n_sat += Int32(1) if a * state.inv > Float32(E4M3_MAX) else Int32(0)
+            frag.vals[i] = frag.vals[i] * state.inv
+        state.running[0] = m
+        state.clamped[0] = n_sat
         return frag.vals.load().to(cutlass.Float8E4M3FN)   # cvt.rn.satfinite: clamps to +-448
 
     @cute.jit
     def finish(self, state):
-        ctx, inv, amax, saturated, running, clamped = state
-        m = cute.arch.warp_reduction(running[0], lambda a, b: cute.arch.fmax(a, b))
-        n_sat = cute.arch.warp_reduction(clamped[0], lambda a, b: a + b)
+        m = cute.arch.warp_reduction(state.running[0], lambda a, b: cute.arch.fmax(a, b))
+        n_sat = cute.arch.warp_reduction(state.clamped[0], lambda a, b: a + b)
         if cute.arch.lane_idx() == 0:
-            cute.arch.atomic_fmax(amax.iterator, m)
+            cute.arch.atomic_fmax(state.amax.iterator, m)
             if n_sat > 0:
-                cute.arch.atomic_add(saturated.iterator, n_sat)
+                cute.arch.atomic_add(state.saturated.iterator, n_sat)

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import math
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from typing import Any, NamedTuple
 
 from epilogues.base import Arg, Policy
+from epilogues.dsl import cutlass, cute, Float32, Int32, Int64
 
 _INV_2PI = 1.0 / (2.0 * math.pi)
 _2PI_HI = 6.28125                       # 8 significant bits: k * _2PI_HI is exact for k < 2^16
@@ -44,6 +43,18 @@ def qkv_args(head_dim: int) -> tuple:
             ("v_cache", "bf16", ("slots", "hkv", "cap", head_dim)))
 
 
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _stack_minmax(pos, slot) -> list:
+    import torch
+
+    return torch.stack([pos.min(), pos.max(), slot.min(), slot.max()]).tolist()
+
+
 @cute.jit
 def _cos_sin(pos: Float32, freq: Float32):
     angle = pos * freq
@@ -52,6 +63,19 @@ def _cos_sin(pos: Float32, freq: Float32):
     r = cute.math.fma(-k, Float32(_2PI_HI), angle)      # exact (Sterbenz)
     r = cute.math.fma(-k, Float32(_2PI_LO), r) + err
     return cute.math.cos(r, approx=True), cute.math.sin(r, approx=True)
+
+
+class QKVState(NamedTuple):
+    """Per-thread state of QKVPlacement."""
+
+    ctx: Any
+    freq: Any          # registers: the RoPE frequencies of this thread's channels
+    row_slot: Any      # [M] int32
+    row_pos: Any       # [M] int32
+    k_cache: Any       # [slots, Hkv, cap, hd] BF16 (written)
+    v_cache: Any       # [slots, Hkv, cap, hd] BF16 (written)
+    pos: Any           # registers: this tile's positions of the thread's two rows
+    slot: Any          # registers: ... and their cache slots
 
 
 class QKVPlacement(Policy):
@@ -65,6 +89,26 @@ class QKVPlacement(Policy):
         self.name = f"qkv{head_dim}"
         self.args = tuple(Arg(nm, dt, shape, writes=nm.endswith("cache")) for nm, dt, shape in qkv_args(head_dim))
 
+    def out_width(self, n, tensors):
+        return n - 2 * tensors["k_cache"].shape[1] * self.hd   # D = Q: N minus the K and V heads
+
+    def check(self, sizes, tensors, tile_n):
+        n, n_out, hd = sizes["n"], sizes["n_out"], self.hd
+        if n_out <= 0 or n_out % hd:
+            raise ValueError(f"QKV: w has N = {n} rows but the caches hold {sizes['hkv']} KV heads of {hd}: "
+                             f"need N = Hq * {hd} + 2 * {sizes['hkv']} * {hd} with Hq >= 1")
+        if tile_n % hd:
+            raise ValueError(f"QKV: head_dim {hd} must divide the tile width {tile_n}")
+        pos, slot, cap, slots = tensors["row_pos"], tensors["row_slot"], sizes["cap"], sizes["slots"]
+        capturing = pos.is_cuda and _capturing()
+        if pos.numel() and not capturing:   # one host sync (skipped in graph capture); the kernel also masks
+            lo_p, hi_p, lo_s, hi_s = _stack_minmax(pos, slot)
+            if lo_p < 0 or hi_p >= cap:
+                raise ValueError(f"QKV: KV cache overflow: positions span [{lo_p}, {hi_p}] but the cache holds "
+                                 f"{cap} positions per slot; allocate a larger cache")
+            if lo_s < 0 or hi_s >= slots:
+                raise ValueError(f"QKV: cache slots span [{lo_s}, {hi_s}] but the cache has {slots} slots")
+
     def setup(self, ctx, inv_freq, row_slot, row_pos, k_cache, v_cache):
         if ctx.tile_n % self.hd:
             raise ValueError(f"QKVPlacement(head_dim={self.hd}) needs a tile width divisible by it, got {ctx.tile_n}")
@@ -75,30 +119,30 @@ class QKVPlacement(Policy):
                 freq[2 * a + v] = inv_freq[ctx.tCcD[4 * a + v][1]]
         pos = cute.make_rmem_tensor((2,), Int32)      # per row slot, loaded before each tile's mainloop
         slot = cute.make_rmem_tensor((2,), Int32)
-        return ctx, freq, row_slot, row_pos, k_cache, v_cache, pos, slot
+        return QKVState(ctx, freq, row_slot, row_pos, k_cache, v_cache, pos, slot)
 
     @cute.jit
     def prefetch(self, state, tile):
-        ctx, freq, row_slot, row_pos, k_cache, v_cache, pos, slot = state
+        ctx = state.ctx
         for s in cutlass.range_constexpr(2):
             r = ctx.row_clamp(tile.row0 + ctx.thread_row(s))
-            pos[s] = row_pos[r]
-            slot[s] = row_slot[r]
+            state.pos[s] = state.row_pos[r]
+            state.slot[s] = state.row_slot[r]
 
     @cute.jit
     def visit(self, state, frag):
-        ctx, freq, row_slot, row_pos, k_cache, v_cache, pos, slot = state
+        ctx = state.ctx
         hd, tile = self.hd, frag.tile
         heads = ctx.tile_n // hd
         atoms = hd // 8                                    # 8-column atoms per head
-        q_end = ctx.n_out                                  # D = Q: its width is Hq * hd
-        kv_w = (ctx.n - q_end) // 2                        # Hkv * hd
+        q_end = ctx.n_out                            # D = Q: its width is Hq * hd
+        kv_w = (ctx.n - q_end) // 2                  # Hkv * hd
         # ---- RoPE on Q and K heads (V heads get cos 1, sin 0: branch-free) ----
         for s in cutlass.range_constexpr(2):
-            p = Float32(pos[s])
+            p = Float32(state.pos[s])
             for a in cutlass.range_constexpr(hd // 16):
                 for v in cutlass.range_constexpr(2):
-                    c, sn = _cos_sin(p, freq[2 * a + v])
+                    c, sn = _cos_sin(p, state.freq[2 * a + v])
                     for h in cutlass.range_constexpr(heads):
                         rot = tile.col0 + h * hd < q_end + kv_w
                         ch = c if rot else Float32(1.0)
@@ -111,26 +155,28 @@ class QKVPlacement(Policy):
         # ---- K and V heads of this tile -> the cache, as BF16 pairs (4-byte stores) ----
         for h in cutlass.range_constexpr(heads):
             col = tile.col0 + h * hd
-            if col >= q_end and col < ctx.n:               # uniform over the warpgroup
+            if col >= q_end and col < ctx.n:             # uniform over the warpgroup
                 self._store_head(state, frag, h, col - q_end, kv_w)
 
     @cute.jit
     def _store_head(self, state, frag, h: int, kv: Int32, kv_w: Int32):
         """Tile head h, column kv of the K|V block: its two rows of this thread -> the cache."""
-        ctx, freq, row_slot, row_pos, k_cache, v_cache, pos, slot = state
+        ctx = state.ctx
         hd, tile = self.hd, frag.tile
         atoms = hd // 8
-        hkv, cap, n_slots = k_cache.shape[1], k_cache.shape[2], k_cache.shape[0]
+        n_slots, hkv, cap = state.k_cache.shape[0], state.k_cache.shape[1], state.k_cache.shape[2]
         is_v = kv >= kv_w
         head = (kv - kv_w if is_v else kv) // hd
-        base = v_cache.iterator.toint() if is_v else k_cache.iterator.toint()
+        base = state.v_cache.iterator.toint() if is_v else state.k_cache.iterator.toint()
         for s in cutlass.range_constexpr(2):
             r = tile.row0 + ctx.thread_row(s)
-            if r < ctx.m and pos[s] >= 0 and pos[s] < cap and slot[s] >= 0 and slot[s] < n_slots:
-                row = ((Int64(slot[s]) * hkv + head) * cap + pos[s]) * hd
+            p, sl = state.pos[s], state.slot[s]
+            if r < ctx.m and p >= 0 and p < cap and sl >= 0 and sl < n_slots:
+                row = ((Int64(sl) * hkv + head) * cap + p) * hd
                 for a in cutlass.range_constexpr(atoms):
                     i = 4 * (h * atoms + a) + 2 * s
-                    self._store_pair(base + (row + ctx.tCcD[i][1] - h * hd) * 2, frag.vals[i], frag.vals[i + 1])
+                    addr = base + (row + ctx.tCcD[i][1] - h * hd) * 2
+                    self._store_pair(addr, frag.vals[i], frag.vals[i + 1])
 
     @cute.jit
     def _store_pair(self, addr: Int64, x: Float32, y: Float32):

@@ -8,11 +8,18 @@ while subtile j is processed, as 4-byte BF16 pairs (columns c, c+1 sit in one th
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32
+from typing import Any, NamedTuple
 
 from epilogues.base import Arg, Policy
+from epilogues.dsl import cutlass, cute, Float32
+
+
+class ResidualState(NamedTuple):
+    """Per-thread state of ResidualAdd."""
+
+    ctx: Any
+    residual: Any      # [M, n_out] BF16
+    nxt: Any           # registers: the next subtile's residual values
 
 
 class ResidualAdd(Policy):
@@ -23,20 +30,20 @@ class ResidualAdd(Policy):
 
     def setup(self, ctx, residual):
         nxt = cute.make_rmem_tensor((ctx.S,), cutlass.BFloat16)   # the next subtile's values
-        return ctx, residual, nxt
+        return ResidualState(ctx, residual, nxt)
 
     @cute.jit
     def _load(self, state, tile, j: int):
-        ctx, residual, nxt = state
-        width = residual.shape[1]
+        ctx = state.ctx
+        width = state.residual.shape[1]
         for p in cutlass.range_constexpr(ctx.S // 2):
-            r, c = ctx.out_coord(tile, j, 2 * p)        # values 2p, 2p+1: columns c, c+1 of row r
+            r, c = ctx.out_coord(tile, j, 2 * p)  # values 2p, 2p+1: columns c, c+1 of row r
             off = ctx.row_clamp(r) * width + cutlass.min(c, width - 2)
-            ptr = cute.make_ptr(cutlass.BFloat16, (residual.iterator + off).toint(), cute.AddressSpace.gmem,
-                                assumed_align=4)
+            addr = (state.residual.iterator + off).toint()
+            ptr = cute.make_ptr(cutlass.BFloat16, addr, cute.AddressSpace.gmem, assumed_align=4)
             pair = cute.make_tensor(ptr, cute.make_layout(2)).load()
-            nxt[2 * p] = pair[0]
-            nxt[2 * p + 1] = pair[1]
+            state.nxt[2 * p] = pair[0]
+            state.nxt[2 * p + 1] = pair[1]
 
     @cute.jit
     def prefetch(self, state, tile):
@@ -44,9 +51,8 @@ class ResidualAdd(Policy):
 
     @cute.jit
     def visit(self, state, frag):
-        ctx, residual, nxt = state
-        cur = nxt.load()
-        if cutlass.const_expr(frag.subtile + 1 < ctx.n_sub):
+        cur = state.nxt.load()
+        if cutlass.const_expr(frag.subtile + 1 < state.ctx.n_sub):
             self._load(state, frag.tile, frag.subtile + 1)
         for i in cutlass.range_constexpr(frag.size):
             frag.vals[i] = frag.vals[i] + cur[i].to(Float32)

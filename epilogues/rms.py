@@ -10,11 +10,18 @@ Tile t covers output columns [t * out_tile_n, (t + 1) * out_tile_n) (out_tile_n 
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32
+from typing import Any, NamedTuple
 
 from epilogues.base import Arg, Policy
+from epilogues.dsl import cutlass, cute, Float32
+
+
+class RmsState(NamedTuple):
+    """Per-thread state of RmsPartials."""
+
+    ctx: Any
+    sumsq: Any         # [tiles, M] FP32 partials (written)
+    acc: Any           # registers: this tile's sums of the thread's two rows
 
 
 class RmsPartials(Policy):
@@ -24,28 +31,27 @@ class RmsPartials(Policy):
 
     def setup(self, ctx, sumsq):
         acc = cute.make_rmem_tensor((2,), Float32)
-        return ctx, sumsq, acc
+        return RmsState(ctx, sumsq, acc)
 
     @cute.jit
     def begin_tile(self, state, tile):
-        ctx, sumsq, acc = state
-        acc[0] = Float32(0.0)
-        acc[1] = Float32(0.0)
+        state.acc[0] = Float32(0.0)
+        state.acc[1] = Float32(0.0)
 
     @cute.jit
     def visit(self, state, frag):
-        ctx, sumsq, acc = state
         for i in cutlass.range_constexpr(frag.size):
             r, c = frag.coord(i)
-            v = frag.vals[i].to(ctx.d_dtype).to(Float32)
-            acc[frag.row_slot(i)] = acc[frag.row_slot(i)] + (v * v if ctx.col_ok(c) else Float32(0.0))
+            v = frag.vals[i].to(state.ctx.d_dtype).to(Float32)
+            sq = v * v if state.ctx.col_ok(c) else Float32(0.0)
+            state.acc[frag.row_slot(i)] = state.acc[frag.row_slot(i)] + sq
 
     @cute.jit
     def end_tile(self, state, tile):
-        ctx, sumsq, acc = state
         # the 4 lanes of a quad share a row: reduce over them, lane q == 0 writes
+        ctx, sumsq = state.ctx, state.sumsq   # names, not `state`, inside the runtime `if` below
         for slot in cutlass.range_constexpr(2):
-            s = acc[slot]
+            s = state.acc[slot]
             s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
             s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
             r = tile.row0 + ctx.thread_row(slot)

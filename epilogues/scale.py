@@ -13,11 +13,20 @@ column scales (one or two each), which `begin_tile` publishes in shared memory f
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32
+from typing import Any, NamedTuple
 
 from epilogues.base import Arg, Policy
+from epilogues.dsl import cutlass, cute, Float32
+
+
+class ScaleState(NamedTuple):
+    ctx: Any
+    a_scale: Any          # [M] or [1], or None
+    b_scale: Any          # [N] or None
+    rho: Any              # [M] or None
+    row_factor: Any       # registers: this thread's two rows' a * rho
+    col_pref: Any         # registers: its share of the tile's column scales, loaded before the mainloop
+    smem: Any             # the tile's column scales, shared by its threads
 
 
 class ScaleRestore(Policy):
@@ -51,43 +60,43 @@ class ScaleRestore(Policy):
         row_factor = cute.make_rmem_tensor((2,), Float32)                     # this thread's two rows
         per_thread = -(-ctx.tile_n // ctx.epi_threads)
         col_pref = cute.make_rmem_tensor((per_thread,), Float32)              # its share of the columns
-        return ctx, a_scale, b_scale, rho, row_factor, col_pref, ctx.smem()
+        return ScaleState(ctx, a_scale, b_scale, rho, row_factor, col_pref, ctx.smem())
 
     @cute.jit
     def prefetch(self, state, tile):
-        ctx, a_scale, b_scale, rho, row_factor, col_pref, smem = state
+        ctx = state.ctx
         if cutlass.const_expr(self.row is not None or self.rho):
             for slot in cutlass.range_constexpr(2):
                 r = ctx.row_clamp(tile.row0 + ctx.thread_row(slot))
                 f = Float32(1.0)
                 if cutlass.const_expr(self.row == "vector"):
-                    f = a_scale[r]
+                    f = state.a_scale[r]
                 if cutlass.const_expr(self.row == "tensor"):
-                    f = a_scale[0]
+                    f = state.a_scale[0]
                 if cutlass.const_expr(self.rho):
-                    f = f * rho[r]
-                row_factor[slot] = f
+                    f = f * state.rho[r]
+                state.row_factor[slot] = f
         if cutlass.const_expr(self.col):
-            for k in cutlass.range_constexpr(cute.size(col_pref)):
+            for k in cutlass.range_constexpr(cute.size(state.col_pref)):
                 # threads past the tile width duplicate the last column (same value, benign)
                 local = cutlass.min(ctx.epi_tid + k * ctx.epi_threads, ctx.tile_n - 1)
-                col_pref[k] = b_scale[ctx.col_clamp(ctx.gemm_col(tile, local))]
+                state.col_pref[k] = state.b_scale[ctx.col_clamp(ctx.gemm_col(tile, local))]
 
     @cute.jit
     def begin_tile(self, state, tile):
-        ctx, a_scale, b_scale, rho, row_factor, col_pref, smem = state
+        ctx = state.ctx
         if cutlass.const_expr(self.col):
-            for k in cutlass.range_constexpr(cute.size(col_pref)):
-                smem[tile.parity, cutlass.min(ctx.epi_tid + k * ctx.epi_threads, ctx.tile_n - 1)] = col_pref[k]
+            for k in cutlass.range_constexpr(cute.size(state.col_pref)):
+                local = cutlass.min(ctx.epi_tid + k * ctx.epi_threads, ctx.tile_n - 1)
+                state.smem[tile.parity, local] = state.col_pref[k]
 
     @cute.jit
     def visit(self, state, frag):
-        ctx, a_scale, b_scale, rho, row_factor, col_pref, smem = state
         for i in cutlass.range_constexpr(frag.size):
             v = frag.vals[i]
             if cutlass.const_expr(self.row is not None or self.rho):
-                v = v * row_factor[frag.row_slot(i)]
+                v = v * state.row_factor[frag.row_slot(i)]
             if cutlass.const_expr(self.col):
                 _, c = frag.local(i)
-                v = v * smem[frag.tile.parity, c]
+                v = v * state.smem[frag.tile.parity, c]
             frag.vals[i] = v

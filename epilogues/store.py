@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
-
 from epilogues.base import Policy
+from epilogues.dsl import cutlass, cute
 
 
 class StoreBF16(Policy):

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import math
 
-import cutlass.cute as cute
-from cutlass import Float32
-
 from epilogues.base import Policy
+from epilogues.dsl import cute, Float32
 
 _LOG2E = math.log2(math.e)
 
@@ -26,6 +24,12 @@ class SwiGLU(Policy):
             raise ValueError(f"SwiGLU layout must be 'interleaved' or 'split', got {layout!r}")
         self.layout = layout
         self.name = "swiglu" if layout == "interleaved" else "swiglu_split"
+
+    def check(self, sizes, tensors, tile_n):
+        half = sizes["n"] // 2
+        if self.layout == "split" and half % (tile_n // 2):
+            raise ValueError(f"split SwiGLU needs I = N/2 = {half} to be a multiple of {tile_n // 2}; "
+                             "interleave the gate/up rows instead (SwiGLU('interleaved'))")
 
     @cute.jit
     def combine(self, state, gate, up):

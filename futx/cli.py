@@ -22,7 +22,7 @@ from typing import Callable, Optional
 # Modules imported by main() so that their register() calls run. Append yours.
 COMMAND_MODULES: list[str] = []
 # "module:function" called with no arguments, which calls register() for its commands.
-REGISTER_HOOKS: list[str] = ["futx.engine.cli:register_commands"]
+REGISTER_HOOKS: list[str] = ["futx.engine.cli:register_commands", "futx.serve.cli:register_commands"]
 # "module:function" hooks called with argparse's subparsers object (parsers that set `func`).
 PARSER_HOOKS: list[str] = ["futx.runtime.cli:add_build_parser", "futx.bench_cli:add_parser"]
 

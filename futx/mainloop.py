@@ -32,8 +32,8 @@ Two schedules of the consumers (`TileConfig.schedule`):
              the ring depth; it settles where warpgroup 0 stops waiting for data (warpgroup 1 never
              waits: its stages were loaded for warpgroup 0).
 
-The catalog (futx/runtime/catalog/prefill.py) ships pingpong as every policy's default: on the H200 it
-measured fastest at every benchmarked shape (docs/results-prefill.md).
+Every chain ships as pingpong 64x256 and coop 128x128 tiles (futx/runtime/catalog/prefill.py); the
+variant rule and its measured reasons: docs/routing.md. The other schedules are the benchmarks' tuning space.
 
 Persistence and L2: the grid is min(#cluster tiles, #SMs / cluster); each cluster walks the tile list
 with stride gridDim.z. Tiles are ordered in groups of `group_m` cluster-rows: inside a group the
@@ -62,6 +62,7 @@ Tile rules (see `tile_config`): the paper's 128x256 CTA tile with K=128 (FP8) / 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import cutlass
 import cutlass.cute as cute
@@ -74,11 +75,22 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 
 from epilogues.base import Chain, Frag, Tile, resolve
+from futx.hardware import SMEM_PER_CTA
 
 AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "bf16": cutlass.BFloat16}
 STAGGER = 2   # k-tiles warpgroup 1 starts behind warpgroup 0 (stagger schedule; < stages)
-SMEM_BYTES = 232448  # sm_90 opt-in shared memory per CTA (227 KiB)
+SMEM_BYTES = SMEM_PER_CTA
 THREADS_PER_WG = 128
+
+
+class Barrier(IntEnum):
+    """Named barrier ids (0 is the CTA-wide barrier)."""
+
+    EPI_WG0 = 1     # a consumer warpgroup's epilogue: EPI_WG0 + cwg
+    EPI_WG1 = 2
+    EPI_TILE = 3    # both consumer warpgroups on one coop tile
+    MMA_WG0 = 4     # pingpong turn of warpgroup 0 (MMA_WG0 + cwg); the stagger schedule's one-time gate
+    MMA_WG1 = 5
 
 
 @dataclass(frozen=True)
@@ -354,7 +366,7 @@ class PrefillGemm:
             gate_open = Int32(0)
             if const_expr(cfg.schedule == "stagger"):
                 # once: warpgroup 1 waits until warpgroup 0 has issued its first STAGGER k-tiles
-                stagger_gate = pipeline.NamedBarrier(barrier_id=4, num_threads=2 * THREADS_PER_WG)
+                stagger_gate = pipeline.NamedBarrier(barrier_id=int(Barrier.MMA_WG0), num_threads=2 * THREADS_PER_WG)
                 if cwg == 1:
                     stagger_gate.arrive_and_wait()
             if const_expr(self.pingpong):
@@ -362,8 +374,8 @@ class PrefillGemm:
                 # past the k-tiles of the first. Turn-taking: a warpgroup syncs on its "mma" barrier
                 # (256 threads: its own 128 + the other's arrive) before issuing a mainloop and arrives
                 # on the other's after issuing the last WGMMA; warpgroup 0 pre-arrives for its first turn.
-                mma_turn = pipeline.NamedBarrier(barrier_id=4 + cwg, num_threads=2 * THREADS_PER_WG)
-                mma_next = pipeline.NamedBarrier(barrier_id=5 - cwg, num_threads=2 * THREADS_PER_WG)
+                mma_turn = pipeline.NamedBarrier(barrier_id=Barrier.MMA_WG0 + cwg, num_threads=2 * THREADS_PER_WG)
+                mma_next = pipeline.NamedBarrier(barrier_id=Barrier.MMA_WG1 - cwg, num_threads=2 * THREADS_PER_WG)
                 my_stride = 2 * work_stride
                 if cwg == 1:
                     work += work_stride
@@ -504,9 +516,9 @@ class WarpgroupEpilogue:
         self.tma_d = tma_d
         self.bSG_sD, self.bSG_gD = cpasync.tma_partition(
             tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gD, 0, 2))
-        self.barrier = pipeline.NamedBarrier(barrier_id=1 + cwg, num_threads=THREADS_PER_WG)
+        self.barrier = pipeline.NamedBarrier(barrier_id=Barrier.EPI_WG0 + cwg, num_threads=THREADS_PER_WG)
         self.tile_barrier = (self.barrier if own
-                             else pipeline.NamedBarrier(barrier_id=3, num_threads=self.epi_threads))
+                             else pipeline.NamedBarrier(barrier_id=int(Barrier.EPI_TILE), num_threads=self.epi_threads))
         self.is_store_warp = wg_tid < 32
         # policy smem of the tile: step k gets a (2, floats) tensor, buffer [parity] per tile; unless
         # coop, each warpgroup has its own copy
@@ -722,18 +734,19 @@ def _quad_permute_pairs(src: cute.Tensor, dst: cute.Tensor):
 
 
 def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cluster_m: int = 2,
-                   schedule: str = "coop", chain: str | None = None, group_m: int = 8):
+                   schedule: str = "coop", group_m: int = 8, extra=None):
     """Factory for the futx runtime: (jit_callable, fake_args) of one variant.
 
     M, N, K are symbolic (K, N multiples of 16 elements for TMA); the caller passes
     (A, B, D, *policy tensors, num_sms) and the stream comes from the TVM-FFI environment.
-    `chain` ("module:factory") builds a user policy chain instead of the shipped `policy`.
+    `policy` names a shipped chain, or "chain-<fingerprint>" for the composed chain passed as `extra`.
     """
-    if chain is not None:
-        import importlib
+    if policy.startswith("chain-"):
+        from futx.runtime.catalog.prefill import chain_name
 
-        module, _, attr = chain.partition(":")
-        chain = getattr(importlib.import_module(module), attr)()
+        if extra is None or chain_name(extra) != policy:
+            raise ValueError(f"kernel {policy!r} needs its Chain (KernelSpec.extra) with that fingerprint")
+        chain = extra
     else:
         chain = resolve(policy)
     cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m, schedule=schedule, group_m=group_m)

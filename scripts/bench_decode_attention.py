@@ -5,8 +5,9 @@ cache (and FlashAttention's decode kernel when it is installed), for the 8B and 
     python scripts/bench_decode_attention.py --render bench_decode_attention.json   (tables of a finished run)
 
 "futx int4 rot" is what the op launches by default (decode.attn_plan.default_plan: "pair" dequantization of keys
-and values, no table). For the 8B shape the INT4 kernel also runs its variants
-(futx.runtime.catalog.decode_attention): [table] keys through the 256-entry shared-memory table, values by
+and values, no table). For the 8B shape the INT4 kernel also runs its tuning-space variants
+(futx.runtime.catalog.decode_attention.VARIANTS, registered from scripts/tuning_space.py): [table] keys
+through the 256-entry shared-memory table, values by
 arithmetic (the previous default), [s2] the previous long-context kernel, [vlut] table keys and values (the run-2
 default), [w6v] the table design in 6-warp CTAs with 2-deep rings, [fx] the default dequantization in 6-warp CTAs.
 Each candidate runs as a CUDA graph of back-to-back calls; candidates are interleaved round by round and the
@@ -33,11 +34,16 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tuning_space  # noqa: E402
+
+tuning_space.register()  # the INT4 variants ([table], [s2], ...) are tuning space, not in the package registry
+
 FLOOR_TBS = 4.36
 SHAPES = {"8B": (32, 8, 128), "70B": (64, 8, 128)}  # query heads, KV heads, head dim
 POINTS = [(1, 1024), (8, 1024), (32, 1024), (32, 4096), (8, 32768)]
 L2_BYTES = 50 * 2 ** 20
-BENCH_VARIANTS = ("table", "s2", "vlut", "w6v", "fx")  # catalog SHIPPED + BENCH_ONLY
+BENCH_VARIANTS = ("table", "s2", "vlut", "w6v", "fx")  # catalog TUNING
 GOAL = ("8B", 32, 4096, 0.70)  # issue 7: INT4 attention >= 70% of the floor at (32, 4096)
 PER_TOKEN = {"int4": lambda d: d + 8, "e4m3": lambda d: 2 * d + 8, "bf16": lambda d: 4 * d}  # per KV head
 
@@ -435,7 +441,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="8B only, three points")
     ap.add_argument("--budget-s", type=float, default=80.0, help="start no new point after this")
     ap.add_argument("--watchdog-s", type=float, default=120.0, help="abort a child if one point takes longer")
-    ap.add_argument("--no-ablation", action="store_true", help="skip the benchmark-only INT4 variants")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the tuning-space INT4 variants")
     ap.add_argument("--render", metavar="FILE.json", help="print the tables of a finished run and exit")
     for name in ("points", "skip", "results", "progress", "deadline"):  # internal: parent -> child
         ap.add_argument(f"--child-{name}", help=argparse.SUPPRESS)

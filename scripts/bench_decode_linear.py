@@ -11,12 +11,13 @@ Rounds are interleaved across candidates; medians are reported, with achieved ba
 weights + scales / time and its fraction of the 4.36 TB/s HBM read floor measured on this H200.
 
 Candidates: futx INT4 (g128) / E4M3 / BF16 as the ops pick them (decode.plan; the `plan` column names the
-INT4 kernel), the INT4 design alternatives where they apply:
+INT4 kernel), the INT4 design alternatives where they apply (those the router never picks are registered from
+scripts/tuning_space.py and compiled on demand: JIT, or `python scripts/tuning_space.py build` for AOT):
   futx-int4-tile      the one-tile-per-CTA GEMV (run-1 design; the plan's M = 1 choice)
   futx-int4-tile-xw   the same with the other warp count (4 <-> 8)
-  futx-int4-rolling   the tile GEMV with a rolling prefetch and late scale conversion (benchmark-only)
-  futx-int4-p1/p3/p4  the tile GEMV with batches of 1 / 3 (run 1) / 4 units instead of 2 (benchmark-only)
-  futx-int4-skinny-s3/s4  the skinny kernel with 3 / 4 ring stages, 4 / 3 CTAs per SM (benchmark-only)
+  futx-int4-rolling   the tile GEMV with a rolling prefetch and late scale conversion (tuning space)
+  futx-int4-p1/p3/p4  the tile GEMV with batches of 1 / 3 (run 1) / 4 units instead of 2 (tuning space)
+  futx-int4-skinny-s3/s4  the skinny kernel with 3 / 4 ring stages, 4 / 3 CTAs per SM (tuning space)
   futx-int4-gemv      the persistent GEMV (scale-conversion fix; the plan's choice for 2 <= M <= 8)
   futx-int4-r2        the persistent GEMV exactly as measured in run 2 (scales converted at the load)
   futx-int4-nofold    the persistent GEMV without the folded nibble bias
@@ -42,6 +43,11 @@ from pathlib import Path
 import torch
 
 from decode import plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tuning_space  # noqa: E402
+
+tuning_space.register()  # the design alternatives below are tuning space, not in the package registry
 
 FLOOR_TBPS = 4.36
 GROUP = 128

@@ -7,7 +7,7 @@ paper's layer presets (futx.config: layer-1b/8b/70b/405b) for several M.
 
 futx FP8 runs the `scale_bf16` policy (per-row x per-column scale restore, BF16 out: the same work as
 row-wise `_scaled_mm`); every variant (tile width, coop/pingpong/stagger schedule, cluster; catalog
-`variants(..., bench=True)`) is timed; the table reports the one `choose_variant` picks and the best.
+VARIANTS + TUNING) is timed; the table reports the one `choose_variant` picks and the best.
 At the QKV shapes the QKV epilogue (scales + RoPE + K/V straight into a KV cache, `prefill.qkv`) is
 timed too, against the plain `scale_bf16` GEMM of the same shape and variant (its cost over a plain
 store) and against the plain GEMM at the variant the rule picks.
@@ -109,17 +109,18 @@ def main(argv=None) -> int:
         return 0
 
     import futx.ops  # noqa: F401
-    from futx.ops.prefill import _num_sms
-    from futx.runtime.catalog.prefill import POLICIES, choose_variant, variants
+    from futx.hardware import sm_count
+    from futx.runtime.catalog.prefill import SHIPPED, TUNING, VARIANTS, choose_variant
 
     ms = [int(x) for x in args.m.split(",")]
     presets = [p for p in args.presets.split(",") if p]
     todo = shapes([2048], ["layer-8b"]) if args.quick else shapes(ms, presets)
-    names = {"fp8": variants("e4m3", "scale_bf16", bench=True), "bf16": variants("bf16", "bf16", bench=True)}
+    every = VARIANTS + TUNING   # the shipped variants and the tuning space (compiled on demand if not built)
+    names = {"fp8": every, "bf16": every}
     for hd in (64, 128):
-        if f"scale_rho_qkv{hd}_bf16" in POLICIES:
-            names[f"scale_rho_qkv{hd}_bf16"] = variants("e4m3", f"scale_rho_qkv{hd}_bf16", bench=True)
-    sms = _num_sms(0)
+        if f"scale_rho_qkv{hd}_bf16" in SHIPPED["e4m3"]:
+            names[f"scale_rho_qkv{hd}_bf16"] = every
+    sms = sm_count(0)
     info = bc.gpu_info()
     print(f"# bench_prefill on {info['gpu']} ({sms} SMs), torch {info['torch']}, {info['date']}", flush=True)
     rows = []
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         flops = 2.0 * m * n * k
         res = bc.time_candidates(candidates(m, n, k, names, qkv_cfg), flops=flops, rounds=args.rounds)
         torch.cuda.empty_cache()
-        pick = {"fp8": choose_variant("e4m3", "scale_bf16", m, n, sms), "bf16": choose_variant("bf16", "bf16", m, n, sms)}
+        pick = {"fp8": choose_variant(m, n, sms), "bf16": choose_variant(m, n, sms)}
         row = {"shape": name, "m": m, "n": n, "k": k, "results": res, "pick": pick}
         rows.append(row)
         f8 = res.get(f"futx_fp8_{pick['fp8']}", {})

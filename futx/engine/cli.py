@@ -10,6 +10,8 @@ from pathlib import Path
 from .support import CACHE_FORMATS, MAX_BATCH, WEIGHT_FORMATS, check_batch
 
 BACKENDS = ("auto", "kernels", "reference", "emulated")
+PREFILLS = ("kernels", "reference")
+PREFILL_FORMATS = ("e4m3", "bf16")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None:
@@ -25,10 +27,45 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None
     g.add_argument("--group-size", type=int, default=None, help="INT4 group size (default 128, or 64 where K needs)")
     g.add_argument("--max-batch", type=int, default=batch_default, help=f"rows per step (1..{MAX_BATCH})")
     g.add_argument("--no-graphs", action="store_true", help="run steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--prefill", default=None, choices=PREFILLS,
+                   help="how prompts are prefilled on the engine: kernels = futx's packed prefill block (FP8 or "
+                        "BF16 GEMMs with fused epilogues, prefill attention; emulated in PyTorch on --backend "
+                        "emulated); reference = the BF16 reference path (float32). Default: kernels on --backend "
+                        "kernels, else reference")
+    g.add_argument("--prefill-format", default="e4m3", choices=PREFILL_FORMATS,
+                   help="prefill weight/operand format for --prefill kernels (default e4m3)")
 
 
 def engine_device(args) -> str:
     return "cuda" if args.backend == "kernels" else args.device
+
+
+def resolve_prefill(args) -> str:
+    """--prefill after defaults: kernels on --backend kernels, else reference (args.backend resolved)."""
+    prefill = getattr(args, "prefill", None)
+    if prefill is None:
+        return "kernels" if args.backend == "kernels" else "reference"
+    if prefill == "kernels" and args.backend == "reference":
+        raise ValueError("--prefill kernels runs on the decode engine (--backend kernels, or emulated for its "
+                         "PyTorch emulation); --backend reference prefills on the reference model")
+    return prefill
+
+
+def build_prefill(args, model, float_weights=None):
+    """The kernel prefill (futx.engine.prefill.PrefillModel) over `model`'s cache, from the float checkpoint
+    (gains folded, quantized to --prefill-format) or else from the packed model's own E4M3/BF16 projections;
+    None when neither is at hand."""
+    from .prefill import PrefillModel, pack_prefill, prefill_from_packed
+
+    fmt = getattr(args, "prefill_format", None) or "e4m3"
+    packed = model.packed
+    if float_weights is not None:
+        weights = pack_prefill(float_weights, fmt, device=model.device, embed=packed.embed, lm_head=packed.lm_head)
+    elif packed.weights == fmt:
+        weights = prefill_from_packed(packed)
+    else:
+        return None
+    return PrefillModel(weights, model.cache, "kernels" if model.backend == "kernels" else "emulated")
 
 
 def build_engine(args, capacity: int, float_weights=None):
@@ -78,10 +115,15 @@ def read_prompts(args) -> list[str]:
 
 
 def run_generate(args) -> int:
-    import torch
+    """Prompts through the serving scheduler (prefill, then continuous batching on the decode step)."""
+    import time
 
-    from .generate import generate
+    from futx.serve.cli import build_serving_engine
+    from futx.serve.sampling import SamplingParams
+    from futx.serve.scheduler import Scheduler
 
+    if args.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     tok = tokenizer_for(args.model)
     prompts = read_prompts(args)
     ids = [tok.encode(tok.chat_prompt(p) if args.chat else p) for p in prompts]
@@ -89,40 +131,38 @@ def run_generate(args) -> int:
         if not x:
             raise ValueError(f"prompt {i} encodes to no tokens")
     capacity = max(len(x) for x in ids) + args.max_new_tokens
-    with torch.inference_mode():
-        model, graphs = build_engine(args, capacity)
-        single = len(prompts) == 1
-        out = sys.stdout
-        shown = [""] * len(prompts)
-        produced: list[list[int]] = [[] for _ in prompts]
-        eos = () if args.ignore_eos else set(tok.eos_ids)
+    engine, tok = build_serving_engine(args, capacity, tok)
+    single = len(prompts) == 1
+    out = sys.stdout
+    scheduler = Scheduler(engine, tok, max_queue=len(prompts))
+    params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
 
-        def on_token(i: int, t: int) -> None:
-            if t in tok.eos_ids and not args.ignore_eos:
-                return
-            produced[i].append(t)
-            if single:
-                text = tok.decode(produced[i], skip_special=True)
-                if not text.endswith("\ufffd"):
-                    out.write(text[len(shown[i]):])
-                    out.flush()
-                    shown[i] = text
+    def stream(ev) -> None:
+        out.write(ev.text)
+        out.flush()
 
-        if single and not args.chat:
-            out.write(prompts[0])
-            out.flush()
-        outputs, stats = generate(model, ids, args.max_new_tokens, eos_ids=eos, graphs=graphs, on_token=on_token)
+    if single and not args.chat:
+        out.write(prompts[0])
+        out.flush()
+    t0 = time.perf_counter()
+    handles = [scheduler.submit(x, params, sink=stream if single else (lambda ev: None)) for x in ids]
+    scheduler.run_until_idle()
+    stats = scheduler.stats
+    stats.seconds = time.perf_counter() - t0
     if single:
-        out.write(tok.decode(produced[0], skip_special=True)[len(shown[0]):] + "\n")
+        out.write("\n")
     else:
-        for i, p in enumerate(prompts):
-            out.write(f"[{i}] {p}{tok.decode(produced[i], skip_special=True)}\n")
+        for i, (p, h) in enumerate(zip(prompts, handles)):
+            out.write(f"[{i}] {p}{h.text}\n")
     out.flush()
-    g = "CUDA graphs" if graphs is not None else "eager"
-    print(f"\n[{model.config.name} on the {model.backend} path ({g}), weights {model.packed.weights}, cache "
-          f"{model.cache.fmt}] {len(prompts)} prompt(s), {stats.steps} steps ({stats.rows} rows; prompts are read "
-          f"one token per step), {stats.generated} tokens generated: {stats.ms_per_step:.3f} ms per step (median, "
-          f"host loop included), {stats.tokens_per_s:.1f} generated tokens/s", file=sys.stderr)
+    for i, h in enumerate(handles):
+        if h.finish_reason == "error":
+            raise ValueError(f"prompt {i}: {h.error}")
+    read = (f"{scheduler.prefill_tokens} prompt tokens prefilled" if engine.prefills
+            else "prompts are read one token per step")
+    print(f"\n[{engine.describe()}] {len(prompts)} prompt(s), {stats.steps} steps ({stats.rows} rows; {read}), "
+          f"{stats.generated} tokens generated: {stats.ms_per_step:.3f} ms per step (median, host loop included), "
+          f"{stats.tokens_per_s:.1f} generated tokens/s", file=sys.stderr)
     return 0
 
 
@@ -150,18 +190,30 @@ def run_ppl(args, windows, text, n_text_tokens: int) -> int:
     dev = engine_device(args)
     weights = load(args.model, dtype=torch.float32, device=dev)
     results = []
+    prefill_kind = resolve_prefill(args)
     with torch.inference_mode():
         model, graphs = build_engine(args, windows.shape[1], float_weights=weights)
-        prefill = quantized_weights(weights, "bf16") if "serving" in args.protocol else None
+        prefill, prefill_model = None, None
+        if "serving" in args.protocol and prefill_kind == "kernels":
+            prefill_model = build_prefill(args, model, weights)
+        elif "serving" in args.protocol:
+            prefill = quantized_weights(weights, "bf16")
         total = sum(windows.shape[0] * scored_per_window(p, windows.shape[1]) for p in args.protocol)
         with tqdm(total=total, unit="tok", desc="ppl (engine)", disable=args.no_progress) as bar:
             for p in dict.fromkeys(args.protocol):
                 results.append(evaluate_engine(model, windows, p, weights, prefill_weights=prefill, graphs=graphs,
-                                               bar=bar))
+                                               bar=bar, prefill_model=prefill_model))
+    if prefill_model is not None:
+        prefill_note = f"; the serving protocol's first half is prefilled by the {prefill_model.describe()}"
+        saturated = sum(s.saturations() for s in prefill_model.states.values())
+        if prefill_model.fmt == "e4m3":
+            prefill_note += f" ({saturated} saturated SwiGLU FP8 values)"
+    else:
+        prefill_note = ("; the serving protocol's first half is prefilled on the BF16 reference path (float32, "
+                        "BF16-valued weights)")
     print(f"{n_text_tokens} tokens in the text; {windows.shape[0]} windows of {windows.shape[1]} on the "
           f"{model.backend} path: weights {model.packed.weights}, cache {model.cache.fmt}, one token per step"
-          + ("; the serving protocol's first half is prefilled on the BF16 reference path (float32, BF16-valued "
-             "weights: no prefill engine yet)" if "serving" in args.protocol else ""))
+          + (prefill_note if "serving" in args.protocol else ""))
     print(format_table(results, model=weights.config.name, text=str(text)))
     if args.json:
         where = describe(model.device)
@@ -169,6 +221,8 @@ def run_ppl(args, windows, text, n_text_tokens: int) -> int:
             {"protocol": r.protocol, "windows": r.windows, "window": r.window, "scored_tokens": r.tokens,
              "nll_sum": r.nll_sum, "mean_nll": r.mean_nll, "ppl": r.ppl, "seconds": r.seconds,
              "backend": model.backend, "weights": model.packed.weights, "cache": model.cache.fmt,
+             "prefill": (None if r.protocol != "serving" else
+                         f"kernels-{prefill_model.fmt}" if prefill_model is not None else "reference-bf16"),
              "model": weights.config.name, **where} for r in results], indent=2) + "\n")
     return 0
 

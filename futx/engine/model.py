@@ -107,7 +107,7 @@ class DecodeModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V] of the final residual stream x (final RMSNorm with its gain, BF16 LM head)."""
         h = rms_norm(x, self.packed.final_norm.to(torch.bfloat16), self.config.rms_norm_eps)
-        return h @ self.packed.lm_head.T
+        return self.ops.head(h, self.packed.lm_head)
 
     # ---- host-side convenience ---------------------------------------------------------------------
     def load_inputs(self, tokens, positions, slots, rows: Optional[int] = None) -> int:

@@ -1,9 +1,11 @@
 """Perplexity through the decode engine (`futx ppl --backend kernels`), one token per step.
 
 Protocols as in `futx.eval.perplexity`: "all-decode" decodes every window from position 0; "serving" fills
-the first half of each window by a prefill on the reference path (BF16-valued prefill weights, float32,
-reading the main copy: exactly the simulated-quantization model's prefill), writes those K/V rows into the
-engine's cache as the kernels store them, and decodes the rest on the engine. Scores use the final hidden
+the first half of each window by a prefill and decodes the rest on the engine. The prefill is either the
+reference path (BF16-valued prefill weights, float32, reading the main copy: exactly the simulated-
+quantization model's prefill; its K/V rows written into the engine's cache as the kernels store them), or,
+with `prefill_model` (`futx.engine.prefill.PrefillModel` over the engine's cache), futx's packed kernel
+prefill (FP8 or BF16; emulated on the emulated backend), which writes the cache itself. Scores use the final hidden
 state of each step through the model's own final norm and LM head in float32 (the simulated model leaves
 both unchanged), so a difference from `futx.quant.simulated` comes from the decode blocks alone.
 """
@@ -47,14 +49,26 @@ def _prefill(model: DecodeModel, prefill_weights: ModelWeights, tokens: torch.Te
         model.write_prefix(layer, slots, positions, k.to(dev), v.to(dev))
 
 
+def _kernel_prefill(prefill_model, tokens: torch.Tensor, length: int) -> None:
+    """Packed kernel prefill of tokens[:, :length] into cache slots 0..B-1 (one request group)."""
+    b = tokens.shape[0]
+    batch = PackedBatch.from_lengths([length] * b, device=prefill_model.device)
+    prefill_model.forward(tokens[:, :length].reshape(-1).to(prefill_model.device), batch)
+
+
 def evaluate_engine(model: DecodeModel, windows: torch.Tensor, protocol: str, head: ModelWeights, *,
-                    prefill_weights: Optional[ModelWeights] = None, graphs=None, bar=None) -> PerplexityResult:
-    """Perplexity of the engine over windows [n, W] (int64), batches of up to model.max_batch windows."""
+                    prefill_weights: Optional[ModelWeights] = None, graphs=None, bar=None,
+                    prefill_model=None) -> PerplexityResult:
+    """Perplexity of the engine over windows [n, W] (int64), batches of up to model.max_batch windows.
+    The serving protocol prefills with `prefill_model` (kernel prefill) if given, else on the reference path
+    with `prefill_weights`."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"the engine evaluates protocols {PROTOCOLS} (gptq needs the prefill engine), got "
                          f"{protocol!r}")
-    if protocol == "serving" and prefill_weights is None:
-        raise ValueError("the serving protocol needs the prefill weights (reference path)")
+    if protocol == "serving" and prefill_weights is None and prefill_model is None:
+        raise ValueError("the serving protocol needs the prefill weights (reference path) or a prefill model")
+    if prefill_model is not None and prefill_model.cache is not model.cache:
+        raise ValueError("the prefill model must write the decode engine's own cache")
     n, w = windows.shape
     if w > model.capacity:
         raise ValueError(f"windows of {w} tokens need a cache of {w} positions; the engine holds {model.capacity}")
@@ -69,7 +83,9 @@ def evaluate_engine(model: DecodeModel, windows: torch.Tensor, protocol: str, he
             tok = windows[i:i + model.max_batch]
             b = tok.shape[0]
             rows = graphs.bucket(b) if graphs is not None else b
-            if start:
+            if start and prefill_model is not None:
+                _kernel_prefill(prefill_model, tok, start)
+            elif start:
                 _prefill(model, prefill_weights, tok, start)
             buf.slots[:rows].fill_(model.cache.scratch_slot)
             buf.slots[:b].copy_(torch.arange(b, device=dev, dtype=torch.int32))

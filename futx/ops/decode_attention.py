@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from decode.attn_plan import MAX_GROUP, choose_splits, default_plan
+from decode.attn_plan import MAX_GROUP, choose_splits, default_plan, entry_tensors
+from futx.hardware import sm_count
 from futx.ops import checks
 from futx.ops.registration import futx_op
 from futx.quant import layouts
@@ -52,10 +53,6 @@ def _counters(device: torch.device, batch: int, kv_heads: int) -> torch.Tensor:
             return fresh[:n].view(batch, kv_heads)  # owned by the graph being captured; not cached
         _COUNTERS[device] = buf = fresh
     return buf[:n].view(batch, kv_heads)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
@@ -176,23 +173,21 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
         check_positions(positions, slots, cap, s)
     variant, plan = resolve(cache_format, d, rotate, variant)
     if num_splits == 0:
-        num_splits = choose_splits(plan, b, hkv, max_context or cap, _sm_count(q.device))
+        num_splits = choose_splits(plan, b, hkv, max_context or cap, sm_count(q.device))
     scale = softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(d)
     ws_o = torch.empty(b, hkv, num_splits, MAX_GROUP, d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(b, hkv, num_splits, MAX_GROUP, 2, dtype=torch.float32, device=q.device)
-    counters = _counters(q.device, b, hkv)
-    if qkv is not None:
-        kernel, heads, extra = get_kernel(qkv_key(cache_format, d, rotate)), (qkv,), (rope,)
-    else:
-        kernel, heads, extra = get_kernel(attn_key(cache_format, d, rotate, variant)), (q, k_new, v_new), ()
-    tail = (*extra, out, ws_o, ws_ml, counters, scale)
-    if cache_format == "bf16":
-        kernel(*heads, positions, slots, k_cache, v_cache, *tail)
-    elif cache_format == "int4":
-        kernel(*heads, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, _lut(q.device), *tail)
-    else:
-        kernel(*heads, positions, slots, k_cache, v_cache, k_mirror.view(torch.uint8), k_scale,
-               v_mirror.view(torch.uint8), v_scale, *tail)
+    fused = qkv is not None
+    key = qkv_key(cache_format, d, rotate) if fused else attn_key(cache_format, d, rotate, variant)
+    given = dict(q=q, k_new=k_new, v_new=v_new, qkv=qkv, rope=rope, positions=positions, slots=slots,
+                 k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror,
+                 v_scale=v_scale, out=out, ws_o=ws_o, ws_ml=ws_ml, counters=_counters(q.device, b, hkv))
+    if cache_format != "bf16":  # the kernel reads the mirrors as bytes
+        given.update(k_mirror=k_mirror.view(torch.uint8), v_mirror=v_mirror.view(torch.uint8))
+    if cache_format == "int4":
+        given["lut"] = _lut(q.device)
+    # the entry's declared tensors, in its argument order (decode.attn_plan.entry_tensors: the one table)
+    get_kernel(key)(*(given[name] for name in entry_tensors(cache_format, fused)), scale)
 
 
 _MUTATED = ("k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror", "v_scale")
@@ -249,7 +244,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     """See the module docstring. softmax_scale 0 means 1/sqrt(D); num_splits 0 chooses the split-KV
     count from batch, KV heads and max_context (0 = the capacity) for this GPU's SM count; variant
     selects a kernel variant (futx.runtime.catalog.decode_attention.VARIANTS; "" = the default kernel;
-    "table" = INT4 keys through the 256-entry shared-memory table)."""
+    "table" = INT4 keys through the 256-entry shared-memory table; variants are tuning space: register them
+    first with scripts/tuning_space.py)."""
     out = torch.empty_like(q)
     _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
             cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out)

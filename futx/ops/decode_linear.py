@@ -24,21 +24,14 @@ from typing import Optional
 import torch
 
 from decode import plan
+from futx.hardware import sm_count
 from futx.ops import checks
 from futx.ops.registration import futx_op
 from futx.quant import layouts
 from futx.runtime import get_kernel
 
-_SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 _COUNTER_SLOTS = 1 << 14  # split-K arrival counters: one per n-tile (N up to 2M channels)
-
-
-def _sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -78,7 +71,7 @@ def _plan(fmt: str, group: int, epilogue: str, x: torch.Tensor, n: int, kernel: 
           tiles: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None):
     """(launch choice, kernel) for validated operands."""
     m, k = x.shape
-    choice = plan.choose(fmt, group, epilogue, m, n, k, _sms(x.device), kernel, variant, tiles, split, warps)
+    choice = plan.choose(fmt, group, epilogue, m, n, k, sm_count(x.device), kernel, variant, tiles, split, warps)
     if choice.kind == "gemv":
         checks.in_range("tiles", choice.tiles, 1, n // layouts.INT4_WEIGHT.block_n)
     elif choice.kind == "skinny":
@@ -259,7 +252,8 @@ def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Te
                 out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
                 warps: Optional[int] = None) -> torch.Tensor:
     """Test/benchmark hook: the ops' validation and launch with the kernel ("auto", "tile", "gemv",
-    "skinny"), a benchmark-only variant (decode.plan.GEMV_VARIANTS / TILE_VARIANTS), the launch shape (GEMV
+    "skinny"), a tuning-space variant (decode.plan.GEMV_VARIANTS / TILE_VARIANTS; register them first with
+    scripts/tuning_space.py), the launch shape (GEMV
     tiles per CTA, skinny split, tile-GEMV warps) and the output/workspace buffers chosen by the caller."""
     if fmt == "int4":
         n = _check_int4(x, w, s, group_size, epilogue, residual)

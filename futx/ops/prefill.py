@@ -1,17 +1,20 @@
-"""`futx::prefill_gemm` — the prefill GEMM + epilogue policy as a torch op.
+"""`futx::prefill_gemm` — the prefill GEMM with an epilogue chain, as a torch op.
 
     out = futx.ops.prefill.gemm(a, w, "scale_rho_swiglu_fp8", a_scale=..., b_scale=..., rho=...,
-                                scale=..., amax=..., saturated=...)
+                                scale=..., amax=..., saturated=...)          # a shipped chain, by name
+    out = futx.ops.prefill.gemm(a, w, chain=Chain(ScaleRestore(), BiasAdd(), StoreBF16()),
+                                a_scale=..., b_scale=..., bias=...)           # composed by the caller
     q = futx.ops.prefill.qkv(x8, w8, k_cache, v_cache, row_slot, row_pos, inv_freq, rho=..., a_scale=..., b_scale=...)
 
 a: [M, K] activations, w: [N, K] weights (nn.Linear layout), both E4M3 or both BF16, contiguous.
-The policy names and their tensors are listed in futx/runtime/catalog/prefill.py (POLICIES; user
-policies join with `register_policy`); every tensor is validated (device, dtype, shape, contiguity,
-16-byte alignment) before any launch.
+The chain declares its tensors (epilogues.base.Arg: name, dtype, shape symbols m / n / n_out / t = output
+tiles / free names), its output dtype and column ratio; every tensor is validated from that declaration
+(device, dtype, shape, contiguity, 16-byte alignment) and by the policies' own `check` before any launch.
+A composed chain compiles at first use (JIT, cached on disk under a key that holds its fingerprint, so an
+edited policy recompiles) unless `futx build --chain module:factory` built it ahead of time.
 Alignment rules (TMA): K and N multiples of 16, D's width (N, or N/2 after SwiGLU) a multiple of 16.
-M is free (any value >= 0; M = 0 launches nothing). The kernel variant (tile width, schedule, cluster)
-follows `choose_variant` (pingpong "n256.pp" by default) unless `variant=` names one (e.g. "n256" for
-the coop schedule; the benchmarks also pass candidates such as "n256.pp.g16").
+M is free (any value >= 0; M = 0 launches nothing). The variant follows `choose_variant` unless
+`variant=` names one (the benchmarks' tuning space, e.g. "n256" coop or "n256.pp.g16", compiles on demand).
 """
 
 from __future__ import annotations
@@ -21,43 +24,32 @@ from typing import List, Optional
 
 import torch
 
+from futx.hardware import sm_count
 from futx.ops import checks
 from futx.ops.registration import futx_op
 from futx.runtime import get_kernel
-from futx.runtime.catalog.prefill import POLICIES, Variant, choose_variant, kernel_key, variants
+from futx.runtime.catalog.prefill import SHIPPED, Variant, chain_of, choose_variant, spec_for
 
 _TORCH = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "f32": torch.float32, "i32": torch.int32,
           "f64": torch.float64}
 _AB = {torch.float8_e4m3fn: "e4m3", torch.bfloat16: "bf16"}
 
 
-@lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def out_tiles(n_out: int, chain, tile_n: int) -> int:
+    """Rows of the `sumsq` partials tensor (RmsPartials): output tiles along N."""
+    return -(-n_out // (tile_n // chain.n_ratio))
 
 
-def out_tiles(n_out: int, policy: str, tile_n: int) -> int:
-    """Rows of the `sumsq` partials tensor: output tiles along N."""
-    return -(-n_out // (tile_n // POLICIES[policy].n_ratio))
-
-
-def _policy(policy: str):
-    if policy not in POLICIES:
-        raise ValueError(f"unknown prefill policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
-    return POLICIES[policy]
-
-
-def _check(a, b, out, policy, variant, args) -> str:
-    info = _policy(policy)
+def _check(a, b, out, key, args):
+    spec_params = dict(_params(key))
+    chain = chain_of(spec_params["policy"])
+    ab, tile_n = spec_params["ab"], spec_params["tile_n"]
     checks.cuda("a", a)
     checks.cuda("w", b, a.device)
     checks.dtype("a", a, tuple(_AB))
     checks.dtype("w", b, a.dtype)
-    ab = _AB[a.dtype]
-    if variant not in variants(ab, policy, bench=True):
-        raise ValueError(f"policy {policy!r} with {ab} operands ships variants {variants(ab, policy, bench=True)}, "
-                         f"not {variant!r}")
-    tile_n = Variant.parse(variant).tile_n
+    if _AB[a.dtype] != ab:
+        raise ValueError(f"kernel {key} takes {ab} operands, got {_AB[a.dtype]}")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and w must be 2-D ([M, K] and [N, K]), got {list(a.shape)} and {list(b.shape)}")
     m, k = a.shape
@@ -66,111 +58,94 @@ def _check(a, b, out, policy, variant, args) -> str:
     if k == 0:
         raise ValueError("a and w have K = 0 columns: the GEMM needs K >= 16")
     checks.multiple("a", k, 16, "K (reduction width)")
-    checks.multiple("w", n, 16 * info.n_ratio, "N (output channels)")
-    if info.split and (n // 2) % (tile_n // 2):
-        raise ValueError(f"split SwiGLU needs I = N/2 = {n // 2} to be a multiple of {tile_n // 2}; "
-                         "interleave the gate/up rows instead (policy without _split)")
+    checks.multiple("w", n, 16 * chain.n_ratio, "N (output channels)")
+    decl = chain.args()
+    if len(args) != len(decl):
+        raise ValueError(f"{chain!r} takes {len(decl)} tensors "
+                         f"({', '.join(x.name for x in decl) or 'none'}), got {len(args)}")
+    tensors = {}
+    for x, t in zip(decl, args):   # devices, dtypes and ranks first: out_width may read shapes
+        checks.cuda(x.name, t, a.device)
+        checks.dtype(x.name, t, _TORCH[x.dtype])
+        checks.shape(x.name, t, tuple(d if isinstance(d, int) else None for d in x.shape))
+        tensors[x.name] = t
+    n_out = chain.out_width(n, tensors)
     checks.cuda("out", out, a.device)
-    checks.dtype("out", out, _TORCH[info.out])
-    if info.qkv:   # D is Q only: its width is N minus the K and V blocks
-        checks.shape("out", out, (m, None))
-        n_out = out.shape[1]
-        checks.multiple("out", n_out, 16, "Q width (Hq * head_dim)")
-    else:
-        n_out = n // info.n_ratio
-        checks.shape("out", out, (m, n_out))
-    if len(args) != len(info.args):
-        raise ValueError(f"policy {policy!r} takes {len(info.args)} tensors "
-                         f"({', '.join(nm for nm, _, _ in info.args) or 'none'}), got {len(args)}")
-    sizes = {"m": m, "n": n, "n_out": n_out, "t": out_tiles(n_out, policy, tile_n)}
-    for (name, dt, shape), t in zip(info.args, args):
-        checks.cuda(name, t, a.device)
-        checks.dtype(name, t, _TORCH[dt])
-        if not isinstance(t, torch.Tensor) or t.dim() != len(shape):
-            checks.shape(name, t, tuple(d if isinstance(d, int) else None for d in shape))
-        for d, s in zip(shape, t.shape):   # other names: free sizes that must agree across tensors
+    checks.dtype("out", out, _TORCH[chain.out])
+    checks.shape("out", out, (m, n_out))
+    checks.multiple("out", n_out, 16, "the output width")
+    sizes = {"m": m, "n": n, "n_out": n_out, "t": out_tiles(n_out, chain, tile_n)}
+    for x, t in zip(decl, args):
+        for d, s in zip(x.shape, t.shape):   # other names: free sizes that must agree across tensors
             if isinstance(d, str) and d not in sizes:
                 sizes[d] = s
-        checks.shape(name, t, tuple(sizes[d] if isinstance(d, str) else d for d in shape))
-    for name, t in (("a", a), ("w", b), ("out", out), *((nm, t) for (nm, _, _), t in zip(info.args, args))):
+        checks.shape(x.name, t, tuple(sizes[d] if isinstance(d, str) else d for d in x.shape))
+    for name, t in (("a", a), ("w", b), ("out", out), *tensors.items()):
         checks.contiguous(name, t)
         checks.aligned(name, t)
-    if info.qkv:
-        _check_qkv(n, n_out, tile_n, dict(zip((nm for nm, _, _ in info.args), args)))
-    return kernel_key(ab, policy, variant)
+    chain.check(sizes, tensors, tile_n)
 
 
-def _check_qkv(n: int, n_out: int, tile_n: int, t: dict) -> None:
-    slots, hkv, cap, hd = t["k_cache"].shape
-    if n_out <= 0 or n_out % hd or n - n_out != 2 * hkv * hd:
-        raise ValueError(f"QKV: w has N = {n} rows and out (Q) {n_out} columns, but the caches hold {hkv} KV "
-                         f"heads of {hd}: need N = Q width + 2 * {hkv} * {hd} and Q width a multiple of {hd}")
-    if tile_n % hd:
-        raise ValueError(f"QKV: head_dim {hd} must divide the tile width {tile_n}")
-    pos, slot = t["row_pos"], t["row_slot"]
-    capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
-    if pos.numel() and not capturing:   # one host sync (skipped in graph capture); the kernel also masks
-        lo_p, hi_p, lo_s, hi_s = torch.stack([pos.min(), pos.max(), slot.min(), slot.max()]).tolist()
-        if lo_p < 0 or hi_p >= cap:
-            raise ValueError(f"QKV: KV cache overflow: positions span [{lo_p}, {hi_p}] but the cache holds "
-                             f"{cap} positions per slot; allocate a larger cache")
-        if lo_s < 0 or hi_s >= slots:
-            raise ValueError(f"QKV: cache slots span [{lo_s}, {hi_s}] but the cache has {slots} slots")
+@lru_cache(maxsize=None)
+def _params(key: str) -> tuple:
+    from futx.runtime.registry import get_spec
+
+    return get_spec(key).params
 
 
 @futx_op("prefill_gemm", mutates_args=("out", "args"))
-def prefill_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, policy: str, variant: str,
-                 args: List[torch.Tensor]) -> None:
-    """out = policy(a @ w.T); `args` = the policy's tensors in POLICIES order (some are written)."""
-    key = _check(a, w, out, policy, variant, args)
+def prefill_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, key: str, args: List[torch.Tensor]) -> None:
+    """out = chain(a @ w.T) for the kernel `key` (a prefill.gemm.* registry entry); `args` = the chain's
+    tensors in declaration order (some are written)."""
+    _check(a, w, out, key, args)
     if a.shape[0] == 0:
         return
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    get_kernel(key)(a, w, out, *args, _num_sms(index))
+    get_kernel(key)(a, w, out, *args, sm_count(a.device))
 
 
 @prefill_gemm.register_fake
-def _(a, w, out, policy, variant, args):
+def _(a, w, out, key, args):
     return None
 
 
-def _variant(a, w, policy, variant, tile_n) -> str:
-    if variant is not None:
-        return variant
+def gemm(a: torch.Tensor, w: torch.Tensor, policy: str = "bf16", *, chain=None, out: Optional[torch.Tensor] = None,
+         variant: Optional[str] = None, **tensors: torch.Tensor) -> torch.Tensor:
+    """Allocate D if needed, pick the variant (`choose_variant`) and run `futx::prefill_gemm`.
+
+    policy: a shipped chain's name (epilogues/catalog.py); chain: an epilogues.base.Chain instead.
+    tensors: the chain's tensors by name (its Args), e.g. a_scale=, b_scale=, rho=.
+    variant: e.g. "n256.pp" or "n128" (what the rule picks from), or a tuning-space one such as "n256".
+    """
+    if not isinstance(a, torch.Tensor) or not isinstance(w, torch.Tensor) or a.dim() != 2 or w.dim() != 2:
+        raise ValueError("a and w must be 2-D tensors ([M, K] and [N, K])")
     ab = _AB.get(a.dtype)
     if ab is None:
         raise TypeError(f"a must be float8_e4m3fn or bfloat16, got {a.dtype}")
-    if tile_n is not None:      # shorthand: the cooperative variant of that width
-        return f"n{tile_n}"
-    sms = _num_sms(a.device.index or 0) if a.is_cuda else 132
-    return choose_variant(ab, policy, a.shape[0], w.shape[0], sms)
-
-
-def gemm(a: torch.Tensor, w: torch.Tensor, policy: str = "bf16", *, out: Optional[torch.Tensor] = None,
-         variant: Optional[str] = None, tile_n: Optional[int] = None, **tensors: torch.Tensor) -> torch.Tensor:
-    """Allocate D if needed, pick the variant (`choose_variant`) and run `futx::prefill_gemm`.
-
-    tensors: the policy's tensors by name (POLICIES[policy].args), e.g. a_scale=, b_scale=, rho=.
-    variant: e.g. "n256.pp" (the default), "n256" (coop) (catalog `variants(ab, policy, bench=True)`);
-    tile_n=W is shorthand for the coop variant "nW".
-    """
-    info = _policy(policy)
-    names = [nm for nm, _, _ in info.args]
+    if chain is None:
+        if not isinstance(policy, str):
+            raise TypeError(f"policy names a shipped chain; pass a composed Chain as chain=, got {type(policy).__name__}")
+        chain, target = chain_of(policy), policy
+    else:
+        target = chain
+    decl = chain.args()
+    names = [x.name for x in decl]
     unknown = sorted(set(tensors) - set(names))
     if unknown:
-        raise TypeError(f"policy {policy!r} does not take {unknown}; it takes: {', '.join(names) or 'nothing'}")
-    missing = [nm for nm in names if tensors.get(nm) is None]
+        raise TypeError(f"{chain!r} does not take {unknown}; it takes: {', '.join(names) or 'nothing'}")
+    missing = [x for x in decl if tensors.get(x.name) is None]
     if missing:
-        spec = {nm: f"{dt}{list(shape)}" for nm, dt, shape in info.args}
-        raise ValueError(f"policy {policy!r} needs {', '.join(f'{nm!r} ({spec[nm]})' for nm in missing)}")
-    if not isinstance(a, torch.Tensor) or not isinstance(w, torch.Tensor) or a.dim() != 2 or w.dim() != 2:
-        raise ValueError("a and w must be 2-D tensors ([M, K] and [N, K])")
+        raise ValueError(f"{chain!r} needs " + ", ".join(f"{x.name!r} ({x.dtype}{list(x.shape)})" for x in missing))
+    if variant is None:
+        sms = sm_count(a.device) if a.is_cuda else 132
+        variant = choose_variant(a.shape[0], w.shape[0], sms)
+    Variant.parse(variant)
+    key = spec_for(ab, target, variant).key
     if out is None:
-        if info.qkv:
-            raise ValueError(f"policy {policy!r} writes Q into `out` ([M, Hq * head_dim]): pass out=, or use prefill.qkv")
-        out = torch.empty(a.shape[0], w.shape[0] // info.n_ratio, dtype=_TORCH[info.out], device=a.device)
-    torch.ops.futx.prefill_gemm(a, w, out, policy, _variant(a, w, policy, variant, tile_n),
-                                [tensors[nm] for nm in names])
+        if not all(isinstance(tensors[nm], torch.Tensor) for nm in names):
+            raise TypeError("the chain's tensors must be torch.Tensors")
+        width = chain.out_width(w.shape[0], tensors)
+        out = torch.empty(a.shape[0], max(width, 0), dtype=_TORCH[chain.out], device=a.device)
+    torch.ops.futx.prefill_gemm(a, w, out, key, [tensors[nm] for nm in names])
     return out
 
 
@@ -192,20 +167,18 @@ def qkv(a: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     hkv, hd = k_cache.shape[1], k_cache.shape[3]
     fp8 = a.dtype == torch.float8_e4m3fn
     policy = f"scale_rho_qkv{hd}_bf16" if fp8 else f"rho_qkv{hd}_bf16"
-    if policy not in POLICIES:
-        raise ValueError(f"no QKV placement policy for head_dim {hd} ({'e4m3' if fp8 else 'bf16'} operands); "
-                         f"known: {', '.join(p for p in POLICIES if POLICIES[p].qkv)}")
+    if policy not in SHIPPED["e4m3" if fp8 else "bf16"]:
+        known = [f"{ab}: {p}" for ab, names in SHIPPED.items() for p in names if "qkv" in p]
+        raise ValueError(f"no QKV placement chain for head_dim {hd} ({'e4m3' if fp8 else 'bf16'} operands); "
+                         f"shipped: {', '.join(known)}")
     if fp8 and (a_scale is None or b_scale is None):
         raise ValueError("E4M3 operands need a_scale [M] and b_scale [N]")
     if not fp8 and (a_scale is not None or b_scale is not None):
         raise ValueError("a_scale/b_scale are for E4M3 operands; BF16 operands take rho only")
-    hq_hd = w.shape[0] - 2 * hkv * hd
-    if out is None:
-        out = torch.empty(a.shape[0], max(hq_hd, 0), dtype=torch.bfloat16, device=a.device)
     tensors = dict(rho=rho, inv_freq=inv_freq, row_slot=row_slot, row_pos=row_pos, k_cache=k_cache, v_cache=v_cache)
     if fp8:
         tensors.update(a_scale=a_scale, b_scale=b_scale)
-    gemm(a, w, policy, out=out, variant=variant, **tensors)
+    out = gemm(a, w, policy, out=out, variant=variant, **tensors)
     return out.view(a.shape[0], out.shape[1] // hd, hd)
 
 

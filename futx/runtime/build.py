@@ -46,6 +46,12 @@ def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     os.replace(tmp, out_dir / MANIFEST)
 
 
+def _set_arch(arch: str) -> None:
+    # Before the worker unpickles its task: a spec's `extra` (a composed chain) imports the DSL, which
+    # reads its target at import.
+    os.environ["CUTE_DSL_ARCH"] = arch
+
+
 def _worker(spec: KernelSpec, out_dir: str, arch: str) -> dict[str, Any]:
     # A fresh process per variant (max_tasks_per_child=1): the DSL reads its dump switches at import.
     os.environ["CUTE_DSL_ARCH"] = arch
@@ -85,8 +91,12 @@ def build(out_dir: str | Path, arch: str = "sm_90a", only: str | None = None, jo
     if todo:
         jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
         ctx = multiprocessing.get_context("spawn")
+        # children inherit the target from their first instruction: a re-imported __main__ may import the DSL
+        # (which reads CUTE_DSL_ARCH once) before the initializer runs
+        os.environ["CUTE_DSL_ARCH"] = arch
         bar = _progress(len(todo), progress)
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, max_tasks_per_child=1,
+                                    initializer=_set_arch, initargs=(arch,)) as pool:
             futures = {pool.submit(_worker, spec, str(out_dir), arch): (spec, fp) for spec, fp in todo}
             for fut in cf.as_completed(futures):
                 spec, fp = futures[fut]

@@ -18,6 +18,10 @@ def add_build_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even up-to-date kernels")
     p.add_argument("--no-runtime", action="store_true",
                    help="do not copy libcute_dsl_runtime.so into OUT/lib (the target installs the DSL wheel)")
+    p.add_argument("--chain", action="append", default=[], metavar="MODULE:FACTORY",
+                   help="also build a composed prefill epilogue chain: FACTORY() returns an epilogues.base.Chain "
+                        "(repeatable; MODULE is imported from the current directory or the Python path)")
+    p.add_argument("--ab", default="e4m3", help="operand dtypes of --chain kernels: e4m3, bf16 or e4m3,bf16")
     p.add_argument("--list", action="store_true", help="list the matching kernel keys and exit")
     p.set_defaults(func=run_build)
     return p
@@ -26,6 +30,11 @@ def add_build_parser(subparsers) -> argparse.ArgumentParser:
 def run_build(args) -> int:
     from futx.runtime import select
 
+    if args.chain:   # composed chains join the registry in this process; build only them unless --only says more
+        from futx.runtime.catalog.prefill import chain_specs, load_chain
+
+        keys = [s.key for path in args.chain for s in chain_specs(load_chain(path), args.ab.split(","))]
+        args.only = ",".join(keys + ([args.only] if args.only else []))
     if args.list:
         for spec in select(args.only):
             print(f"{spec.key:60s} {spec.module}  {dict(spec.params)}")

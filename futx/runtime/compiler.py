@@ -34,7 +34,7 @@ def compile_spec(spec: KernelSpec, arch: str = "sm_90a"):
     factory = getattr(module, spec.factory, None)
     if factory is None:
         raise AttributeError(f"{spec.key}: module {spec.module} has no factory {spec.factory!r}")
-    fn, fake_args = factory(**spec.param_dict)
+    fn, fake_args = factory(**spec.param_dict, **({"extra": spec.extra} if spec.extra is not None else {}))
     return cute.compile(fn, *fake_args, options=COMPILE_OPTIONS)
 
 

@@ -24,8 +24,10 @@ class KernelSpec:
     sources: tuple[str, ...] = ()             # repo-relative files/folders that fingerprint the variant
     expect_sass: tuple[str, ...] = ()         # instructions the compile check must find (QGMMA, HGMMA, HMMA)
     doc: str = ""
-    ci: bool = True                           # compiled by the CPU compile check in CI
     tags: tuple[str, ...] = field(default=())
+    # Objects the factory receives as `extra=` (a caller-composed epilogue chain). Not part of equality or
+    # the fingerprint: the key and params must already identify them (a chain's key holds its fingerprint).
+    extra: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not _KEY_RE.match(self.key):

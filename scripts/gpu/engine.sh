@@ -11,8 +11,13 @@
 #   equality   kernel path == simulated quantization, 9 formats x 2 protocols, all windows (FUTX_EQ_ARGS adds)
 #   diag       kernels vs emulated vs simulated on the first 32 windows (FUTX_DIAG: weights/cache pairs)
 #   cli        futx generate (one prompt, chat, a prompts file) and futx ppl on the kernels
-#   peers-bf16, peers-int4  gpt-fast-style peers beside the engine; peers-transformers (not yet run on the
-#              H200: written and checked eagerly on the CPU);  bench70  the 70B shape
+#   peers-bf16, peers-int4  gpt-fast-style peers beside the engine; peers-transformers;  bench70  the 70B shape
+#   transformers-diag  the transformers peer alone at (1, 1024), eager then compiled, launch errors synchronous
+#   prefill-tests  the prefill GEMM (every chain and variant, the tuning space on two chains, a composed chain),
+#              prefill attention, prefill block and serving GPU tests; decode-attn-tests  the decode attention
+#              suite (after the argument-structure change)
+#   bench-pattn  prefill attention vs SDPA;  bench-block  the 8B prefill block vs compiled PyTorch FP8;
+#   ppl-prefill  SmolLM2 serving perplexity with the kernel prefill (FP8, BF16) vs the reference prefill
 # Logs -> $OUT/logs.tgz; results (JSON, Markdown, plot) -> $OUT.
 set -u
 source scripts/gpu/steps.sh
@@ -46,7 +51,7 @@ for part in "$@"; do
       done ;;
     peers-transformers)  # transformers LlamaForCausalLM, static cache, torch.compile(mode="reduce-overhead")
       for pt in 1x1024 32x4096; do
-        TAILN=6 step transformers-$pt 240 python3 -m futx.cli bench decode --weights bf16,int4 --cache int4,bf16 \
+        TAILN=6 step transformers-$pt 280 python3 -m futx.cli bench decode --weights bf16,int4 --cache int4 \
           --points $pt --peers transformers --breakdown "" --rounds 5 --reps 10 --out $OUT/transformers-$pt.json
       done ;;
     bench70)
@@ -76,6 +81,36 @@ for part in "$@"; do
         --max-new-tokens 24 --weights e4m3 --cache int4
       TAILN=12 step ppl_cli 120 python3 -m futx.cli ppl --model $W/smollm2.gguf --text $W/wiki.test.raw \
         --backend kernels --protocol all-decode serving --max-windows 32 --no-progress --json $OUT/ppl_cli.json ;;
+    transformers-diag)
+      TAILN=25 step transformers-diag 200 env CUDA_LAUNCH_BLOCKING=1 python3 -c "
+import sys, torch; sys.path.insert(0, '.')
+from scripts.decode_peers import TransformersPeer; from scripts.bench_engine import config_for
+cfg = config_for('llama-3.1-8b', None)
+for compile in (False, True):
+    p = TransformersPeer(cfg, 1, 1024, compile=compile); p.replay(); torch.cuda.synchronize()
+    print('ok compile =', compile, flush=True); del p; torch.cuda.empty_cache()" ;;
+    prefill-tests)
+      P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+      TAILN=10 step prefill_gemm_tests 150 $P tests/test_prefill_gpu.py
+      TAILN=10 step prefill_attn_tests 90 $P tests/test_prefill_attention_gpu.py
+      TAILN=10 step prefill_block_tests 120 $P tests/test_prefill_engine_gpu.py
+      TAILN=6 step serve_tests 90 $P tests/test_serve.py ;;
+    decode-attn-tests)
+      TAILN=8 step decode_attn_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --maxfail=20 \
+        tests/test_decode_attention_gpu.py ;;
+    bench-pattn)
+      TAILN=20 step bench_pattn 150 python3 scripts/bench_prefill_attention.py --rounds 5 ;;
+    bench-block)
+      TAILN=30 step bench_block 280 python3 scripts/bench_prefill_block.py --rounds 5 --quick ;;
+    ppl-prefill)
+      for f in e4m3 bf16; do
+        TAILN=6 step ppl_prefill_$f 150 python3 -m futx.cli ppl --model $W/smollm2.gguf --text $W/wiki.test.raw \
+          --backend kernels --protocol serving --max-windows 32 --no-progress --prefill kernels --prefill-format $f \
+          --json $OUT/ppl_prefill_$f.json
+      done
+      TAILN=6 step ppl_prefill_ref 150 python3 -m futx.cli ppl --model $W/smollm2.gguf --text $W/wiki.test.raw \
+        --backend kernels --protocol serving --max-windows 32 --no-progress --prefill reference \
+        --json $OUT/ppl_prefill_ref.json ;;
     *) echo "unknown part $part" ;;
   esac
 done

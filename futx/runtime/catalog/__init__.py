@@ -7,8 +7,9 @@ import importlib
 
 from futx.runtime.registry import register
 
-FAMILIES = ("smoke", "prefill", "decode_linear", "decode_attention", "engine")
+FAMILIES = ("smoke", "prefill", "decode_linear", "decode_attention", "engine", "prefill_attention")
 
+PACKAGE_SPECS = []   # what ships: every family's SPECS (the registry may gain entries at run time)
 for _name in FAMILIES:
     try:
         _mod = importlib.import_module(f"{__name__}.{_name}")
@@ -16,4 +17,5 @@ for _name in FAMILIES:
         if exc.name != f"{__name__}.{_name}":
             raise
         continue  # family not written yet
+    PACKAGE_SPECS += _mod.SPECS
     register(*_mod.SPECS)

@@ -1,24 +1,25 @@
 """Decode attention variants: cache format x head dim x rotation (GQA group <= 8 and every batch, head
-count, slot count, capacity and split count are runtime values), plus the INT4 variants below."""
+count, slot count, capacity and split count are runtime values), plus the engine's fused-QKV entries.
+
+SPECS holds exactly what the op launches: `futx::decode_attention` always runs the default kernel of
+(format, head dim, rotation) (decode.attn_plan.default_plan), the engine's entry the `.qkv` kernels. The
+INT4 design alternatives of VARIANTS are the tuning space (named with the op's `variant=` argument once
+scripts/tuning_space.py has registered them); docs/routing.md gives the measured reason for the default."""
 
 from futx.runtime.registry import KernelSpec
 
-SOURCES = ("decode/attention.py", "decode/attn_plan.py", "decode/attn_ptx.py", "decode/hadamard_warp.py",
+SOURCES = ("decode/attention.py", "decode/attn_plan.py", "decode/ptx.py", "decode/hadamard_warp.py",
            "decode/splitkv_combine.py", "futx/quant/layouts.py")
 
 # INT4 variants (rotated, head dim 128), as overrides of decode.attn_plan.default_plan, whose INT4 default
-# (since H200 run 3 of docs/results-decode-attention.md) dequantizes keys and values by "pair" arithmetic
-# without the table, with lean issue.
-# Shipped (compiled in CI, selected with variant=...):
+# dequantizes keys and values by "pair" arithmetic without the table, with lean issue. Tuning space only:
 #   table: keys through the 256-entry byte -> f16x2 shared-memory table, values by prmt + f16 arithmetic
-#          (the previous default; at (32, 4096) 48.8 us against 44.4 for today's default in run 3, 49.1
-#          against 44.7 in run 4).
-# Benchmark-only (not in CI; each also runs once in the GPU tests):
-#   s2:   table keys and values, 2-deep rings so that three 4-warp CTAs (12 warps) fit per SM, splits
-#         chosen to fill them (the previous long-context kernel: 88.9 us at (8, 32768) against 81.9);
-#   vlut: table keys and values (the run-2 default);
-#   w6v:  the table design with one 6-warp CTA of 2-deep rings twice per SM (12 warps per SM unsplit);
-#   fx:   the default dequantization with 6 warps x 3 stages (2 CTAs = 12 warps per SM).
+#          (the issue's design; the default before the "pair" dequantization);
+#   s2:    table keys and values, 2-deep rings so that three 4-warp CTAs (12 warps) fit per SM, splits
+#          chosen to fill them (the earlier long-context kernel);
+#   vlut:  table keys and values;
+#   w6v:   the table design with one 6-warp CTA of 2-deep rings twice per SM (12 warps per SM unsplit);
+#   fx:    the default dequantization with 6 warps x 3 stages (2 CTAs = 12 warps per SM).
 _TABLE = {"k_dequant": "lut", "lean_issue": False}
 VARIANTS = {
     "": {},
@@ -28,24 +29,22 @@ VARIANTS = {
     "w6v": {**_TABLE, "v_dequant": "alu", "warps": 6, "stages": 2, "saturating_warps": 12},
     "fx": {"warps": 6, "stages": 3, "saturating_warps": 12},
 }
-SHIPPED = ("table",)
-BENCH_ONLY = ("s2", "vlut", "w6v", "fx")
+TUNING = tuple(v for v in VARIANTS if v)
 
 
 def attn_key(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> str:
     return f"decode.attn.{fmt}.d{head_dim}" + (".rot" if rotate else "") + (f".{variant}" if variant else "")
 
 
-def _spec(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> KernelSpec:
+def attn_spec(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> KernelSpec:
     what = {"int4": "INT4 mirror", "e4m3": "E4M3 mirror", "bf16": "BF16 main cache"}[fmt]
     extra = VARIANTS[variant]
     params = (("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate)) + tuple(sorted(extra.items()))
     return KernelSpec(key=attn_key(fmt, head_dim, rotate, variant), module="decode.attention", params=params,
-                      sources=SOURCES, expect_sass=("HMMA",), ci=not variant or variant in SHIPPED,
+                      sources=SOURCES, expect_sass=("HMMA",),
                       doc=f"GQA decode attention over the {what}, head dim {head_dim}"
                           + (", Hadamard-rotated" if rotate else "") + "; writes the new K/V row"
-                          + (f"; {'shipped' if variant in SHIPPED else 'benchmark-only'} variant {variant}: "
-                             f"{extra}" if variant else ""))
+                          + (f"; tuning variant {variant}: {extra}" if variant else ""))
 
 
 # The decode engine's attention: q, k, v read from the QKV projection's output and RoPE applied in the
@@ -65,7 +64,7 @@ def _qkv_spec(fmt: str, head_dim: int, rotate: bool) -> KernelSpec:
                           "QKV projection output, RoPE in the kernel, new K/V row written")
 
 
-SPECS = [_spec(fmt, d, rot) for fmt in ("int4", "e4m3") for d in (64, 128) for rot in (False, True)] + \
-        [_spec("bf16", d, False) for d in (64, 128)] + \
-        [_spec("int4", 128, True, v) for v in SHIPPED + BENCH_ONLY] + \
+# the op's default kernels (the BF16 main cache is never rotated) and the engine's fused-QKV entries
+SPECS = [attn_spec(fmt, d, rot) for fmt in ("int4", "e4m3") for d in (64, 128) for rot in (False, True)] + \
+        [attn_spec("bf16", d, False) for d in (64, 128)] + \
         [_qkv_spec(fmt, d, rot) for fmt, rot in ENGINE_CACHES for d in (64, 128)]

@@ -1,35 +1,45 @@
-"""Prefill GEMM variants: operand dtype x epilogue policy chain x schedule variant (no DSL imports here).
+"""Prefill GEMM kernels: operand dtype x epilogue chain x variant (tile shape and schedule). No DSL imports.
 
-Key: prefill.gemm.<ab>.<policy>[.<variant>] with the variant name omitted for "n256" (coop 128x256).
-A *variant* is the kernel's shape and schedule (`Variant`): tile width, cooperative, pingpong or stagger
-consumer warpgroups, cluster size, raster group height. The first shipped variant of a policy is its
-default; the pingpong "n256.pp" measured fastest on the H200 (docs/results-prefill.md) and leads every
-list. `POLICIES` describes each chain's runtime tensors for the op's validation (futx/ops/prefill.py);
-tests/test_prefill_cpu.py checks it against epilogues/catalog.py.
-User-written policy chains join through `register_policy` (see epilogues/README.md).
+A chain (epilogues.base.Chain) is the single source of what a kernel takes and writes; this module only
+names kernels and decides which variants exist:
+
+    prefill.gemm.<ab>.<name>[.<variant>]      <name>: a shipped chain (epilogues/catalog.py), or
+                                              "chain-<fingerprint>" for a chain composed by the caller
+                                              (its policies' classes, parameters and sources)
+
+with the variant omitted for "n256" (coop 128x256). Every chain, shipped or composed, gets the same
+variants (VARIANTS) and the same rule (choose_variant); docs/routing.md says why these two. The registry
+holds the shipped chains x VARIANTS, which CI compiles and `futx build` builds. Other variants (TUNING:
+schedule, cluster and raster alternatives) and composed chains get a registry entry on demand
+(`spec_for`): the op compiles them at first use (JIT, disk-cached), `futx build --chain module:factory`
+ahead of time, scripts/tuning_space.py for the benchmarks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
-from futx.runtime.registry import KernelSpec
+from futx.runtime.registry import KernelSpec, get_spec, register
 
 SOURCES = ("futx/mainloop.py", "epilogues/")
+AB = ("e4m3", "bf16")
 
+# What the rule can pick: pingpong 64x256 (never estimated slower than coop 128x256, measured faster at
+# every benchmarked shape) and coop 128x128 (wins where a pingpong launch is under one wave).
+VARIANTS = ("n256.pp", "n128")
+# The tuning space the benchmarks compile on demand (scripts/tuning_space.py).
+TUNING = ("n256", "n256.st", "n256.pp.g16", "n256.pp.c1")
 
-@dataclass(frozen=True)
-class PolicyInfo:
-    """args: (name, dtype, shape) in kernel order; shape symbols m / n / n_out / t (output tiles) / others
-    (free, the op checks only their rank and dtype). `qkv`: D holds only the Q columns (n_out < N)."""
-
-    args: tuple
-    out: str              # dtype of D: "bf16" | "e4m3"
-    n_ratio: int = 1      # GEMM columns per output column (2 for SwiGLU)
-    split: bool = False   # split gate/up halves (needs I = N/2 divisible by tile_n / 2)
-    writes: tuple = ()    # names of the args the kernel writes
-    qkv: bool = False     # QKV placement: D = Q [M, Hq*hd]; K/V go to the cache tensors
+# The shipped chains per operand dtype (names of epilogues/catalog.py).
+SHIPPED = {
+    "e4m3": ("bf16", "scale_bf16", "scale_rho_bf16", "scale_fp8", "scale_rho_swiglu_bf16", "scale_rho_swiglu_fp8",
+             "scale_rho_swiglu_split_fp8", "scale_res_bf16", "scale_res_rms_bf16", "scalet_res_rms_bf16",
+             "scale_rho_qkv128_bf16", "scale_rho_qkv64_bf16"),
+    "bf16": ("bf16", "swiglu_bf16", "swiglu_split_bf16", "rho_swiglu_bf16", "res_bf16", "res_rms_bf16",
+             "rho_qkv128_bf16", "rho_qkv64_bf16"),
+}
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class Variant:
     @classmethod
     def parse(cls, name: str) -> "Variant":
         parts = name.split(".")
-        bad = f"bad prefill variant name {name!r} (e.g. 'n256', 'n128', 'n256.pp', 'n256.c1', 'n256.pp.g16')"
+        bad = f"bad prefill variant name {name!r} (e.g. 'n256.pp', 'n128', 'n256', 'n256.pp.c1', 'n256.pp.g16')"
         try:
             if not parts[0].startswith("n"):
                 raise ValueError
@@ -86,127 +96,114 @@ class Variant:
 
 _SCHED_SUFFIX = {"coop": "", "pingpong": ".pp", "stagger": ".st"}
 
-_A = ("a_scale", "f32", ("m",))
-_AT = ("a_scale", "f32", (1,))
-_B = ("b_scale", "f32", ("n",))
-_RHO = ("rho", "f32", ("m",))
-_RES = ("residual", "bf16", ("m", "n_out"))
-_RMS = ("sumsq", "f32", ("t", "m"))
-_FP8 = (("scale", "f32", (1,)), ("amax", "f32", (1,)), ("saturated", "i32", (1,)))
-_FP8_W = ("amax", "saturated")
-_QKV_W = ("k_cache", "v_cache")
+
+def kernel_key(ab: str, name: str, variant: str = "n256") -> str:
+    return f"prefill.gemm.{ab}.{name}" + ("" if variant == "n256" else f".{variant}")
 
 
-def _qkv(hd: int) -> tuple:
-    """QKV placement: RoPE frequencies, per-row cache slot and position, the layer's K and V caches."""
-    return (("inv_freq", "f32", (hd // 2,)), ("row_slot", "i32", ("m",)), ("row_pos", "i32", ("m",)),
-            ("k_cache", "bf16", ("slots", "hkv", "cap", hd)), ("v_cache", "bf16", ("slots", "hkv", "cap", hd)))
+@lru_cache(maxsize=None)
+def _shipped_chain(name: str):
+    from epilogues import catalog
+
+    return catalog.chain(name)
 
 
-POLICIES = {
-    "bf16": PolicyInfo((), "bf16"),
-    "scale_bf16": PolicyInfo((_A, _B), "bf16"),
-    "scale_rho_bf16": PolicyInfo((_A, _B, _RHO), "bf16"),
-    "scale_fp8": PolicyInfo((_A, _B, *_FP8), "e4m3", writes=_FP8_W),
-    "swiglu_bf16": PolicyInfo((), "bf16", 2),
-    "swiglu_split_bf16": PolicyInfo((), "bf16", 2, split=True),
-    "rho_swiglu_bf16": PolicyInfo((_RHO,), "bf16", 2),
-    "scale_rho_swiglu_bf16": PolicyInfo((_A, _B, _RHO), "bf16", 2),
-    "scale_rho_swiglu_fp8": PolicyInfo((_A, _B, _RHO, *_FP8), "e4m3", 2, writes=_FP8_W),
-    "scale_rho_swiglu_split_fp8": PolicyInfo((_A, _B, _RHO, *_FP8), "e4m3", 2, split=True, writes=_FP8_W),
-    "res_bf16": PolicyInfo((_RES,), "bf16"),
-    "scale_res_bf16": PolicyInfo((_A, _B, _RES), "bf16"),
-    "scale_res_rms_bf16": PolicyInfo((_A, _B, _RES, _RMS), "bf16", writes=("sumsq",)),
-    "scalet_res_rms_bf16": PolicyInfo((_AT, _B, _RES, _RMS), "bf16", writes=("sumsq",)),
-    # QKV projection: scales (+ rho), RoPE on Q and K, Q -> D, K/V straight into the cache (head_dim 64/128)
-    "scale_rho_qkv128_bf16": PolicyInfo((_A, _B, _RHO, *_qkv(128)), "bf16", writes=_QKV_W, qkv=True),
-    "scale_rho_qkv64_bf16": PolicyInfo((_A, _B, _RHO, *_qkv(64)), "bf16", writes=_QKV_W, qkv=True),
-    "rho_qkv128_bf16": PolicyInfo((_RHO, *_qkv(128)), "bf16", writes=_QKV_W, qkv=True),
-}
+@lru_cache(maxsize=None)
+def _shipped_by_fingerprint() -> dict:
+    from epilogues import catalog
 
-# (ab, policy) -> variants that ship: CI compiles each (about 15 s on one core) and the GPU tests run each.
-# The first is the default (choose_variant breaks ties toward it). Pingpong 64x256 ("n256.pp") leads every
-# list: on the H200 it measured fastest at every benchmarked shape (run 2: 8192^3 FP8 1322 vs 1277 TF/s
-# coop, 8B projections +2-9%, gate/up+SwiGLU 8B 363 vs 411 us FP8, 708 vs 762 us BF16; QKV epilogue
-# 86 vs 98 us; BF16 GEMM +0-4%), because each warpgroup's epilogue overlaps the other's mainloop. The coop
-# 128x256 "n256" stays shipped (CI-compiled) for the plain, scale, FP8-store, residual/RMS, QKV-128 and
-# main SwiGLU policies; for the others it is a benchmark-only alternative (_BENCH): CI compiles 35 variants.
-# The coop 128x128 "n128" ships for the plain, scale and residual policies (the O / down projections): the
-# rule picks it where a pingpong launch is under one wave (small M on narrow weights, see _waves).
-_SHIPPED = {
-    "e4m3": {
-        "bf16": ("n256.pp", "n256", "n128"),
-        "scale_bf16": ("n256.pp", "n256", "n128"),
-        "scale_rho_bf16": ("n256.pp", "n256", "n128"),
-        "scale_fp8": ("n256.pp", "n256"),
-        "scale_rho_swiglu_bf16": ("n256.pp",),
-        "scale_rho_swiglu_fp8": ("n256.pp", "n256"),
-        "scale_rho_swiglu_split_fp8": ("n256.pp",),
-        "scale_res_bf16": ("n256.pp", "n256", "n128"),
-        "scale_res_rms_bf16": ("n256.pp", "n256", "n128"),
-        "scalet_res_rms_bf16": ("n256.pp",),
-        "scale_rho_qkv128_bf16": ("n256.pp", "n256"),
-        "scale_rho_qkv64_bf16": ("n256.pp",),
-    },
-    "bf16": {
-        "bf16": ("n256.pp", "n256", "n128"),
-        "swiglu_bf16": ("n256.pp",),
-        "swiglu_split_bf16": ("n256.pp",),
-        "rho_swiglu_bf16": ("n256.pp", "n256"),
-        "res_bf16": ("n256.pp", "n128"),
-        "rho_qkv128_bf16": ("n256.pp",),
-    },
-}
-
-# Benchmark candidates (registry entries with ci=False; built with `futx build --only 'prefill.*'`, run by
-# the GPU tests and scripts/bench_prefill.py / bench_swiglu.py): schedule, cluster and raster alternatives.
-#   n256      coop 128x256 where it is not shipped (the alternative schedule of every policy)
-#   n256.st   stagger (coop traffic, partial overlap; run 2: between coop and pingpong)
-#   n128      coop 128x128 (run 2: 0.5-1% below n256 at M >= 2048; the rule never prefers it to n256.pp)
-#   experiment for the final run (prediction in docs/results-prefill.md):
-#   n256.pp.g16  pingpong with 16 cluster rows per raster group (2048 rows, like coop's 8 x 256): the
-#                weight matrix is streamed from HBM once per 2048 rows instead of once per 1024
-#   n256.pp.c1   pingpong without the 2x1 cluster (no B multicast): how much the multicast buys pingpong
-# (run 2 also measured n128.pp, 6-16% slower than n256.pp, and coop n256.c1, within 1% of n256: dropped)
-_BENCH = {
-    "e4m3": {
-        "scale_bf16": ("n256.st", "n256.pp.g16", "n256.pp.c1"),
-        "scale_rho_swiglu_bf16": ("n256",),
-        "scale_rho_swiglu_fp8": ("n256.st", "n128", "n256.pp.g16"),
-        "scale_rho_swiglu_split_fp8": ("n256",),
-        "scalet_res_rms_bf16": ("n256",),
-        "scale_rho_qkv64_bf16": ("n256",),
-    },
-    "bf16": {
-        "bf16": ("n256.st", "n256.pp.g16"),
-        "swiglu_bf16": ("n256",),
-        "swiglu_split_bf16": ("n256",),
-        "rho_swiglu_bf16": ("n256.st", "n256.pp.g16"),
-        "res_bf16": ("n256",),
-        "rho_qkv128_bf16": ("n256",),
-    },
-}
-
-_CHAIN_PATHS: dict = {}   # policy -> "module:factory" for chains registered from outside epilogues/
+    return {catalog.chain(name).fingerprint(): name for name in catalog.CHAINS}
 
 
-def kernel_key(ab: str, policy: str, variant: str = "n256") -> str:
-    return f"prefill.gemm.{ab}.{policy}" + ("" if variant == "n256" else f".{variant}")
+def chain_name(chain) -> str:
+    """The name a chain's kernels are keyed by: its shipped name if it equals a shipped chain (same
+    policies, parameters and sources: it then loads the shipped artifacts), else chain-<fingerprint>."""
+    fp = chain.fingerprint()
+    return _shipped_by_fingerprint().get(fp) or f"chain-{fp[:16]}"
 
 
-def variants(ab: str, policy: str, bench: bool = False) -> tuple:
-    """Variant names of (ab, policy): the shipped ones, plus the benchmark candidates if `bench`."""
+_COMPOSED: dict = {}   # chain-<fp> -> Chain, for the compile factory and the op's validation
+
+
+def chain_of(name: str):
+    """The Chain behind a kernel name (shipped, or composed and seen by `spec_for` in this process)."""
+    if name.startswith("chain-"):
+        try:
+            return _COMPOSED[name]
+        except KeyError:
+            raise KeyError(f"no composed chain {name!r} in this process: pass the Chain itself "
+                           "(prefill.gemm(..., chain=...)) so its kernels can be named and compiled") from None
+    return _shipped_chain(name)
+
+
+def _spec(ab: str, name: str, variant: str, chain=None) -> KernelSpec:
+    v = Variant.parse(variant)
+    params = (("ab", ab), ("policy", name), ("tile_n", v.tile_n), ("schedule", v.schedule),
+              ("cluster_m", v.cluster_m)) + ((("group_m", v.group_m),) if v.group_m != 8 else ())
+    # (shipped names end in their output dtype: naming them must not import the policies, and with them the DSL)
+    out = chain.out if chain is not None else ("e4m3" if name.endswith("_fp8") else "bf16")
+    return KernelSpec(
+        key=kernel_key(ab, name, variant),
+        module="futx.mainloop",
+        params=params,
+        sources=SOURCES,
+        expect_sass=("QGMMA",) if ab == "e4m3" else ("HGMMA",),
+        doc=f"prefill GEMM {ab} x {ab} -> {out}, epilogue {name}{' ' + repr(chain) if chain else ''}, "
+            f"{v.schedule} {v.tile_m}x{v.tile_n} tiles, cluster {v.cluster_m}x1"
+            + ("" if v.group_m == 8 else f", raster groups of {v.group_m} cluster rows"),
+        extra=chain,
+    )
+
+
+def spec_for(ab: str, chain_or_name, variant: str) -> KernelSpec:
+    """The registry entry of (ab, chain, variant), registered on demand for composed chains and for
+    variants outside VARIANTS (the op then compiles it at first use, or finds it in an AOT directory)."""
+    if ab not in AB:
+        raise ValueError(f"prefill GEMM operands are {' or '.join(AB)}, got {ab!r}")
+    Variant.parse(variant)
+    if isinstance(chain_or_name, str):
+        name, chain = chain_or_name, None
+        if not name.startswith("chain-") and name not in {n for names in SHIPPED.values() for n in names}:
+            known = ", ".join(sorted(set(SHIPPED["e4m3"]) | set(SHIPPED["bf16"])))
+            raise ValueError(f"unknown prefill epilogue {name!r}; shipped: {known}; or pass a Chain (chain=...)")
+    else:
+        name, chain = chain_name(chain_or_name), chain_or_name
+        if name.startswith("chain-"):
+            _COMPOSED.setdefault(name, chain)
+        else:
+            chain = None   # equal to a shipped chain: use its entry
+    key = kernel_key(ab, name, variant)
     try:
-        shipped = _SHIPPED[ab][policy]
+        return get_spec(key)
     except KeyError:
-        raise ValueError(f"no prefill GEMM variant for ab={ab!r}, policy={policy!r}; shipped: "
-                         + ", ".join(f"{a}.{p}" for a in _SHIPPED for p in _SHIPPED[a])) from None
-    return shipped + (_BENCH.get(ab, {}).get(policy, ()) if bench else ())
+        spec = _spec(ab, name, variant, chain if name.startswith("chain-") else None)
+        register(spec)
+        return spec
 
 
-def tile_widths(ab: str, policy: str) -> tuple:
-    """Tile widths of the shipped variants (kept for callers that think in widths)."""
-    return tuple(dict.fromkeys(Variant.parse(v).tile_n for v in variants(ab, policy)))
+def chain_specs(chain, abs=AB) -> list:
+    """Registry entries of a composed (or shipped) chain at every VARIANT, for `futx build --chain`."""
+    return [spec_for(ab, chain, v) for ab in abs for v in VARIANTS]
+
+
+def load_chain(path: str):
+    """"module:factory" -> the Chain that factory() returns (the module imported from the current
+    directory or the Python path)."""
+    import importlib
+    import os
+    import sys
+
+    from epilogues.base import Chain
+
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"a chain is given as 'module:factory', got {path!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    chain = getattr(importlib.import_module(module), attr)()
+    if not isinstance(chain, Chain):
+        raise TypeError(f"{path}() must return an epilogues.base.Chain, got {type(chain).__name__}")
+    return chain
 
 
 def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
@@ -215,10 +212,9 @@ def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
     Work items are clusters of `cluster_m` CTA tiles over one weight tile, dealt round-robin to the
     num_sms / cluster_m resident clusters. A 128-wide tile costs ~0.55 of a 256-wide one (~10% less
     efficient per FLOP). A pingpong CTA's 64-row tiles take turns on the tensor cores, so each costs
-    half a coop tile: the same rate per SM, at half the granularity (fewer idle SMs in the last wave) --
-    except under one wave, where each CTA holds a single tile and one warpgroup idles: a whole coop tile's
-    time (H200, 2026-11-30 14:54: at M = 512 the coop 128x128 tile beat pingpong by 2-7% on exactly the
-    shapes this predicts, 1B QKV/O/down and 8B O/down, and lost or tied on all others).
+    half a coop tile: the same rate per SM, at half the granularity (fewer idle SMs in the last wave),
+    except under one wave, where each CTA holds a single tile and one warpgroup idles: a whole coop
+    tile's time (docs/routing.md).
     """
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
     slots = max(1, num_sms // v.cluster_m)
@@ -228,15 +224,8 @@ def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
     return math.ceil(clusters / slots) * cost
 
 
-def choose_variant(ab: str, policy: str, m: int, n: int, num_sms: int) -> str:
-    """The variant rule over the shipped variants: fewest estimated tile-waves (`_waves`), ties to the first.
-
-    64x256 pingpong tiles (first in every list) never estimate slower than 128x256 coop tiles (same
-    rate, finer granularity), and measured faster; a 128x128 coop tile wins only where its wave
-    quantization is better by more than its ~10% per-FLOP cost. scripts/bench_prefill.py measures
-    every variant.
-    """
-    names = variants(ab, policy)
+def choose_variant(m: int, n: int, num_sms: int, names: tuple = VARIANTS) -> str:
+    """The variant rule: fewest estimated tile-waves (`_waves`) among `names`, ties to the first."""
     best, best_t = names[0], math.inf
     for name in names:
         t = _waves(Variant.parse(name), m, n, num_sms)
@@ -245,58 +234,9 @@ def choose_variant(ab: str, policy: str, m: int, n: int, num_sms: int) -> str:
     return best
 
 
-def choose_tile_n(ab: str, policy: str, m: int, n: int, num_sms: int) -> int:
-    return Variant.parse(choose_variant(ab, policy, m, n, num_sms)).tile_n
+def tuning_specs() -> list:
+    """The benchmarks' tuning space: every shipped chain at the TUNING variants (not in the registry)."""
+    return [_spec(ab, name, v) for ab, names in SHIPPED.items() for name in names for v in TUNING]
 
 
-def _spec(ab: str, policy: str, variant: str, chain: str | None = None, ci: bool = True) -> KernelSpec:
-    v = Variant.parse(variant)
-    params = (("ab", ab), ("policy", policy), ("tile_n", v.tile_n), ("schedule", v.schedule),
-              ("cluster_m", v.cluster_m)) + ((("group_m", v.group_m),) if v.group_m != 8 else ()) + (
-        (("chain", chain),) if chain else ())
-    return KernelSpec(
-        key=kernel_key(ab, policy, variant),
-        module="futx.mainloop",
-        params=params,
-        sources=SOURCES,
-        expect_sass=("QGMMA",) if ab == "e4m3" else ("HGMMA",),
-        doc=f"prefill GEMM {ab} x {ab} -> {POLICIES[policy].out}, epilogue {policy}, "
-            f"{v.schedule} {v.tile_m}x{v.tile_n} tiles, cluster {v.cluster_m}x1"
-            + ("" if v.group_m == 8 else f", raster groups of {v.group_m} cluster rows"),
-        ci=ci,
-        tags=("prefill",),
-    )
-
-
-SPECS = ([_spec(ab, p, v) for ab, table in _SHIPPED.items() for p, vs in table.items() for v in vs]
-         + [_spec(ab, p, v, ci=False) for ab, table in _BENCH.items() for p, vs in table.items() for v in vs])
-
-
-def register_policy(name: str, info: PolicyInfo, chain: str, ab: tuple = ("e4m3",), variants: tuple = ("n256",),
-                    widths: tuple | None = None) -> list:
-    """Add a user policy chain: `chain` = "module:factory" returning an epilogues.base.Chain.
-
-    Registers the op validation data and one kernel variant per (ab, variant) (`widths`, e.g. (256, 128),
-    is shorthand for cooperative variants of those tile widths); the kernels compile on first use (JIT)
-    or with `futx build --only 'prefill.gemm.*.<name>*'` in a process that imported the registering
-    module. The fingerprint covers futx's sources, not the user module: give a changed policy a new
-    name (or clear the kernel cache).
-    """
-    from futx.runtime.registry import register
-
-    if name in POLICIES and _CHAIN_PATHS.get(name) != chain:
-        raise ValueError(f"prefill policy {name!r} already exists")
-    if ":" not in chain:
-        raise ValueError(f"chain must be 'module:factory', got {chain!r}")
-    if widths is not None:
-        variants = tuple(f"n{w}" for w in widths)
-    for v in variants:
-        Variant.parse(v)
-    POLICIES[name] = info
-    _CHAIN_PATHS[name] = chain
-    specs = []
-    for a in ab:
-        _SHIPPED.setdefault(a, {})[name] = tuple(variants)
-        specs += [_spec(a, name, v, chain=chain, ci=False) for v in variants]
-    register(*specs)
-    return specs
+SPECS = [_spec(ab, name, v) for ab, names in SHIPPED.items() for name in names for v in VARIANTS]

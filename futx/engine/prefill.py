@@ -1,0 +1,636 @@
+"""The packed prefill block on futx's prefill kernels, chained through the epilogue policies (paper 3.2).
+
+Per layer, for a packed batch of R requests (M rows; request r owns rows [cu[r], cu[r+1]) at positions
+start[r], start[r] + 1, ... of cache slot slot[r]; x = the BF16 residual stream [M, H]; rho = RMSNorm
+row factors [M], layer 0's from a torch reduction, later ones from the previous block's RMS partials):
+
+  e4m3 ("FP8"):
+    x8, a  = quantize_rows(x)                                     torch glue: per-row dynamic E4M3
+    q      = gemm(x8, Wqkv, "scale_rho_qkv{hd}_bf16", a, b, rho)  RoPE; K/V -> cache main copy (BF16)
+             cache.write_rows(...)                                the INT4 / E4M3 mirror rows (+ main again)
+    o      = attention(q, k_cache, v_cache, cu, start, slot)      causal GQA over the cache
+    o8, a  = quantize_rows(o)                                     torch glue
+    x, s   = gemm(o8, Wo, "scale_res_rms_bf16", a, b, residual=x) residual add + RMS partials s [t, M]
+    rho    = rms_rho(s)                                           [M]
+    x8, a  = quantize_rows(x)                                     torch glue
+    z8     = gemm(x8, Wgu, "scale_rho_swiglu_fp8", a, b, rho, scale, amax, saturated)
+                                                                  SwiGLU, E4M3 out, delayed per-tensor scale
+    x, s   = gemm(z8, Wdown, "scalet_res_rms_bf16", scale, b, residual=x)
+    rho    = rms_rho(s);   scale <- amax * margin / 448 (device-side, no sync)
+  bf16: the same with BF16 operands and no activation quantization: "rho_qkv{hd}_bf16", "res_rms_bf16",
+    "rho_swiglu_bf16", "res_rms_bf16".
+Then the final RMSNorm and the BF16 LM head on each request's last row.
+
+Weights: `pack_prefill` folds the RMSNorm gains (futx.quant.fold) into Wqkv (rows [Q | K | V]) and Wgu
+(rows interleaved, 2j = gate j, 2j + 1 = up j), E4M3 with one float32 scale per output channel
+(`futx.quant.fp8.quantize_e4m3_weight`) or BF16.
+
+FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
+  * activations into QKV, O and gate/up: per row, a[m] = amax_m / 448 (1 for an all-zero row),
+    x8 = e4m3(clamp(x / a)) (IEEE division). One torch pass over the BF16 tensor per GEMM (`quantize_rows`);
+    `glue="compiled"` fuses it with torch.compile.
+  * the SwiGLU output: delayed per-tensor scaling, one state per layer and per request group
+    (`ScaleState`). Call t quantizes with the scale from call t-1's amax: scale = amax * margin / 448
+    (margin 2 by default: one binade of headroom for a later batch whose values run larger; all-zero keeps
+    the previous scale). The first call of a state calibrates: the gate/up GEMM runs once to measure
+    amax (its output is discarded), so the first real call uses that batch's own amax. A conservative
+    fixed initial scale is no good here: E4M3's normal range is only 2^15 wide, so a scale sized for
+    Llama's rare outliers (~1e3-1e4) pushes the typical ~1e-2 values into the subnormals.
+    `ScaleState(initial_amax=...)` skips the calibration (e.g. a saved state, or CUDA-graph capture).
+    The kernels count saturated elements (`saturations`).
+
+Backends: "kernels" (futx.ops.prefill / prefill_attention on a Hopper GPU) and "emulated" (the same
+dataflow in PyTorch: float32 GEMM of the exact E4M3/BF16 operand values, the epilogue math in float32,
+E4M3 via torch.float8_e4m3fn, BF16 wherever the kernels store BF16; any device). The padded path
+(`forward_padded`) runs the same kernels on every request padded to the longest one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from futx.config import LlamaConfig
+from futx.quant.fold import fold_layer, rms_row_factor
+from futx.quant.fp8 import E4M3_MAX, E4M3Weight, ieee_div, quantize_e4m3_weight
+from futx.reference import rms_norm
+from futx.reference.batch import PackedBatch
+from futx.reference.weights import ModelWeights
+from futx.rope import inv_freq as rope_inv_freq
+
+from .cache import EngineCache
+
+FORMATS = ("e4m3", "bf16")
+BACKENDS = ("kernels", "emulated")
+GLUE = ("eager", "compiled")
+ATTN_TILE_M = 128          # futx.ops.prefill_attention.TILE_M: the GQA group must divide it
+ATTN_HEAD_DIMS = (64, 128)  # prefill attention kernels
+QKV_HEAD_DIMS = {"e4m3": (64, 128), "bf16": (64, 128)}  # shipped QKV placement chains
+Weight = Union[E4M3Weight, torch.Tensor]
+
+
+# ---- weights ------------------------------------------------------------------------------------------------
+@dataclass
+class PrefillLayer:
+    qkv: Weight      # [(Hq + 2 Hkv) D, H]  rows wq | wk | wv, attention-norm gain folded
+    o: Weight        # [H, Hq D]
+    gateup: Weight   # [2 I, H]  rows interleaved gate/up, MLP-norm gain folded
+    down: Weight     # [H, I]
+
+
+@dataclass
+class PrefillWeights:
+    config: LlamaConfig
+    fmt: str                     # e4m3 | bf16
+    embed: torch.Tensor          # bf16 [V, H]
+    final_norm: torch.Tensor     # float32 [H]
+    lm_head: torch.Tensor        # bf16 [V, H]
+    layers: list[PrefillLayer]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1])
+
+
+def _quantize(w: torch.Tensor, fmt: str) -> Weight:
+    if fmt == "e4m3":
+        q = quantize_e4m3_weight(w)
+        return E4M3Weight(q.data.contiguous(), q.scale.contiguous())
+    return w.to(torch.bfloat16).contiguous()
+
+
+def check_prefill_model(config: LlamaConfig, fmt: str) -> None:
+    """Raise ValueError naming the first dimension the prefill GEMMs cannot take (TMA: K, N multiples of 16)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"prefill weight format must be one of {FORMATS}, got {fmt!r}")
+    c = config
+    for name, n, k in (("qkv", c.qkv_size, c.hidden_size), ("o", c.hidden_size, c.q_size),
+                       ("gate/up", 2 * c.intermediate_size, c.hidden_size), ("down", c.hidden_size,
+                                                                              c.intermediate_size)):
+        if k % 16 or n % (32 if name == "gate/up" else 16):
+            raise ValueError(f"prefill: the {name} projection ([N, K] = [{n}, {k}]) needs K and N multiples of 16 "
+                             "(N = 2 I a multiple of 32)")
+    if c.head_dim not in (64, 128):
+        raise ValueError(f"prefill: head_dim {c.head_dim} has no QKV placement chain (64 or 128)")
+
+
+def pack_prefill(weights: ModelWeights, fmt: str = "e4m3", *, device=None, embed: Optional[torch.Tensor] = None,
+                 lm_head: Optional[torch.Tensor] = None) -> PrefillWeights:
+    """Prefill weights from the float checkpoint: gains folded, QKV rows [Q|K|V], gate/up interleaved, each
+    projection E4M3 (per-output-channel scales) or BF16. `embed` / `lm_head`: BF16 tensors to share (e.g. a
+    decode PackedModel's), else converted from `weights`."""
+    config = weights.config
+    check_prefill_model(config, fmt)
+    dev = torch.device(device) if device is not None else weights.device
+    layers = []
+    for layer in weights.layers:
+        f = fold_layer(layer.to(device=dev))
+        layers.append(PrefillLayer(_quantize(torch.cat([f.wq, f.wk, f.wv]), fmt), _quantize(f.wo, fmt),
+                                   _quantize(_interleave(f.w_gate, f.w_up), fmt), _quantize(f.w_down, fmt)))
+    if embed is None:
+        embed = weights.embed.to(device=dev, dtype=torch.bfloat16)
+    if lm_head is None:
+        lm_head = embed if weights.lm_head is None else weights.lm_head.to(device=dev, dtype=torch.bfloat16)
+    return PrefillWeights(config, fmt, embed, weights.final_norm.to(device=dev, dtype=torch.float32), lm_head, layers)
+
+
+def prefill_from_packed(packed) -> PrefillWeights:
+    """The decode PackedModel's own projections when they are E4M3 or BF16 (same layout and quantizer):
+    a packed directory serves the kernel prefill without its checkpoint."""
+    if packed.weights not in FORMATS:
+        raise ValueError(f"a {packed.weights} packed model has no prefill weights (prefill takes {FORMATS})")
+    check_prefill_model(packed.config, packed.weights)
+    layers = [PrefillLayer(l.qkv, l.o, l.gateup, l.down) for l in packed.layers]
+    return PrefillWeights(packed.config, packed.weights, packed.embed, packed.final_norm.float(), packed.lm_head,
+                          layers)
+
+
+# ---- glue: per-row dynamic FP8 quantization of BF16 activations ----------------------------------------------
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (BF16) -> (e4m3 [M, K], float32 scale [M]) with scale = amax / 448 per row (1 for zero rows).
+
+    Costs one read of x and one FP8 write in a fused kernel (glue="compiled"); eager PyTorch makes ~6 passes."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, ieee_div(amax, E4M3_MAX), torch.ones_like(amax))
+    data = ieee_div(xf, scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data, scale
+
+
+_COMPILED: dict = {}
+
+
+def _quantizer(glue: str):
+    if glue == "eager":
+        return quantize_rows
+    if "q" not in _COMPILED:
+        _COMPILED["q"] = torch.compile(quantize_rows, dynamic=True)
+    return _COMPILED["q"]
+
+
+# ---- delayed per-tensor scaling of the SwiGLU output --------------------------------------------------------
+class ScaleState:
+    """One request group's delayed scales of the SwiGLU E4M3 output: per layer scale [1], amax [1] (reset per
+    call), saturated [1] (running count), all on the device; `calibrated[i]` is a host flag."""
+
+    def __init__(self, layers: int, device, margin: float = 2.0, initial_amax: Optional[float] = None):
+        if not margin >= 1.0:
+            raise ValueError(f"margin must be >= 1, got {margin}")
+        if initial_amax is not None and not (0 < initial_amax < float("inf")):
+            raise ValueError(f"initial_amax must be positive and finite, got {initial_amax}")
+        self.margin = margin
+        first = 1.0 if initial_amax is None else initial_amax * margin / E4M3_MAX
+        self.scale = [torch.full((1,), first, dtype=torch.float32, device=device) for _ in range(layers)]
+        self.amax = [torch.zeros(1, dtype=torch.float32, device=device) for _ in range(layers)]
+        self.saturated = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(layers)]
+        self.calibrated = [initial_amax is not None] * layers
+
+    def next_scale(self, i: int) -> None:
+        """scale <- amax * margin / 448 where amax > 0 (device-side)."""
+        a = self.amax[i]
+        self.scale[i].copy_(torch.where(a > 0, ieee_div(a * self.margin, E4M3_MAX), self.scale[i]))
+
+    def saturations(self) -> int:
+        return int(torch.stack(self.saturated).sum())
+
+
+# ---- the torch pieces shared by the emulation and the fallbacks ----------------------------------------------
+def _rope_cos_sin(row_pos: torch.Tensor, inv_freq32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [M, D/2] of pos * inv_freq (the FP32 frequencies the kernel reads, exact product)."""
+    angle = row_pos.double()[:, None] * inv_freq32.double()[None, :]
+    return angle.cos().float(), angle.sin().float()
+
+
+def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [M, heads, D] float32 with cos/sin [M, D/2]."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+
+def place_qkv(y: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slot: torch.Tensor,
+              row_pos: torch.Tensor, inv_freq32: torch.Tensor) -> torch.Tensor:
+    """QKVPlacement in torch: y float32 [M, (Hq + 2 Hkv) D] (scales and rho applied) -> Q bf16 [M, Hq, D]; RoPE'd
+    K and V (BF16) written to cache[slot, head, pos]."""
+    m = y.shape[0]
+    hkv, d = k_cache.shape[1], k_cache.shape[3]
+    x = y.view(m, -1, d)
+    hq = x.shape[1] - 2 * hkv
+    cos, sin = _rope_cos_sin(row_pos, inv_freq32)
+    qk = rope_f32(x[:, :hq + hkv], cos, sin)
+    sl, ps = row_slot.long(), row_pos.long()
+    k_cache[sl, :, ps] = qk[:, hq:].to(torch.bfloat16)
+    v_cache[sl, :, ps] = x[:, hq + hkv:].to(torch.bfloat16)
+    return qk[:, :hq].to(torch.bfloat16)
+
+
+def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, host: tuple,
+                    out: Optional[torch.Tensor] = None, block: int = 512) -> torch.Tensor:
+    """Causal GQA of q [M, Hq, D] over the BF16 cache in float32 (scores, softmax, P V), BF16 out.
+    host = (cu_seqlens, start_positions, slots) as host int tuples (PackedBatch.host_lists())."""
+    cu, starts, slots = host
+    m, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    out = torch.empty_like(q) if out is None else out
+    scale = 1.0 / math.sqrt(d)
+    for b in range(len(slots)):
+        r0, r1, st = cu[b], cu[b + 1], starts[b]
+        k = k_cache[slots[b], :, :st + r1 - r0].float()          # [Hkv, L, D]
+        v = v_cache[slots[b], :, :st + r1 - r0].float()
+        for s in range(r0, r1, block):
+            e = min(s + block, r1)
+            n, first, stop = e - s, st + s - r0, st + e - r0
+            qb = q[s:e].float().reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+            sc = (qb @ k[:, :stop].transpose(1, 2)) * scale
+            qpos = torch.arange(first, stop, device=q.device).repeat(g)
+            late = torch.arange(stop, device=q.device)[None, :] > qpos[:, None]
+            p = sc.masked_fill_(late, float("-inf")).softmax(dim=-1)
+            o = (p @ v[:, :stop]).reshape(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+            out[s:e] = o.to(out.dtype)
+    return out
+
+
+# ---- the ops, in two backends ---------------------------------------------------------------------------------
+class EmulatedPrefillOps:
+    """futx.ops.prefill.gemm / qkv and prefill_attention in PyTorch, for the shipped chain names.
+
+    GEMM: float32 product of the exact operand values (the kernels accumulate FP8 with fewer bits); then the
+    chain steps in the kernels' order: row factor a[m] * rho[m], x row factor, x column scale; SwiGLU
+    silu(gate) * up on column pairs (2j, 2j + 1); residual add; RMS partials of the BF16-rounded output per
+    output tile; store BF16, or E4M3 as e4m3(v * (1 / scale)) with amax / saturation statistics."""
+
+    name = "emulated"
+
+    def gemm(self, a, w, policy: str, *, out=None, variant: Optional[str] = None, **t):
+        steps = policy.split("_")
+        v = a.float() @ w.float().T
+        row = None
+        if "scale" in steps:
+            row = t["a_scale"].float()[:, None]
+        elif "scalet" in steps:
+            row = t["a_scale"].float().reshape(1, 1)
+        if "rho" in steps:
+            rho = t["rho"].float()[:, None]
+            row = rho if row is None else row * rho
+        if row is not None:
+            v = v * row
+        if "scale" in steps or "scalet" in steps:
+            v = v * t["b_scale"].float()[None, :]
+        if "swiglu" in steps:
+            gate, up = v[:, 0::2], v[:, 1::2]
+            v = gate * torch.sigmoid(gate) * up
+        if "res" in steps:
+            v = v + t["residual"].float()
+        if steps[-1] == "fp8":
+            finite = v.masked_fill(torch.isnan(v), 0.0).abs()
+            if v.numel():
+                t["amax"].copy_(torch.maximum(t["amax"], finite.amax().reshape(1)))
+            inv = torch.ones(1, device=v.device) / t["scale"].float()
+            y = v * inv
+            t["saturated"].add_((y.abs() > E4M3_MAX).sum().to(torch.int32).reshape(1))
+            res = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        else:
+            res = v.to(torch.bfloat16)
+        if "rms" in steps:
+            sumsq = t["sumsq"]
+            tiles = sumsq.shape[0]
+            width = _tile_n(variant) if variant else -(-res.shape[1] // tiles)
+            sq = res.float().pow(2)
+            for i in range(tiles):
+                sumsq[i] = sq[:, i * width:(i + 1) * width].sum(dim=1)
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
+
+    def qkv(self, a, w, k_cache, v_cache, row_slot, row_pos, inv_freq, *, rho, a_scale=None, b_scale=None,
+            out=None, variant=None):
+        y = a.float() @ w.float().T
+        row = rho.float() if a_scale is None else a_scale.float() * rho.float()
+        y = y * row[:, None]
+        if b_scale is not None:
+            y = y * b_scale.float()[None, :]
+        q = place_qkv(y, k_cache, v_cache, row_slot, row_pos, inv_freq)
+        if out is not None:
+            out.view_as(q).copy_(q)
+            return out.view_as(q)
+        return q
+
+    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None):
+        return attention_torch(q, k_cache, v_cache, host, out)
+
+
+class KernelPrefillOps:
+    """futx's prefill GEMM (epilogue chains) and prefill attention (Hopper GPU)."""
+
+    name = "kernels"
+
+    def __init__(self):
+        from futx.ops import prefill, prefill_attention
+
+        self._gemm, self._attn = prefill, prefill_attention
+
+    def gemm(self, a, w, policy: str, *, out=None, variant: Optional[str] = None, **t):
+        return self._gemm.gemm(a, w, policy, out=out, variant=variant, **t)
+
+    def qkv(self, a, w, k_cache, v_cache, row_slot, row_pos, inv_freq, *, rho, a_scale=None, b_scale=None,
+            out=None, variant=None):
+        return self._gemm.qkv(a, w, k_cache, v_cache, row_slot, row_pos, inv_freq, rho=rho, a_scale=a_scale,
+                              b_scale=b_scale, out=out, variant=variant)
+
+    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None):
+        return self._attn.attention(q, k_cache, v_cache, cu32, start32, slot32, out=out)
+
+
+def make_prefill_ops(backend: str):
+    if backend == "kernels":
+        return KernelPrefillOps()
+    if backend == "emulated":
+        return EmulatedPrefillOps()
+    raise ValueError(f"unknown prefill backend {backend!r}: 'kernels' or 'emulated'")
+
+
+def _variant(m: int, n: int, device: torch.device) -> str:
+    """The variant the op would choose (named explicitly: the RMS partials' tile count depends on it)."""
+    from futx.runtime.catalog.prefill import choose_variant
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return choose_variant(m, n, sms)
+
+
+def _tile_n(variant: str) -> int:
+    return 128 if variant.startswith("n128") else 256
+
+
+# ---- the model ------------------------------------------------------------------------------------------------
+@dataclass
+class _Rows:
+    """Per-call batch metadata on the device (int32 for the kernels) and on the host."""
+    row_slot: torch.Tensor
+    row_pos: torch.Tensor
+    cu: torch.Tensor
+    start: torch.Tensor
+    slot: torch.Tensor
+    host: tuple
+    real: Optional[torch.Tensor] = None   # padded path: indices of the real rows (mirror writes)
+
+
+@dataclass
+class PrefillOutput:
+    hidden: torch.Tensor                  # bf16 [R, H]: the residual stream at each request's last row
+    normed: torch.Tensor                  # bf16 [R, H]: after the final RMSNorm
+    logits: Optional[torch.Tensor] = None  # bf16 [R, V] (want_logits)
+
+
+@dataclass
+class _Stats:
+    calls: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+    notes: list = field(default_factory=list)
+
+
+class PrefillModel:
+    """Prefill weights + the engine's cache + one backend: packed (or padded) prefill of a batch of requests.
+
+    K/V of every layer land in `cache` (an EngineCache: main copy by the QKV epilogue, mirror rows through
+    `EngineCache.write_rows`), so decode continues from the cache at once."""
+
+    def __init__(self, weights: PrefillWeights, cache: EngineCache, backend: str = "kernels", *,
+                 margin: float = 2.0, initial_amax: Optional[float] = None, glue: str = "eager",
+                 attention: str = "auto"):
+        cfg = weights.config
+        check_prefill_model(cfg, weights.fmt)
+        c = cache.config
+        if (c.num_hidden_layers, c.num_key_value_heads, c.head_dim) != (
+                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim):
+            raise ValueError("the engine cache was made for another model shape")
+        if backend == "kernels" and cache.device.type != "cuda":
+            raise ValueError("the kernel prefill needs a CUDA (Hopper) device; use backend='emulated' elsewhere")
+        if glue not in GLUE:
+            raise ValueError(f"glue must be one of {GLUE}, got {glue!r}")
+        self.weights, self.config, self.cache, self.fmt = weights, cfg, cache, weights.fmt
+        self.device = cache.device
+        if _device_key(weights.device) != _device_key(self.device):
+            raise ValueError(f"prefill weights on {weights.device}, the cache on {self.device}")
+        self.backend = backend
+        self.ops = make_prefill_ops(backend)
+        self.margin, self.initial_amax = margin, initial_amax
+        self.quantize = _quantizer(glue)
+        self.inv_freq = rope_inv_freq(cfg).float().to(self.device)
+        self.states: dict[object, ScaleState] = {}
+        fits = cfg.head_dim in ATTN_HEAD_DIMS and ATTN_TILE_M % cfg.group_size == 0
+        if attention not in ("auto", "kernel", "torch"):
+            raise ValueError(f"attention must be 'auto', 'kernel' or 'torch', got {attention!r}")
+        if attention == "kernel" and not fits:
+            raise ValueError(f"the prefill attention kernel needs head_dim in {ATTN_HEAD_DIMS} and a GQA group "
+                             f"dividing {ATTN_TILE_M}; this model has {cfg.head_dim} and {cfg.group_size}")
+        self.attention_impl = "torch" if attention == "torch" or not fits else "kernel"
+        self.fused_qkv = cfg.head_dim in QKV_HEAD_DIMS[self.fmt]
+        self.stats = _Stats()
+
+    def describe(self) -> str:
+        what = "kernel" if self.backend == "kernels" else "emulated kernel"
+        parts = [f"{what} prefill ({self.fmt}, packed)"]
+        if self.attention_impl == "torch":
+            parts.append(f"attention in torch (GQA group {self.config.group_size} / head_dim {self.config.head_dim}"
+                         " has no prefill attention kernel)")
+        if not self.fused_qkv:
+            parts.append(f"QKV RoPE/cache placement in torch (no shipped {self.fmt} qkv{self.config.head_dim} chain)")
+        return "; ".join(parts)
+
+    def state(self, group: object = 0) -> ScaleState:
+        if group not in self.states:
+            self.states[group] = ScaleState(self.config.num_hidden_layers, self.device, self.margin,
+                                            self.initial_amax)
+        return self.states[group]
+
+    # ---- entry points ------------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, batch: PackedBatch, *, group: object = 0,
+                want_logits: bool = False) -> PrefillOutput:
+        """Packed prefill of `batch` (tokens [M] int). Returns each request's last row (hidden, normed, logits)."""
+        rows = self._rows(tokens, batch)
+        last = torch.tensor([e - 1 for e in batch.host_lists()[0][1:]], device=self.device)
+        x = self._run(tokens.to(self.device), rows, group)
+        self.stats.calls += 1
+        self.stats.rows += batch.num_rows
+        return self._out(x[last], want_logits)
+
+    def forward_padded(self, prompts: Sequence[Sequence[int]], starts: Optional[Sequence[int]] = None,
+                       slots: Optional[Sequence[int]] = None, *, group: object = 0,
+                       want_logits: bool = False) -> PrefillOutput:
+        """The same prefill with every request padded to the longest (pad token 0, same slot, later positions:
+        causal attention keeps the real rows exact; the padded rows cost GEMM and attention time, their K/V
+        land past the prompt in the main copy only, and they enter the SwiGLU scale's amax)."""
+        n = len(prompts)
+        lengths = [len(p) for p in prompts]
+        if n == 0 or min(lengths) < 1:
+            raise ValueError("every request needs at least one token")
+        s_max = max(lengths)
+        starts = [0] * n if starts is None else list(starts)
+        slots = list(range(n)) if slots is None else list(slots)
+        batch = PackedBatch.from_lengths([s_max] * n, starts, slots, device=self.device)
+        toks = torch.tensor([t for p in prompts for t in list(p) + [0] * (s_max - len(p))], dtype=torch.int64)
+        rows = self._rows(toks, batch)
+        rows.real = torch.tensor([b * s_max + i for b in range(n) for i in range(lengths[b])], device=self.device)
+        x = self._run(toks.to(self.device), rows, group)
+        last = torch.tensor([b * s_max + lengths[b] - 1 for b in range(n)], device=self.device)
+        self.stats.calls += 1
+        self.stats.rows += sum(lengths)
+        self.stats.padded_rows += n * s_max - sum(lengths)
+        return self._out(x[last], want_logits)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return normed @ self.weights.lm_head.T
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _out(self, x: torch.Tensor, want_logits: bool) -> PrefillOutput:
+        h = rms_norm(x, self.weights.final_norm.to(torch.bfloat16), self.config.rms_norm_eps)
+        return PrefillOutput(x, h, self.logits(h) if want_logits else None)
+
+    def _rows(self, tokens: torch.Tensor, batch: PackedBatch) -> _Rows:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype.is_floating_point \
+                or tokens.dtype == torch.bool:
+            raise ValueError("tokens must be a 1-D integer tensor")
+        if tokens.numel() != batch.num_rows:
+            raise ValueError(f"{tokens.numel()} tokens but the batch describes {batch.num_rows} rows")
+        lo, hi = (int(v) for v in torch.aminmax(tokens.cpu()))
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {lo}..{hi}")
+        cu, starts, slots = batch.host_lists()
+        for b, (st, sl) in enumerate(zip(starts, slots)):
+            if not 0 <= sl < self.cache.slots:
+                raise ValueError(f"request {b}: cache slot {sl} out of range [0, {self.cache.slots})")
+            if st + cu[b + 1] - cu[b] > self.cache.capacity:
+                raise ValueError(f"request {b}: KV cache overflow: positions up to {st + cu[b + 1] - cu[b]} but the "
+                                 f"capacity is {self.cache.capacity}")
+        i32 = lambda t: t.to(device=self.device, dtype=torch.int32).contiguous()  # noqa: E731
+        return _Rows(i32(batch.row_slot), i32(batch.row_position), i32(batch.cu_seqlens),
+                     i32(batch.start_positions), i32(batch.slots), (cu, starts, slots))
+
+    def _run(self, tokens: torch.Tensor, rows: _Rows, group: object) -> torch.Tensor:
+        x = self.weights.embed[tokens]
+        rho = rms_row_factor(x, self.config.rms_norm_eps)   # layer 0: a plain torch reduction
+        st = self.state(group) if self.fmt == "e4m3" else None
+        for i in range(self.config.num_hidden_layers):
+            x, rho = self.layer(i, x, rho, rows, st)
+        return x
+
+    def layer(self, i: int, x: torch.Tensor, rho: torch.Tensor, rows: _Rows, st: Optional[ScaleState]):
+        """Block i on the residual stream x [M, H] with its RMSNorm row factors rho [M] -> (x, next rho)."""
+        cfg, w, ops = self.config, self.weights.layers[i], self.ops
+        m, h, eps = x.shape[0], cfg.hidden_size, cfg.rms_norm_eps
+        lc = self.cache.layers[i]
+        fp8 = self.fmt == "e4m3"
+        dev = x.device
+        # ---- QKV: RoPE, K/V into the main copy, then the mirror rows ----
+        if fp8:
+            x8, a_s = self.quantize(x)
+            if self.fused_qkv:
+                q = ops.qkv(x8, w.qkv.data, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq,
+                            rho=rho, a_scale=a_s, b_scale=w.qkv.scale)
+            else:  # pragma: no cover - every head dim of check_prefill_model has an e4m3 chain
+                raise AssertionError("no e4m3 QKV chain")
+        elif self.fused_qkv:
+            q = ops.qkv(x, w.qkv, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq, rho=rho)
+        else:  # no shipped BF16 QKV chain for this head dim: plain GEMM, rho + RoPE + placement in torch
+            y = ops.gemm(x, w.qkv, "bf16")
+            q = place_qkv(y.float() * rho[:, None], lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos,
+                          self.inv_freq)
+        self._mirror(i, rows)
+        # ---- attention ----
+        if self.attention_impl == "kernel":
+            attn = ops.attention(q, lc.k_cache, lc.v_cache, rows.cu, rows.start, rows.slot, rows.host)
+        else:
+            attn = attention_torch(q, lc.k_cache, lc.v_cache, rows.host)
+        attn = attn.reshape(m, cfg.q_size)
+        # ---- O projection: residual add (+ RMS partials) ----
+        if fp8:
+            a8, a_s = self.quantize(attn)
+            var = _variant(m, h, dev)
+            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            x = ops.gemm(a8, w.o.data, "scale_res_rms_bf16", variant=var, a_scale=a_s, b_scale=w.o.scale,
+                         residual=x, sumsq=sumsq)
+            rho = _rms_rho(sumsq, h, eps)
+        else:
+            var = _variant(m, h, dev)
+            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            x = ops.gemm(attn, w.o, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
+            rho = _rms_rho(sumsq, h, eps)
+        # ---- gate/up + SwiGLU ----
+        if fp8:
+            x8, a_s = self.quantize(x)
+            gu = dict(a_scale=a_s, b_scale=w.gateup.scale, rho=rho)
+            if not st.calibrated[i]:  # first call of this state: measure the output's amax, then scale from it
+                st.amax[i].zero_()
+                ops.gemm(x8, w.gateup.data, "scale_rho_swiglu_fp8", scale=torch.ones_like(st.scale[i]),
+                         amax=st.amax[i], saturated=torch.zeros_like(st.saturated[i]), **gu)
+                st.next_scale(i)
+                st.calibrated[i] = True
+            st.amax[i].zero_()
+            z = ops.gemm(x8, w.gateup.data, "scale_rho_swiglu_fp8", scale=st.scale[i], amax=st.amax[i],
+                         saturated=st.saturated[i], **gu)
+        else:
+            z = ops.gemm(x, w.gateup, "rho_swiglu_bf16", rho=rho)
+        # ---- down projection: residual add (+ RMS partials for the next block) ----
+        if fp8:
+            var = _variant(m, h, dev)
+            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            x = ops.gemm(z, w.down.data, "scalet_res_rms_bf16", variant=var, a_scale=st.scale[i],
+                         b_scale=w.down.scale, residual=x, sumsq=sumsq)
+            st.next_scale(i)
+            rho = _rms_rho(sumsq, h, eps)
+        else:
+            var = _variant(m, h, dev)
+            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            x = ops.gemm(z, w.down, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
+            rho = _rms_rho(sumsq, h, eps)
+        return x, rho
+
+    def _mirror(self, i: int, rows: _Rows) -> None:
+        """The decode mirror (and kept values) of this layer's new rows, as the decode kernels store them."""
+        c = self.cache
+        if c.fmt == "bf16" and c.values is None:
+            return  # the QKV epilogue wrote the only copy
+        sl, ps = rows.row_slot.long(), rows.row_pos.long()
+        if rows.real is not None:
+            sl, ps = sl[rows.real], ps[rows.real]
+        lc = c.layers[i]
+        c.write_rows(i, sl, ps, lc.k_cache[sl, :, ps], lc.v_cache[sl, :, ps])
+
+
+def _device_key(device) -> tuple:
+    """(type, index) with the current CUDA device for a bare "cuda" ("cuda" and "cuda:0" are one device)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return d.type, torch.cuda.current_device()
+    return d.type, d.index
+
+
+def _rms_rho(sumsq: torch.Tensor, hidden: int, eps: float) -> torch.Tensor:
+    """futx.ops.prefill.rms_rho without importing the ops (the emulated backend runs without the DSL)."""
+    return torch.rsqrt(sumsq.sum(dim=0) / hidden + eps)
+
+
+# ---- convenience ------------------------------------------------------------------------------------------------
+def prefill_tokens(model: PrefillModel, prompts: Sequence[Sequence[int]], starts: Optional[Sequence[int]] = None,
+                   slots: Optional[Sequence[int]] = None, *, group: object = 0,
+                   want_logits: bool = False) -> PrefillOutput:
+    """Packed prefill of token lists (request b at starts[b] in slots[b])."""
+    batch = PackedBatch.from_lengths([len(p) for p in prompts], starts, slots, device=model.device)
+    toks = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+    return model.forward(toks, batch, group=group, want_logits=want_logits)
+
+
+__all__ = ["FORMATS", "EmulatedPrefillOps", "KernelPrefillOps", "PrefillLayer", "PrefillModel", "PrefillOutput",
+           "PrefillWeights", "ScaleState", "attention_torch", "check_prefill_model", "pack_prefill", "place_qkv",
+           "prefill_from_packed", "prefill_tokens", "quantize_rows"]

@@ -1,0 +1,127 @@
+"""What the scheduler steps: one decode step over rows at their own positions and cache slots, and prefill
+chunks that write a prompt's K/V rows into a slot.
+
+`ReferenceEngine`: the PyTorch reference model (float, any device) over a slotted KVCache; prefill chunks of
+several requests run packed in one forward.
+
+`DecodeEngine`: futx's decode engine (DecodeModel, CUDA graphs on a GPU). Its prefill is either futx's
+packed kernel prefill (`prefill_model`, a `futx.engine.prefill.PrefillModel` over the engine's cache: the
+chunks of all requests in one packed batch, FP8 or BF16 GEMMs with fused epilogues, K/V and the mirror
+rows written straight into the cache; emulated in PyTorch on the emulated backend), or the serving
+protocol of `futx.engine.perplexity`: the BF16 reference prefill (float32, BF16-valued folded weights) of
+the prompt, its K/V rows written into the engine's cache as the kernels store them (`write_prefix`),
+request by request. Without either (a packed model whose checkpoint is not at hand) prompts are read by
+the decode step one token per step instead.
+
+Both prefill prompt[:-1]; the last prompt token is the request's first decode row, whose output is its
+first generated token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from futx.kvcache import KVCache
+from futx.reference import PackedBatch, forward, forward_hidden
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens [start, start + len(tokens)) of the request in `slot`, whose prefill spans [0, total)."""
+    slot: int
+    tokens: list[int]
+    start: int
+    total: int
+
+
+class ReferenceEngine:
+    name = "reference"
+    prefills = True
+
+    def __init__(self, weights, max_batch: int, capacity: int):
+        self.weights, self.config = weights, weights.config
+        self.max_batch, self.capacity = max_batch, capacity
+        self.device = weights.device
+        self.cache = KVCache(self.config, max_batch, capacity, dtype=weights.dtype, device=self.device)
+
+    def describe(self) -> str:
+        return f"{self.config.name} on the reference path ({self.weights.dtype} on {self.device})"
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        toks = torch.tensor([t for c in chunks for t in c.tokens], device=self.device)
+        batch = PackedBatch.from_lengths([len(c.tokens) for c in chunks], [c.start for c in chunks],
+                                         [c.slot for c in chunks], device=self.device)
+        forward_hidden(self.config, self.weights, toks, batch, self.cache, phase="prefill")
+
+    def step(self, tokens, positions, slots, want_logits: bool):
+        """Next greedy tokens (list) and, if asked, the logits rows [n, V]."""
+        batch = PackedBatch.decode(positions, slots, device=self.device)
+        logits = forward(self.config, self.weights, torch.tensor(tokens, device=self.device), batch, self.cache,
+                         phase="decode")
+        return logits.argmax(-1).tolist(), (logits if want_logits else None)
+
+    def release(self, slot: int) -> None:
+        self.cache.reset(slot)
+
+
+class DecodeEngine:
+    def __init__(self, model, graphs=None, prefill_weights=None, prefill_model=None):
+        if prefill_model is not None and prefill_model.cache is not model.cache:
+            raise ValueError("the prefill model must write the decode engine's own cache")
+        self.model, self.graphs, self.prefill_weights = model, graphs, prefill_weights
+        self.prefill_model = prefill_model
+        self.config = model.config
+        self.name = model.backend
+        self.max_batch, self.capacity = model.max_batch, model.capacity
+        self.prefills = prefill_weights is not None or prefill_model is not None
+        self._ref: dict[int, KVCache] = {}  # per slot: the prompt's reference K/V while it is being prefilled
+
+    def describe(self) -> str:
+        m = self.model
+        g = "CUDA graphs" if self.graphs is not None else "eager"
+        if self.prefill_model is not None:
+            pre = self.prefill_model.describe()
+        elif self.prefills:
+            pre = "prefill on the BF16 reference path"
+        else:
+            pre = "prompts read one token per decode step (no checkpoint for the reference prefill)"
+        return (f"{self.config.name} on the {m.backend} path ({g}), weights {m.packed.weights}, cache "
+                f"{m.cache.fmt}; {pre}")
+
+    def prefill(self, chunks: list[Chunk]) -> None:
+        if self.prefill_model is not None:  # every request's chunk in one packed batch, one scale group
+            pm = self.prefill_model
+            toks = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
+            batch = PackedBatch.from_lengths([len(c.tokens) for c in chunks], [c.start for c in chunks],
+                                             [c.slot for c in chunks], device=pm.device)
+            pm.forward(toks.to(pm.device), batch)
+            return
+        w = self.prefill_weights
+        cfg, dev = self.config, self.model.device
+        for c in chunks:  # one request at a time: each has its own reference cache
+            if c.start == 0:
+                self._ref[c.slot] = KVCache(cfg, 1, c.total, dtype=w.dtype, device=w.device)
+            ref = self._ref[c.slot]
+            n, end = len(c.tokens), c.start + len(c.tokens)
+            forward_hidden(cfg, w, torch.tensor(c.tokens, device=w.device),
+                           PackedBatch.from_lengths([n], [c.start], [0], device=w.device), ref, phase="prefill")
+            slots = torch.full((n,), c.slot, dtype=torch.int64, device=dev)
+            positions = torch.arange(c.start, end, device=dev)
+            for layer in range(cfg.num_hidden_layers):
+                k = ref.k[layer][0, :, c.start:end].transpose(0, 1)
+                v = ref.v[layer][0, :, c.start:end].transpose(0, 1)
+                self.model.write_prefix(layer, slots, positions, k.to(dev), v.to(dev))
+            if end == c.total:
+                del self._ref[c.slot]
+
+    def step(self, tokens, positions, slots, want_logits: bool):
+        m = self.model
+        nxt = (self.graphs.run(tokens, positions, slots) if self.graphs is not None
+               else m.run(tokens, positions, slots))
+        logits = m.logits(m.buffers.hidden[:len(tokens)]) if want_logits else None
+        return nxt.tolist(), logits
+
+    def release(self, slot: int) -> None:
+        self._ref.pop(slot, None)  # the engine's cache rows are simply overwritten by the next request
