@@ -223,7 +223,7 @@ class DecodeAttention:
         if cutlass.const_expr(p.quantized):
             x = [v.to(Float32) for v in raw]
             if cutlass.const_expr(p.rotate):
-                x = hw.rotate(x, lane, p.block)
+                x = hw.rotate(x, lane, p.head_dim)
             amax = Float32(0.0)
             for v in x:
                 amax = cute.arch.fmax(amax, cute.math.absf(v))
@@ -296,7 +296,7 @@ class DecodeAttention:
         row = s_q + (j * p.head_dim + c0) * 2
         if cutlass.const_expr(p.quantized):
             if cutlass.const_expr(p.rotate):
-                x = hw.rotate(x, lane, p.block)
+                x = hw.rotate(x, lane, p.head_dim)
             x = [v * scale_log2 for v in x]  # log2(e) / sqrt(d) folded in: scores come out in log2 units
             for e in range(n // 2):
                 ptx.sts32(row + 4 * e, ptx.pack_f16x2(x[2 * e], x[2 * e + 1]))
@@ -586,14 +586,10 @@ class DecodeAttention:
                         made[j] = ptx.int4_word_to_f16x2x4_pair(words[j], self.consts)
                     return made[j][m]
                 return lambda tile: (reg_pair(tile, 0), reg_pair(tile, 1))
-            if p.k_dequant == "alu":
-                words = [w ^ XOR8 for w in words]
             where = {frag: b for b, frag in enumerate(p.int4_key_frag)}
 
             def reg(tile, r):
                 b = where[(tile, r)]
-                if p.k_dequant == "alu":
-                    return ptx.int4_byte_to_f16x2_alu(words[b // 4], b % 4, self.consts)
                 return self._lut(words[b // 4], b % 4, lane4, s_lut)
         else:
             chunks = [ptx.lds128(sb + p.k_smem_offset(kb * 8 + g, t + 4 * i)) for i in range(p.key_chunks())]
@@ -657,7 +653,7 @@ class DecodeAttention:
         inv = Float32(1.0) / lsum
         y = [v * inv for v in outs]
         if cutlass.const_expr(p.rotate):
-            y = hw.rotate(y, lane, p.block)
+            y = hw.rotate(y, lane, p.head_dim)
         for i in range(n):
             mOut[b, head, lane * n + i] = y[i].to(BFloat16)
 
@@ -771,12 +767,12 @@ def fake_args(plan: AttnPlan):
     return (*(make[name]() for name in plan.tensors), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, hadamard_block: int = 0,
-                   k_dequant: str | None = None, v_dequant: str | None = None, warps: int = 4, stages: int = 3,
-                   saturating_warps: int = 8, lean_issue: bool | None = None, fused_qkv: bool = False):
+def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, k_dequant: str | None = None,
+                   v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
+                   lean_issue: bool | None = None, fused_qkv: bool = False):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
     differ in it are distinct registry entries)."""
-    plan = default_plan(fmt, head_dim, rotate, hadamard_block, k_dequant, v_dequant, warps, stages,
-                        saturating_warps, lean_issue, fused_qkv)
+    plan = default_plan(fmt, head_dim, rotate, k_dequant, v_dequant, warps, stages, saturating_warps,
+                        lean_issue, fused_qkv)
     return make_entry(plan), fake_args(plan)

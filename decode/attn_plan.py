@@ -24,7 +24,8 @@ from futx.hardware import SMEM_PER_CTA
 from futx.quant import layouts
 
 FORMATS = ("int4", "e4m3", "bf16")
-DEQUANT = ("lut", "alu", "pair")
+K_DEQUANT = ("lut", "pair")         # INT4 keys
+V_DEQUANT = ("lut", "alu", "pair")  # INT4 values
 QMAX = {"int4": 7.0, "e4m3": 448.0}
 MAX_GROUP = 8          # query heads per KV head handled by one n8 P.V tile
 LUT_COPIES = 32        # byte -> f16x2 table replicated per lane: lookups never conflict on a bank
@@ -144,14 +145,13 @@ def entry_tensors(fmt: str, fused_qkv: bool) -> tuple[str, ...]:
 class AttnPlan:
     fmt: str                 # cache the kernel reads: "int4" | "e4m3" (mirrors) | "bf16" (main copy)
     head_dim: int
-    rotate: bool = False     # Hadamard-rotated mirror (int4/e4m3 only)
-    hadamard_block: int = 0  # 0 = head_dim
+    rotate: bool = False     # Hadamard-rotated mirror (int4/e4m3 only), one block of head_dim channels
     tile_tokens: int = 32    # tokens per warp iteration (multiple of 16)
     stages: int = 3          # cp.async ring depth per warp
     warps: int = 4
-    k_dequant: str = "lut"   # INT4 keys: "lut" (256-entry shared table), "alu" (prmt + lop3 + fma) or
-                             # "pair" (lop3 + hadd2 on nibbles 16 bits apart, query permuted to match)
-    v_dequant: str = "alu"   # INT4 values, same choices ("alu": prmt + xor + lop3 + f16 ops; "pair": no xor)
+    k_dequant: str = "lut"   # INT4 keys: "lut" (256-entry shared table) or "pair" (lop3 + hadd2 on nibbles
+                             # 16 bits apart, query permuted to match)
+    v_dequant: str = "alu"   # INT4 values: "lut", "alu" (prmt + xor + lop3 + f16 ops) or "pair" (no xor)
     saturating_warps: int = 8  # split policy only: resident warps per SM assumed to reach full bandwidth
     lean_issue: bool = False   # whole tiles skip the per-chunk context tests of the async copies
     fused_qkv: bool = False    # read q, k, v from the QKV projection's output [B, Hq + 2 Hkv, D] and apply
@@ -166,15 +166,12 @@ class AttnPlan:
             raise ValueError("decode attention: the BF16 main cache is never rotated")
         if self.tile_tokens % 16 or self.stages < 2 or self.warps < 2:
             raise ValueError("decode attention: tile_tokens must be a multiple of 16, stages and warps >= 2")
-        blk = self.block
-        if blk < 1 or blk & (blk - 1) or self.head_dim % blk:
-            raise ValueError(f"Hadamard block {blk} must be a power of two dividing {self.head_dim}")
         if self.fmt == "int4":
             layouts.INT4_KEY.check(self.head_dim, 8)
             check_int4_key_formulas(self.head_dim)
-        for which in (self.k_dequant, self.v_dequant):
-            if which not in DEQUANT:
-                raise ValueError(f"decode attention: dequantization {which!r} must be one of {DEQUANT}")
+        for which, known in ((self.k_dequant, K_DEQUANT), (self.v_dequant, V_DEQUANT)):
+            if which not in known:
+                raise ValueError(f"decode attention: dequantization {which!r} must be one of {known}")
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -182,10 +179,6 @@ class AttnPlan:
         return entry_tensors(self.fmt, self.fused_qkv)
 
     # ---- sizes ------------------------------------------------------------------------------------
-    @property
-    def block(self) -> int:
-        return self.hadamard_block or self.head_dim
-
     @property
     def quantized(self) -> bool:
         return self.fmt != "bf16"
@@ -417,21 +410,19 @@ class AttnPlan:
             raise AssertionError("merge scratch does not fit in the ring")
 
 
-def default_plan(fmt: str, head_dim: int, rotate: bool = False, hadamard_block: int = 0,
-                 k_dequant: str | None = None, v_dequant: str | None = None, warps: int = 4, stages: int = 3,
-                 saturating_warps: int = 8, lean_issue: bool | None = None, fused_qkv: bool = False) -> AttnPlan:
+def default_plan(fmt: str, head_dim: int, rotate: bool = False, k_dequant: str | None = None,
+                 v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
+                 lean_issue: bool | None = None, fused_qkv: bool = False) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
     D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
-    INT4 keys and values by "pair" dequantization with lean issue (H200 run 3, 2026-11-30 14:02 UTC, 8B
-    heads: 44.4 us = 74% of the floor at (B, context) = (32, 4096) against 48.8 us for keys through the
-    shared-memory table with arithmetic values, the previous default, now variant "table"; 81.9 against
-    88.9 us for the previous long-context kernel "s2" at (8, 32768); equal or faster at every measured
-    point; docs/results-decode-attention.md). None = that default; the keywords after hadamard_block are
-    the variants' overrides (catalog VARIANTS)."""
+    INT4 keys and values by "pair" dequantization (no shared-memory table) with lean issue: the fastest INT4
+    kernel, or within 2.5%, at every measured batch and context (docs/routing.md A1-A2; numbers in
+    docs/results-decode-attention.md). None = that default; the keywords after `rotate` are the tuning
+    variants' overrides (futx.runtime.catalog.decode_attention.VARIANTS)."""
     int4 = fmt == "int4"
     tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
-    return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, hadamard_block=hadamard_block,
-                    tile_tokens=tt, stages=stages, warps=warps, k_dequant=k_dequant or ("pair" if int4 else "lut"),
+    return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, tile_tokens=tt, stages=stages, warps=warps,
+                    k_dequant=k_dequant or ("pair" if int4 else "lut"),
                     v_dequant=v_dequant or ("pair" if int4 else "alu"), saturating_warps=saturating_warps,
                     lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv)
 

@@ -1,6 +1,6 @@
 """1 <= M <= 16 decode projection: a persistent register-streaming kernel, y[M, N] = x[M, K] @ W[N, K]^T.
 
-At most one CTA of `warps` warps per SM; CTA c owns `tiles` consecutive 16-channel n-blocks (the host
+At most one CTA of `WARPS` warps per SM; CTA c owns `tiles` consecutive 16-channel n-blocks (the host
 balances them so that every SM streams the same number of bytes). The warps split K: warp w owns the same
 K share of every n-block, so it stages only its share of the M activation rows in shared memory, once.
 Each warp streams one sequence of (n-block, unit) steps with a rolling register prefetch `depth` units
@@ -14,12 +14,13 @@ shared memory at the start, so no round waits on global memory.
 
 INT4 with `fold`: the A operands keep 128 + nibble (no per-register FMA); each group's partial is then
 corrected by -136 * (sum of the group's activations), sums that an all-ones MMA computes once per unit.
+The fold is INT4-only; the router enables it with one token group (docs/routing.md P4).
 INT4 group scales travel as float16 bits and are converted where their unit is consumed (`raw_scales`):
-converting them at the load (the 2026-11-30 run-2 code, `raw_scales=False`) made every step wait for the
-scale load it had just issued -- each step is its own basic block because of the round-end branch --
-so a warp streamed one unit per memory latency instead of `depth` (docs/results-decode-linear.md).
-PDL: weights and scales are requested before `griddepcontrol.wait` (they never depend on the previous
-kernel and must not be written by it); activations and the residual are read after it.
+converting them at the load (`raw_scales=False`, the tuning variant `r2`, measured slower: P4) makes every
+step wait for the scale load it has just issued -- each step is its own basic block because of the
+round-end branch -- so a warp streams one unit per memory latency instead of `depth`.
+PDL (always on): weights and scales are requested before `griddepcontrol.wait` (they never depend on the
+previous kernel and must not be written by it); activations and the residual are read after it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from . import epilogue as epi
 from . import ptx, stream
 from .dequant import BLOCK_K, LANE_BYTES, WORDS, bf16_pair, make_format
 from .gemv_layout import CHANNELS, TOKENS, GemvSmem
+from .plan import GEMV_WARPS as WARPS
 from futx.quant import layouts
 
 WARP = layouts.WARP
@@ -42,15 +44,17 @@ BUFFER_REGS = {1: 50, 2: 30}   # prefetch registers per lane by token groups (12
 
 class Gemv:
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 1,
-                 warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0, raw_scales: bool = True):
-        self.fmt = make_format(fmt, group_size, fold and fmt == "int4")
+                 fold: bool = False, raw_scales: bool = True):
+        if fold and fmt != "int4":
+            raise ValueError("the GEMV's fold is INT4-only")
+        self.fmt = make_format(fmt, group_size, fold)
         self.epi = epi.make(epilogue)
-        self.m_tiles, self.warps, self.pdl, self.raw_scales = m_tiles, warps, pdl, raw_scales
+        self.m_tiles, self.warps, self.raw_scales = m_tiles, WARPS, raw_scales
         self.m_pad = TOKENS * m_tiles
         self.bpu, self.unit_k = stream.units_of(self.fmt)
         unit_regs = 4 * self.fmt.loads_per_block * self.bpu + (2 if self.fmt.grouped else 0)
-        self.depth = depth or max(2, BUFFER_REGS[m_tiles] // unit_regs)
-        self.smem = GemvSmem(self.unit_k, m_tiles, warps, self.fmt.fold, self.epi.residual, fmt == "e4m3")
+        self.depth = max(2, BUFFER_REGS[m_tiles] // unit_regs)
+        self.smem = GemvSmem(self.unit_k, m_tiles, WARPS, self.fmt.fold, self.epi.residual, fmt == "e4m3")
 
     def _n_blocks(self, y):
         return self.epi.weight_rows(y.shape[1]) // CHANNELS
@@ -63,7 +67,7 @@ class Gemv:
         smem = self.smem.offsets(x.shape[0], x.shape[1] // self.unit_k, tiles)["total"]
         self.kernel(x, w, s, r, y, tiles).launch(grid=((n_blocks + tiles - 1) // tiles, 1, 1),
                                                  block=(WARP * self.warps, 1, 1), smem=smem, stream=stream_,
-                                                 use_pdl=self.pdl)
+                                                 use_pdl=True)
 
     # ---- device side: pieces -----------------------------------------------------------------
     def _load(self, pos, valid, geo) -> tuple:
@@ -262,9 +266,12 @@ class Gemv:
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 1,
-                   warps: int = 16, fold: bool = False, pdl: bool = True, depth: int = 0, raw_scales: bool = True):
+                   warps: int = WARPS, fold: bool = False, pdl: bool = True, raw_scales: bool = True):
+    """Registry factory. `warps` and `pdl` are registry parameters (decode.plan.gemv_params) with one value
+    each, WARPS and True."""
     from .signature import fake_args
 
+    if warps != WARPS or pdl is not True:
+        raise ValueError(f"the GEMV runs {WARPS} warps with PDL, got warps={warps}, pdl={pdl}")
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
-    return (Gemv(fmt, group_size, epilogue, m_tiles, warps, fold, pdl, depth, raw_scales),
-            (x, w, s, r, y, Int32(1), stream_))
+    return Gemv(fmt, group_size, epilogue, m_tiles, fold, raw_scales), (x, w, s, r, y, Int32(1), stream_)

@@ -1,26 +1,29 @@
-"""M = 1 decode projection, one 16-channel output tile per CTA: y[1, N] = x[1, K] @ W[N, K]^T.
+"""M = 1 decode projection of INT4 group-128 weights, one 16-channel output tile per CTA:
+y[1, N] = x[1, K] @ W[N, K]^T.
 
-The design measured in the first H200 run (git a51e469, 2026-11-30: 8B INT4 layer 50.4 us at M = 1, against
-67.5 us for the persistent GEMV of run 2), kept as its own kernel so the plan can route INT4 M = 1 to it:
+The router sends every INT4 g128 projection at M = 1 here where the activation row fits in shared memory
+(docs/routing.md P1: faster than the persistent GEMV at M = 1 on the 8B and 70B layers; numbers in
+docs/results-decode-linear.md). Its format is fixed
+(decode.plan.TILE_FORMATS); `warps` is 8 for K > 8192 and 4 otherwise (P3).
 
 One CTA of `warps` warps per 16-channel n-block (grid = N / 16; several CTAs share an SM); its warps split
 K into equal shares. Each warp streams its share of the packed weights straight into registers, expands
-them in registers into finished MMA operands (`dequant.py`) and, for INT4, accumulates each group in its
-own float32 fragment, applying the group scale before adding it to the running sum (one MMA chain, the
-nibble bias subtracted by one packed FMA per register). The activation row is staged once in shared
-memory (each warp copies the part it reads), where `ldmatrix` gathers the pairs the fragment order needs.
-Warps combine their partial sums through shared memory; the fused epilogue writes the 16 outputs.
+them in registers into finished MMA operands (`dequant.py`) and accumulates each group in its own float32
+fragment, applying the group scale before adding it to the running sum (one MMA chain, the nibble bias
+subtracted by one packed FMA per register). The activation row is staged once in shared memory (each warp
+copies the part it reads), where `ldmatrix` gathers the pairs the fragment order needs. Warps combine
+their partial sums through shared memory; the fused epilogue writes the 16 outputs.
 
 `pipeline`:
-* "batch" (run 1, the default): batches of `prefetch` units; batch b + 1 is requested before batch b is
+* "batch" (routed): batches of `prefetch` units, 2 by default (P2: smaller batches mean fewer registers
+  and more warps per SM; 1, 3 and 4 units measured slower); batch b + 1 is requested before batch b is
   consumed. The loop-carried copy of the next batch's registers (and its scale conversions) sits at the end
   of the loop body, so each batch waits for the next one's loads there: one batch of loads is in flight
-  while a batch computes. Batches of 2 units (INT4 g128) since H200 run 4: 8B layer 43.7 us against 49.5
-  with run 1's 3 and 51.9 / 61.7 with 4 / 5 (smaller batches, fewer registers, more warps per SM).
-* "rolling" (benchmark-only): a `2 * prefetch`-unit rolling register prefetch, step i consumes position i
-  and refills its registers with position i + depth, group scales kept as float16 bits until used: no load
-  is waited for in the block that issues it.
-No programmatic dependent launch (as measured).
+  while a batch computes.
+* "rolling" (tuning space, measured slower, P2): a `2 * prefetch`-unit rolling register prefetch, step i
+  consumes position i and refills its registers with position i + depth, group scales kept as float16 bits
+  until used: no load is waited for in the block that issues it.
+No programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from futx.quant import layouts
 
 WARP = layouts.WARP
 PIPELINES = ("batch", "rolling")
+FORMAT = ("int4", 128)   # the one format with a tile GEMV (decode.plan.TILE_FORMATS)
+DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 
 
 def smem_bytes(k: int, warps: int) -> int:
@@ -46,18 +51,15 @@ def smem_bytes(k: int, warps: int) -> int:
 
 
 class GemvTile:
-    def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", warps: int = 4,
-                 prefetch: int = 0, pipeline: str = "batch"):
+    def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch"):
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
-        self.fmt = make_format(fmt, group_size)
+        self.fmt = make_format(*FORMAT)
         self.epi = epi.make(epilogue)
         self.warps, self.pipeline = warps, pipeline
         self.raw = pipeline == "rolling"
         self.bpu, self.unit_k = stream.units_of(self.fmt)
-        loads = self.fmt.loads_per_block * self.bpu
-        # units per batch: ~4 16-byte loads per lane, double-buffered to 4-8 in flight (measured, see above)
-        self.prefetch = prefetch or max(1, 4 // loads)
+        self.prefetch = prefetch or DEFAULT_PREFETCH
         self.depth = self.prefetch if pipeline == "batch" else 2 * self.prefetch
 
     # ---- host side ---------------------------------------------------------------------------
@@ -79,8 +81,7 @@ class GemvTile:
     def _x_frags(self, xs_lane: Int32, kb) -> list:
         """(b0, b1) per k16 step of block kb, from the staged activation row."""
         addr = xs_lane + kb * (BLOCK_K * 2)
-        load = ptx.ldsm_x4 if cutlass.const_expr(self.fmt.x_frags == "ldsm") else ptx.lds_v4
-        return self.fmt.b_operands(sum((load(addr + off) for off in self.fmt.X_LOAD_OFFSETS), ()))
+        return self.fmt.b_operands(sum((ptx.ldsm_x4(addr + off) for off in self.fmt.X_LOAD_OFFSETS), ()))
 
     def _unit(self, acc, cur, u, valid, xs_lane, last, consts):
         uc = cutlass.min(u, last)
@@ -103,9 +104,7 @@ class GemvTile:
         ub = (warp + 1) * n_units // W
         last = n_units - 1  # clamps shared-memory reads of units past the share
 
-        s_base = Int64(0)
-        if cutlass.const_expr(fmt.grouped):
-            s_base = s.iterator.toint()
+        s_base = s.iterator.toint()
         lane_base = fmt.lane_base(w.iterator.toint(), nb, lane, k)
         offsets = fmt.load_offsets(k)
         consts = fmt.consts()
@@ -157,7 +156,7 @@ class GemvTile:
             ptx.sts_f32(red + (warp * BLOCK_N + g) * 4, acc[0])
             ptx.sts_f32(red + (warp * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
         cute.arch.sync_threads()
-        self._epilogue(tid, nb, red, s, r, y)
+        self._epilogue(tid, nb, red, r, y)
 
     def _row_sum(self, red: Int32, row) -> Float32:
         v = ptx.lds_f32(red + row * 4)
@@ -165,25 +164,23 @@ class GemvTile:
             v = v + ptx.lds_f32(red + (wi * BLOCK_N + row) * 4)
         return v
 
-    def _channel(self, red, nb, row, s):
-        v = self._row_sum(red, row)
-        if cutlass.const_expr(self.fmt.name == "e4m3"):
-            v = v * ptx.ldg_f32(s.iterator.toint() + (Int64(nb) * BLOCK_N + row) * 4)
-        return v
-
     @cute.jit
-    def _epilogue(self, tid, nb, red, s, r, y):
+    def _epilogue(self, tid, nb, red, r, y):
         """Thread tid < the tile's output columns finishes output column tid."""
         y_base = y.iterator.toint()
         cols = BLOCK_N // self.epi.rows_per_output
         if tid < cols:
-            v = self.epi.finish(tuple(self._channel(red, nb, row, s) for row in self.epi.rows(tid)),
+            v = self.epi.finish(tuple(self._row_sum(red, row) for row in self.epi.rows(tid)),
                                 lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + (Int64(nb) * cols + tid) * 2))
             ptx.stg_bf16(y_base + (Int64(nb) * cols + tid) * 2, v)
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
                    prefetch: int = 0, pipeline: str = "batch"):
+    """Registry factory. `fmt` and `group_size` are registry parameters (decode.plan.tile_params) with the one
+    value FORMAT."""
     from .signature import fake_args
 
-    return GemvTile(fmt, group_size, epilogue, warps, prefetch, pipeline), fake_args(fmt, epilogue, m=1)
+    if (fmt, group_size) != FORMAT:
+        raise ValueError(f"the tile GEMV serves {FORMAT} weights only, got {(fmt, group_size)}")
+    return GemvTile(epilogue, warps, prefetch, pipeline), fake_args(fmt, epilogue, m=1)

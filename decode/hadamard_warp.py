@@ -19,13 +19,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 
-def check_block(head_dim: int, block: int) -> None:
-    if block < 1 or block & (block - 1) or head_dim % block:
-        raise ValueError(f"Hadamard block {block} must be a power of two dividing the head dim {head_dim}")
-    if head_dim % 32:
-        raise ValueError(f"warp Hadamard needs a head dim that is a multiple of 32, got {head_dim}")
-
-
 def inv_sqrt(block: int) -> float:
     return 1.0 / math.sqrt(block)
 
@@ -64,14 +57,8 @@ def butterfly(x: list, lane: Int32, block: int, shuffle=_shuffle, select=_select
     return x
 
 
-def rotate(x: list, lane: Int32, block: int, scale: float = 1.0) -> list:
-    """H x, then times `scale` (folded into the 1/sqrt(block) multiply when scale != 1)."""
+def rotate(x: list, lane: Int32, block: int) -> list:
+    """H x (the kernel rotates one block of head_dim channels)."""
     y = butterfly(x, lane, block)
-    if block == 1 and scale == 1.0:
-        return y
-    if scale == 1.0:
-        f = Float32(inv_sqrt(block))
-        return [v * f for v in y]
     f = Float32(inv_sqrt(block))
-    c = Float32(scale)
-    return [(v * f) * c for v in y]
+    return [v * f for v in y]

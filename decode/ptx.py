@@ -66,7 +66,8 @@ def ldg_stream_v4(addr: Int64, pred, *, loc=None, ip=None) -> tuple:
 @dsl_user_op
 def ldg_f16_to_f32(addr: Int64, pred, *, loc=None, ip=None) -> Float32:
     """One float16 (a group scale) widened to float32; 0 when `pred` is 0. The conversion waits for the
-    load where it is issued (see `ldg_u16`); kept for the measured run-1/run-2 designs."""
+    load where it is issued (see `ldg_u16`): the tile GEMV's "batch" pipeline, whose loop-carried copy waits
+    for the next batch at the loop end anyway, and the GEMV's tuning variant `r2` (stream.load_unit)."""
     res = _asm(T.f32(), [Int64(addr).ir_value(loc=loc, ip=ip), _i32(pred, loc, ip)],
                "{.reg .b16 h; .reg .pred p; setp.ne.b32 p, $2, 0; mov.b16 h, 0; "
                "@p ld.relaxed.gpu.global.b16 h, [$1]; cvt.f32.f16 $0, h;}", "=f,l,r", True, loc, ip)
@@ -79,7 +80,7 @@ def ldg_u16(addr: Int64, pred, *, loc=None, ip=None) -> Int32:
 
     The conversion is left to the consumer (`h16_to_f32`): a conversion inside the load's own asm makes
     ptxas wait for the load in the block that issues it, i.e. a register prefetch would stall the warp
-    for a full memory latency at the step that requests it (the INT4 regression of the 2026-11-30 run)."""
+    for a full memory latency at the step that requests it (measured: docs/routing.md P4, `r2`)."""
     res = _asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), _i32(pred, loc, ip)],
                "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; "
                "@p ld.relaxed.gpu.global.u16 $0, [$1];}", "=r,l,r", True, loc, ip)
@@ -408,31 +409,15 @@ def lut_offset(word, byte: int, lane4, *, loc=None, ip=None):
 # HFMA2 take at most one immediate, so constants written inside the asm would be re-moved on every use.
 ALU_CONSTANTS = {
     "magic": 0x64006400,      # f16x2 (1024, 1024)
-    "k_mul": 0x2C003C00,      # (1, 1/16): low nibble as is, high nibble scaled down from 16 n
-    "k_add": 0xD480E408,      # (-1032, -72)
     "v_sub": 0x64086408,      # (1032, 1032)
     "v_mul": 0x2C002C00,      # (1/16, 1/16)
     "v_add": 0xD480D480,      # (-72, -72)
-    "k_mask": 0x00F0000F,     # low nibble of the low half, high nibble of the high half
     "v_lo": 0x000F000F,
     "v_hi": 0x00F000F0,
     # the "pair" dequantization (below): nibble (xor 8) under an f16 exponent whose unit is exactly 1
     "p_lo": 0x64086408,       # f16x2 (1024 + 8, ...): low nibble of each half, bits 0-3 (unit 1)
     "p_hi": 0x54805480,       # f16x2 (64 + 8, ...): high nibble of each half, bits 4-7 (unit 16/16 = 1)
 }
-
-
-@dsl_user_op
-def int4_byte_to_f16x2_alu(word_x8, byte: int, c: dict, *, loc=None, ip=None):
-    """Arithmetic twin of the table lookup for key bytes: byte `byte` of word_x8 (= word ^ 0x88888888)
-    -> f16x2 (low nibble, high nibble). prmt + lop3 + fma."""
-    sel = byte | (4 << 4) | (byte << 8) | (4 << 12)  # byte -> bytes 0 and 2
-    return Uint32(_asm(T.i32(), [_u32(word_x8, loc, ip)] + [_u32(c[k], loc, ip) for k in
-                                                             ("magic", "k_mul", "k_add", "k_mask")],
-                       "{\n\t.reg .b32 x;\n\t"
-                       f"prmt.b32 x, $1, 0, {sel};\n\t"
-                       "and.b32 x, x, $5;\n\tor.b32 x, x, $2;\n\t"
-                       "fma.rn.f16x2 $0, x, $3, $4;\n\t}", "=r,r,r,r,r,r", False, loc, ip))
 
 
 @dsl_user_op

@@ -1,11 +1,11 @@
 """Decode projection for up to M = 32 rows (used where the GEMV's resident activations do not fit):
 y[M, N] = x[M, K] @ W[N, K]^T.
 
-A CTA owns `warps * nb_per_warp` 16-channel n-blocks and one K range (split-K across CTAs along grid
-y when the n-tiles alone cannot fill the SMs). All its warps walk the same units in lock step through a
-multi-stage cp.async ring in shared memory, one stage per unit: the activation rows (rows = tokens,
-padded to the 8-token groups of the MMA), each warp's packed weights and group scales. Weights expand in
-registers into the A operands of `mma.sync` (`dequant.py`). Each warp keeps one float32 accumulator per
+A CTA of `WARPS` warps owns `WARPS * NB_PER_WARP` 16-channel n-blocks (decode.plan.TILE_N) and one K
+range (split-K across CTAs along grid y when the n-tiles alone cannot fill the SMs). All its warps walk
+the same units in lock step through a multi-stage cp.async ring in shared memory, one stage per unit: the
+activation rows (rows = tokens, padded to the 8-token groups of the MMA), each warp's packed weights and
+group scales. Weights expand in registers into the A operands of `mma.sync` (`dequant.py`). Each warp keeps one float32 accumulator per
 (n-block, 8-token group). With split-K, every CTA writes its partial tile to a float32 workspace; the
 last CTA of a tile (a self-resetting arrival counter) sums the partials in split order, so results are
 deterministic, and runs the fused epilogue.
@@ -22,6 +22,8 @@ from cutlass import Float32, Int32, Int64
 from . import epilogue as epi
 from . import ptx, stream
 from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
+from .plan import SKINNY_NB_PER_WARP as NB_PER_WARP
+from .plan import SKINNY_WARPS as WARPS
 from futx.quant import layouts
 
 WARP = layouts.WARP
@@ -31,7 +33,8 @@ ROW_PAD = 16                  # bytes: staggers activation rows across shared-me
 
 class Skinny:
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                 warps: int = 4, nb_per_warp: int = 2, stages: int = 0):
+                 stages: int = 0):
+        warps, nb_per_warp = WARPS, NB_PER_WARP
         self.fmt = make_format(fmt, group_size)
         self.epi = epi.make(epilogue)
         self.m_tiles, self.warps, self.nbw = m_tiles, warps, nb_per_warp
@@ -258,11 +261,15 @@ class Skinny:
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                   warps: int = 4, nb_per_warp: int = 2, stages: int = 0, ctas_per_sm: int = 0):
+                   warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0):
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
-    a parameter so that variants that differ in it are distinct registry entries)."""
+    a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
+    are registry parameters with one value each, WARPS and NB_PER_WARP."""
     from .signature import fake_args, fake_split_args
 
-    op = Skinny(fmt, group_size, epilogue, m_tiles, warps, nb_per_warp, stages)
+    if (warps, nb_per_warp) != (WARPS, NB_PER_WARP):
+        raise ValueError(f"the skinny kernel runs {WARPS} warps of {NB_PER_WARP} n-blocks, "
+                         f"got warps={warps}, nb_per_warp={nb_per_warp}")
+    op = Skinny(fmt, group_size, epilogue, m_tiles, stages)
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
     return op, (x, w, s, r, y, *fake_split_args(), Int32(1), stream_)

@@ -1,4 +1,4 @@
-"""Weight streaming shared by the decode kernels (gemv.py, skinny.py).
+"""Weight streaming shared by the decode kernels (gemv.py, gemv_tile.py, skinny.py).
 
 A *unit* is what one step consumes: one scale group of INT4 blocks (G/64 blocks), or one block of a
 natural-layout format. `load_unit` issues a lane's 16-byte loads (and its two group scales) for one
@@ -8,7 +8,9 @@ the result into the float32 accumulators: per group, scale * partial (INT4), or 
 `raw_scales`: the group scales stay float16 bits in the prefetch registers and are converted where the
 unit is consumed. With `raw_scales=False` the conversion sits next to the load, and ptxas waits for the
 load in the basic block that issues it: a prefetch that is requested and then immediately waited for
-(see ptx.ldg_u16). Both kernels' measured designs are kept selectable.
+(see ptx.ldg_u16). The persistent GEMV and the tile GEMV's "rolling" pipeline keep the scales raw; the
+tile GEMV's routed "batch" pipeline converts at the load (its batch waits at the loop end anyway), as does
+the GEMV's tuning variant `r2` (docs/routing.md P4).
 """
 
 from __future__ import annotations

@@ -6,13 +6,17 @@ q [M, Hq, D] holds the packed new rows of R requests (request r owns rows [cu_se
 K/V live in the BF16 cache [slots, Hkv, capacity, D] that the QKV prefill epilogue wrote (futx.kvcache.KVCache
 layout); row i of request r sits at position start_pos[r] + i and attends to cache positions
 [0, start_pos[r] + i] of slot[r] (chunked prefill: the first start_pos[r] positions were cached earlier).
-G = Hq / Hkv (a divisor of 128) and every size except D are runtime values.
+G = Hq / Hkv (1..16, any value) and every size except D are runtime values.
 
 CTA anatomy (384 threads, one work tile per CTA):
 
   work tile   (request, query tile, KV head). The G query heads of the KV head are stacked into the MMA's
               M side: CTA row i = token (i // G) of the tile, query head h * G + (i % G), so a tile holds
-              128 / G tokens x G heads = 128 rows and every K/V tile loaded serves the whole group.
+              T = 128 // G tokens x G heads and every K/V tile loaded serves the whole group. When G does
+              not divide 128, rows T * G .. 127 are idle: their token index i // G = T is never < the
+              tile's valid token count, so (like the rows past a request's end) their Q is not loaded and
+              their O is not stored; MMA rows never mix (each S / P / O row and its quad-reduced max and
+              sum are that row's own), so whatever those rows hold stays in them.
               blockIdx.x walks the flattened (request, query tile) list backwards (the last, longest
               tiles of the last request start first); blockIdx.y is the KV head.
   warpgroup 0 producer: one warp streams (K, V) tile pairs of 128 keys by TMA (the cache viewed as
@@ -130,7 +134,7 @@ class PrefillAttention:
         hq = mQ.shape[1]
         hkv = mK.shape[1]
         group = hq // hkv
-        block_t = TILE_M // group                     # tokens per work tile
+        block_t = TILE_M // group                     # tokens per work tile (T; rows T*G.. idle)
         num_req = mStart.shape[0]
         # an upper bound of sum_r ceil(len_r / block_t); the surplus CTAs exit at once
         tiles = (mQ.shape[0] + block_t - 1) // block_t + num_req

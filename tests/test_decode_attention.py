@@ -50,14 +50,9 @@ def test_int4_key_formulas_follow_layouts(d):
 
 
 def _tuning_space():
-    import importlib.util
-    from pathlib import Path
+    from tuning import tuning_space
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning_space.py"
-    spec = importlib.util.spec_from_file_location("tuning_space", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tuning_space()
 
 
 TUNING_SPECS = _tuning_space().attention_specs()
@@ -69,7 +64,7 @@ def test_every_variant_has_consistent_maps(spec):
     key = the variant whose overrides the params are (registry: only the default kernels and the engine's)."""
     p = dict(spec.param_dict)
     fmt, d, rotate = p.pop("fmt"), p.pop("head_dim"), p.pop("rotate")
-    plan = default_plan(fmt, d, rotate, 0, **p)
+    plan = default_plan(fmt, d, rotate, **p)
     plan.check_maps()
     assert plan.smem_bytes <= 227 * 1024
     if p.pop("fused_qkv", False):  # the engine's entry: the default plan, q/k/v from the QKV output
@@ -119,7 +114,7 @@ def test_entry_declares_exactly_its_tensors(spec):
     assert set(names) <= set(ATTN_TENSORS) and len(set(names)) == len(names)
     assert tuple(inspect.signature(fn).parameters) == (*names, "softmax_scale", "stream")
     assert len(fake) == len(names) + 2
-    plan = default_plan(p["fmt"], p["head_dim"], p["rotate"], 0,
+    plan = default_plan(p["fmt"], p["head_dim"], p["rotate"],
                         **{k: v for k, v in p.items() if k not in ("fmt", "head_dim", "rotate")})
     t = DecodeAttention(plan).tensors(**{n: n for n in names})
     assert [f for f in ATTN_TENSORS if getattr(t, f) is not None] == sorted(names, key=ATTN_TENSORS.index)
@@ -151,7 +146,7 @@ def test_int4_fragments_reproduce_scores_and_values(d):
     """Emulate the INT4 path for one 16-token step: key bytes in layout order -> table -> B fragments,
     query A fragments from the plan's channel map, and value words -> nibble pairs -> table -> V^T A
     fragments; compare with q.K^T and V computed directly."""
-    plan = default_plan("int4", d, False, 0, **VARIANTS["table"])
+    plan = default_plan("int4", d, False, **VARIANTS["table"])
     rng = np.random.default_rng(d)
     q = rng.integers(-7, 8, (8, d))
     k = rng.integers(-7, 8, (16, d))
@@ -296,8 +291,8 @@ def test_plan_rejects_unsupported_configs():
         AttnPlan("int4", 96)
     with pytest.raises(ValueError, match="never rotated"):
         AttnPlan("bf16", 128, rotate=True)
-    with pytest.raises(ValueError, match="Hadamard block"):
-        AttnPlan("int4", 128, rotate=True, hadamard_block=48)
+    with pytest.raises(ValueError, match="dequantization"):
+        AttnPlan("int4", 128, k_dequant="alu")  # keys: table or "pair" only
 
 
 def _f16x2(word):
@@ -310,7 +305,7 @@ def _fma_f16x2(x, m, a):
 
 
 def test_arithmetic_dequantization_matches_the_table():
-    """The prmt/lop3/f16x2-FMA twins of the table (the 'alu' ablation) give the table's values."""
+    """The prmt/lop3/f16x2 value dequantization (v_dequant "alu", the "table" variant) gives the table's values."""
     from decode.ptx import ALU_CONSTANTS as C
 
     rng = np.random.default_rng(5)
@@ -318,10 +313,6 @@ def test_arithmetic_dequantization_matches_the_table():
         w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
         x0, x1 = w0 ^ 0x88888888, w1 ^ 0x88888888
         for byte in range(4):
-            # keys: byte -> (low nibble, high nibble)
-            x = prmt(x0, 0, byte | (4 << 4) | (byte << 8) | (4 << 12))
-            got = _fma_f16x2((x & C["k_mask"]) | C["magic"], C["k_mul"], C["k_add"])
-            assert got.tolist() == lut_pair((w0 >> (8 * byte)) & 0xFF)
             # values: byte of two tokens -> (even channel of both, odd channel of both)
             x = prmt(x0, x1, byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12))
             even = _f16x2((x & C["v_lo"]) | C["magic"]) - _f16x2(C["v_sub"])
@@ -365,7 +356,7 @@ def test_int4_arithmetic_fragments_reproduce_scores_and_values(d, variant):
     plan.q_pair) and values; compare with q.K^T and V computed directly."""
     from decode.ptx import ALU_CONSTANTS as C
 
-    plan = default_plan("int4", d, True, 0, **VARIANTS[variant])
+    plan = default_plan("int4", d, True, **VARIANTS[variant])
     plan.check_maps()
     rng = np.random.default_rng(d + 3)
     q = rng.integers(-7, 8, (8, d))

@@ -77,13 +77,9 @@ def test_routing_rule_follows_the_measurements():
 
 
 def _tuning_space():
-    import importlib.util
+    from tuning import tuning_space
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning_space.py"
-    spec = importlib.util.spec_from_file_location("tuning_space", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tuning_space()
 
 
 # shapes of the grid below: the model presets plus K values around the tile GEMV's 4/8-warp threshold, the
@@ -217,7 +213,7 @@ def test_int4_gemv_sass(tmp_path, fold):
 
     key = "decode.gemv.int4.m8.store" + ("" if fold else ".nofold")
     ops = _ops(_sass(key, tmp_path))
-    depth = Gemv("int4", 128, "store", 1, plan.GEMV_WARPS, fold).depth
+    depth = Gemv("int4", 128, "store", 1, fold).depth
     step_mmas = 8  # two 64-k blocks x four k16 steps per 128-k group
     assert _count(ops, "HMMA.16816.F32.BF16") == depth * step_mmas + (step_mmas if fold else 0)  # + the sums
     # the register trick: one LOP3 per register; the nibble bias is one packed FMA per register, or folded away

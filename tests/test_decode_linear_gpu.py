@@ -36,14 +36,9 @@ def _exact_reference():
 def _tuning_space():
     """The design variants these tests also run (INT4 GEMV bucket 16, nofold/r2, tile p1/p3/p4/rolling, skinny
     s3/s4; attention table/s2/vlut/w6v/fx) are not in the package registry: register scripts/tuning_space.py."""
-    import importlib.util
-    from pathlib import Path
+    from tuning import tuning_space
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning_space.py"
-    spec = importlib.util.spec_from_file_location("tuning_space", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.register()
+    tuning_space().register()
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,7 +1,9 @@
 """Prefill attention (futx/prefill_attention.py, futx.ops.prefill_attention) on the CPU: the float64
 reference of the kernel's exact math agrees with futx's reference model attention on random packed
-batches with chunked-prefill starts; the op's validation; the sm_90a compile and its SASS (HGMMA, no
-spills). The GPU comparison is tests/test_prefill_attention_gpu.py."""
+batches with chunked-prefill starts; a pure-Python model of the kernel's work tiles and row mapping (row i =
+token i // G, head h G + i % G; T = 128 // G tokens per tile, rows T G .. 127 idle when G does not divide 128)
+and of its dataflow, against that reference; the op's validation (GQA group 1..16); the sm_90a compile and its
+SASS (HGMMA, no spills). The GPU comparison is tests/test_prefill_attention_gpu.py."""
 
 from __future__ import annotations
 
@@ -97,6 +99,143 @@ def test_reference_matches_futx_reference_attention(lengths, starts, hq, hkv):
     assert torch.isfinite(got).all()
 
 
+# ---- a pure-Python model of the kernel's work decomposition and row mapping -----------------------------
+TILE, KEYS = 128, 128   # futx.prefill_attention.TILE_M / TILE_N (no DSL import here)
+
+
+def kernel_ctas(cu, starts, hq, hkv):
+    """What each CTA of futx/prefill_attention.py does, restated line by line from the kernel: the grid, the
+    (request, query tile) lookup from blockIdx.x, and per CTA row i: token i // G, head h G + i % G, whether Q
+    is loaded / O stored (token < the tile's valid tokens), its causal position, the K/V tiles loaded and
+    the unmasked ones. Yields one dict per CTA that owns a tile."""
+    group = hq // hkv
+    block_t = TILE // group
+    num_req = len(starts)
+    tiles = (cu[-1] + block_t - 1) // block_t + num_req
+    for bidx in range(tiles):
+        for head_kv in range(hkv):
+            lin = tiles - 1 - bidx
+            req, qt, seen = -1, 0, 0
+            for r in range(num_req):
+                t_r = (cu[r + 1] - cu[r] + block_t - 1) // block_t
+                if seen <= lin < seen + t_r:
+                    req, qt = r, lin - seen
+                seen += t_r
+            if req < 0:
+                continue
+            row0, seqlen, start = cu[req], cu[req + 1] - cu[req], starts[req]
+            tok0 = qt * block_t
+            n_tok = min(block_t, seqlen - tok0)
+            kv_end = start + tok0 + n_tok
+            rows = []
+            for i in range(TILE):
+                tok = i // group
+                live = tok < n_tok
+                rows.append(dict(row=i, live=live, m=row0 + tok0 + tok if live else None,
+                                 head=head_kv * group + i - tok * group if live else None,
+                                 pos=start + tok0 + i // group))
+            yield dict(req=req, head_kv=head_kv, tok0=tok0, n_tok=n_tok, rows=rows, kv_total=start + seqlen,
+                       n_tiles=(kv_end + KEYS - 1) // KEYS, n_plain=(start + tok0 + 1) // KEYS)
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16])
+def test_row_mapping_covers_every_row_and_head_once(g):
+    """Every (row, query head) of the packed output is owned by exactly one live CTA row; the rows T G .. 127
+    of a tile (T = 128 // G) are never live; live rows see exactly their causal keys: every key up to their
+    position is in a loaded K/V tile, and tiles below n_plain need no mask for any live row."""
+    hkv = 2
+    hq = g * hkv
+    block_t = TILE // g
+    lengths = [1, block_t - 1, block_t, block_t + 1, 3 * block_t + 2, 257, 2]
+    starts = [0, 5, 128, 0, 1000, 37, 511]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    owner = {}
+    n_ctas = 0
+    for cta in kernel_ctas(cu, starts, hq, hkv):
+        n_ctas += 1
+        live = [r for r in cta["rows"] if r["live"]]
+        assert len(live) == cta["n_tok"] * g and [r["row"] for r in live] == list(range(cta["n_tok"] * g))
+        assert all(not r["live"] for r in cta["rows"][block_t * g:])          # the idle rows of G not | 128
+        for r in live:
+            key = (r["m"], r["head"])
+            assert key not in owner, f"{key} owned twice"
+            owner[key] = cta
+            assert r["head"] // g == cta["head_kv"]
+            assert cu[cta["req"]] <= r["m"] < cu[cta["req"] + 1]
+            assert r["pos"] == starts[cta["req"]] + r["m"] - cu[cta["req"]]   # the row's causal position
+            assert r["pos"] < cta["n_tiles"] * KEYS and r["pos"] < cta["kv_total"]   # its keys are loaded
+            assert cta["n_plain"] * KEYS <= r["pos"] + 1                       # no mask needed below n_plain
+        # the tile's tokens are consecutive rows of one request
+        assert sorted({r["m"] for r in live}) == list(range(cu[cta["req"]] + cta["tok0"],
+                                                             cu[cta["req"]] + cta["tok0"] + cta["n_tok"]))
+    assert set(owner) == {(m, h) for m in range(cu[-1]) for h in range(hq)}
+    assert n_ctas == hkv * sum(-(-n // block_t) for n in lengths)
+
+
+def kernel_model(q, k_cache, v_cache, cu_seqlens, start_pos, slot, scale=None):
+    """The kernel's dataflow in float64 on kernel_ctas(): the 128-row Q tile (rows not loaded hold NaN, like
+    stale shared memory), 128-key K/V tiles as TMA loads them (unwritten cache rows as they are, zeros past
+    the capacity), the causal mask by replacement on the diagonal tiles, online softmax with exp2, V rows
+    past the request's cache end zeroed, O / l stored for the live rows only (the rest of out stays NaN)."""
+    m, hq, d = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    sl2 = scale * math.log2(math.e)
+    cu, st, sl = (t.tolist() for t in (cu_seqlens, start_pos, slot))
+    out = torch.full((m, hq, d), float("nan"), dtype=torch.float64)
+    kpad = torch.cat([k_cache.double(), torch.zeros(*k_cache.shape[:2], KEYS, d, dtype=torch.float64)], 2)
+    vpad = torch.cat([v_cache.double(), torch.zeros(*v_cache.shape[:2], KEYS, d, dtype=torch.float64)], 2)
+    for cta in kernel_ctas(cu, st, hq, hkv):
+        rows = cta["rows"]
+        sq = torch.full((TILE, d), float("nan"), dtype=torch.float64)
+        for r in rows:
+            if r["live"]:
+                sq[r["row"]] = q[r["m"], r["head"]].double()
+        pos = torch.tensor([r["pos"] for r in rows])
+        row_max = torch.full((TILE,), float("-inf"), dtype=torch.float64)
+        row_sum = torch.zeros(TILE, dtype=torch.float64)
+        acc = torch.zeros(TILE, d, dtype=torch.float64)
+        s_ = sl[cta["req"]]
+        for n in range(cta["n_tiles"]):
+            kt = kpad[s_, cta["head_kv"], n * KEYS:(n + 1) * KEYS]
+            vt = vpad[s_, cta["head_kv"], n * KEYS:(n + 1) * KEYS].clone()
+            s = sq @ kt.T
+            if n >= cta["n_plain"]:
+                s[torch.arange(KEYS)[None, :] > (pos - n * KEYS)[:, None]] = float("-inf")
+            m_new = torch.maximum(row_max, s.amax(1))
+            base = torch.where(m_new == float("-inf"), 0.0, m_new) * sl2
+            corr = torch.exp2(row_max * sl2 - base)
+            p = torch.exp2(s * sl2 - base[:, None])
+            row_max = m_new
+            row_sum = row_sum * corr + p.sum(1)
+            tail = cta["kv_total"] - n * KEYS
+            if tail < KEYS:
+                vt[max(tail, 0):] = 0.0
+            acc = acc * corr[:, None] + p @ vt
+        o = acc * torch.where(row_sum == 0.0, 0.0, 1.0 / row_sum)[:, None]
+        for r in rows:
+            if r["live"]:
+                out[r["m"], r["head"]] = o[r["row"]]
+    return out
+
+
+@pytest.mark.parametrize("g", [3, 5, 6, 7])
+def test_kernel_model_matches_reference_for_groups_not_dividing_128(g):
+    """With NaN in the idle Q rows and in every cache row a request does not own, the kernel's dataflow
+    still writes every output row, each equal to the reference (idle rows never mix into live ones)."""
+    hkv = 2
+    block_t = TILE // g
+    lengths = [1, block_t + 1, 2 * block_t - 1, 131]
+    starts = [0, 127, 3, 300]
+    gen = torch.Generator().manual_seed(g)
+    q, k, v, cu, st, sl = make_case(lengths, starts, g * hkv, hkv, 64, dtype=torch.float64, gen=gen)
+    got = kernel_model(q, k, v, cu, st, sl)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, reference(q, k, v, cu, st, sl), rtol=1e-9, atol=1e-9)
+
+
 # ---- op validation (before any launch) ------------------------------------------------------------------
 def test_op_rejects_cpu_tensors():
     args = make_case([4], [0], 4, 1, 64)
@@ -149,9 +288,15 @@ def test_check_inputs_rejects(cpu_as_cuda, mutate, exc, match):
         _check(a["q"], a["k"], a["v"], a["cu"], a["st"], a["sl"], a["out"], a["scale"])
 
 
-def test_check_inputs_rejects_group_not_dividing_tile(cpu_as_cuda):
-    q, k, v, cu, st, sl = make_case([4], [0], 3, 1, 64)   # group 3 does not divide 128 rows
-    with pytest.raises(ValueError, match="must divide 128"):
+@pytest.mark.parametrize("g", range(1, 17))
+def test_check_inputs_accepts_every_group_up_to_16(cpu_as_cuda, g):
+    _check(*make_case([4, 3], [0, 5], 2 * g, 2, 64))
+
+
+@pytest.mark.parametrize("g", [17, 24, 32, 128])
+def test_check_inputs_rejects_groups_over_16(cpu_as_cuda, g):
+    q, k, v, cu, st, sl = make_case([4], [0], g, 1, 64)
+    with pytest.raises(ValueError, match=f"{g} query heads per KV head; the GQA group must be at most 16"):
         _check(q, k, v, cu, st, sl)
 
 

@@ -5,7 +5,9 @@ Every case: fresh random q and caches (never zeros), every cache position a requ
 (what futx's reference KVCache holds there: the kernel must neither read past a request's causal range
 nor let masked NaN keys / values leak into valid rows), the output poisoned with NaN before the launch
 (every row must be written), odd lengths, mixed packed batches with chunked-prefill starts, head dims 64
-and 128, GQA groups 1, 4 and 8. Tolerance: P is rounded to BF16 before P V (like the reference model)
+and 128, GQA groups 1..16 (3, 5, 6, 7, ... do not divide the kernel's 128-row tile: a tile holds 128 // G tokens
+and its last rows stay idle; lengths straddle those tile sizes), SmolLM2-135M's shape (9 query heads over 3 KV
+heads, head dim 64). Tolerance: P is rounded to BF16 before P V (like the reference model)
 and O is stored in BF16, so |err| <= 2e-2 + 2e-2 |ref| on O ~ N(0, 1/len)-sized values.
 """
 
@@ -47,18 +49,34 @@ def run_case(attn, lengths, starts, hq, hkv, d, seed=0, scale=None, slots=None):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("g", [1, 3, 4, 6, 8])
 @pytest.mark.parametrize("n", [1, 17, 63, 64, 65, 300])
 def test_single_request_lengths(attn, d, g, n):
     run_case(attn, [n], [0], 2 * g, 2, d, seed=n * 31 + g)
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("g", [1, 3, 4, 6, 8])
 def test_mixed_packed_batch_with_chunked_starts(attn, d, g):
     lengths = [1, 17, 63, 64, 65, 300, 129, 2]
     starts = [0, 5, 128, 0, 1000, 37, 64, 511]
     run_case(attn, lengths, starts, 4 * g, 4, d, seed=g + d, slots=[3, 0, 7, 2, 6, 1, 5, 4])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("g", range(1, 17))
+def test_every_group_tile_boundaries_and_chunked_starts(attn, d, g):
+    # lengths around the tile's T = 128 // G tokens (T - 1, T, T + 1, 2T + 1, 3T), odd, chunked starts
+    t = 128 // g
+    lengths = [t - 1 or 1, t, t + 1, 2 * t + 1, 1, 3 * t, 77]
+    starts = [0, 5, 127, 128, 1000, 37, 255]
+    run_case(attn, lengths, starts, 2 * g, 2, d, seed=100 * g + d, slots=[6, 0, 5, 1, 4, 2, 3])
+
+
+def test_smollm2_shapes(attn):
+    # SmolLM2-135M: 9 query heads over 3 KV heads (G = 3: 42 tokens per tile, rows 126, 127 idle), head dim 64;
+    # a 2048-token prompt, chunks continuing earlier prefixes, single tokens
+    run_case(attn, [2048, 517, 1, 43, 84], [0, 1500, 4000, 41, 126], 9, 3, 64, seed=9, slots=[4, 0, 3, 1, 2])
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -293,13 +293,25 @@ def test_inputs_are_checked(weights):
         pack_prefill(random_weights(CFG.replace(hidden_size=120), seed=0), "e4m3")
 
 
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (6, 1), (7, 1), (16, 1)])
+def test_attention_kernel_for_every_group_up_to_16(hq, hkv):
+    """GQA groups 1..16 use the attention kernel, also those not dividing its 128-row tile (SmolLM2-135M: 9 query
+    heads over 3 KV heads); attention="torch" still forces the fallback."""
+    cfg = CFG.replace(num_attention_heads=hq, num_key_value_heads=hkv)
+    w = random_weights(cfg, seed=1, std=0.1)
+    pm = PrefillModel(pack_prefill(w, "bf16"), EngineCache(cfg, "bf16", 1, 16, "cpu"), "emulated")
+    assert pm.attention_impl == "kernel" and "attention in torch" not in pm.describe()
+    pm = PrefillModel(pack_prefill(w, "bf16"), EngineCache(cfg, "bf16", 1, 16, "cpu"), "emulated", attention="torch")
+    assert pm.attention_impl == "torch"
+
+
 def test_attention_fallback_for_groups_the_kernel_cannot_take():
-    """SmolLM2-135M's GQA group 3 does not divide the attention kernel's 128-row tile: attention runs in torch."""
-    cfg = CFG.replace(num_attention_heads=6, num_key_value_heads=2)
+    """GQA group 17 is past the attention kernel's largest group (16): attention runs in torch."""
+    cfg = CFG.replace(num_attention_heads=17, num_key_value_heads=1)
     w = random_weights(cfg, seed=1, std=0.1)
     pm = PrefillModel(pack_prefill(w, "bf16"), EngineCache(cfg, "bf16", 1, 16, "cpu"), "emulated")
     assert pm.attention_impl == "torch" and "attention in torch" in pm.describe()
-    with pytest.raises(ValueError, match="group"):
+    with pytest.raises(ValueError, match="group of 1..16"):
         PrefillModel(pack_prefill(w, "bf16"), EngineCache(cfg, "bf16", 1, 16, "cpu"), "emulated", attention="kernel")
 
 

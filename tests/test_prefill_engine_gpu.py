@@ -1,7 +1,8 @@
 """The packed prefill block on the kernels (futx.engine.prefill, backend "kernels") on a Hopper GPU: against the
 emulated backend (same dataflow in PyTorch: tight), the reference model (loose), the cache rows it leaves for
 decode (main copy + mirror vs EngineCache.write_rows of the reference K/V), chunked prefill continuing from
-cached tokens, NaN-poisoned caches, packed vs padded, and prefill + kernel decode greedy tokens.
+cached tokens, NaN-poisoned caches, packed vs padded, prefill + kernel decode greedy tokens, and
+SmolLM2's GQA group 3 on the attention kernel.
 
     python -m pytest -m gpu -q tests/test_prefill_engine_gpu.py
 """
@@ -95,6 +96,25 @@ def test_kernel_prefill_matches_emulated_and_reference(weights, hd, fmt):
                 assert torch.isfinite(rows).all(), f"layer {layer} request {b}: cache rows left unwritten"
                 assert torch.isnan(got_c[b, :, n:]).all(), f"layer {layer} request {b}: written past the prompt"
                 assert _rel(rows, em_c[b, :, :n]) < TIGHT[fmt] and _rel(rows, ref_c[b, :, :n]) < LOOSE[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+def test_smollm2_group_3_runs_the_attention_kernel(fmt):
+    """SmolLM2-135M's GQA shape (9 query heads over 3 KV heads, head dim 64: group 3 does not divide the attention
+    kernel's 128-row tile) runs the prefill attention kernel: it agrees with the same block on torch attention
+    and with the emulation, NaN-poisoned cache included."""
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, num_hidden_layers=2, vocab_size=512)
+    w = random_weights(cfg, seed=6, std=0.05).to(device="cuda")
+    prompts = _prompts(LENGTHS, cfg.vocab_size, seed=3)
+    km = _model(w, fmt, "kernels", poison=True, initial_amax=4.0)
+    assert km.attention_impl == "kernel"
+    tm = _model(w, fmt, "kernels", attention="torch", initial_amax=4.0)
+    em = _model(w, fmt, "emulated", initial_amax=4.0)
+    got, via_torch, want = (prefill_tokens(m, prompts) for m in (km, tm, em))
+    torch.cuda.synchronize()
+    assert torch.isfinite(got.normed).all()
+    assert _rel(got.normed, via_torch.normed) < TIGHT[fmt] and _rel(got.normed, want.normed) < LOOSE[fmt]
 
 
 @pytest.mark.parametrize("cache_fmt", ["int4", "e4m3"])

@@ -92,3 +92,29 @@ def test_build_manifest_idempotent_and_stale_refused(tmp_path):
         check_entry(tmp_path, stale, spec, "sm_90a")
     with pytest.raises(StaleArtifactError, match="built for"):
         check_entry(tmp_path, {**stale, "arch": "sm_100a"}, spec, "sm_90a")
+
+
+@pytest.mark.slow
+def test_export_refuses_an_object_built_for_another_arch(tmp_path):
+    """The DSL reads CUTE_DSL_ARCH once, at import: a process that imported it before setting the target
+    builds for its default arch. The export must refuse that object instead of shipping it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("cutlass")
+    code = textwrap.dedent(f"""
+        import os, cutlass                              # imported before the target is set
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        from futx.runtime.compiler import export_spec
+        from futx.runtime.registry import get_spec
+        try:
+            export_spec(get_spec("engine.rms_rows"), {str(tmp_path)!r}, sass=False)
+        except RuntimeError as exc:
+            assert "holds no sm_90a code" in str(exc), exc
+        else:
+            raise SystemExit("exported an object without sm_90a code")
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUTE_DSL_ARCH"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, timeout=600, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-1000:]

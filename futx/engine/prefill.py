@@ -66,7 +66,7 @@ from .cache import EngineCache
 FORMATS = ("e4m3", "bf16")
 BACKENDS = ("kernels", "emulated")
 GLUE = ("eager", "compiled")
-ATTN_TILE_M = 128          # futx.ops.prefill_attention.TILE_M: the GQA group must divide it
+ATTN_MAX_GROUP = 16        # futx.ops.prefill_attention.MAX_GROUP: the largest GQA group of the kernel
 ATTN_HEAD_DIMS = (64, 128)  # prefill attention kernels
 QKV_HEAD_DIMS = {"e4m3": (64, 128), "bf16": (64, 128)}  # shipped QKV placement chains
 Weight = Union[E4M3Weight, torch.Tensor]
@@ -371,6 +371,13 @@ def _tile_n(variant: str) -> int:
     return 128 if variant.startswith("n128") else 256
 
 
+def _rms_partials(m: int, h: int, device: torch.device) -> tuple:
+    """(variant, sumsq [output tiles, M]) of a residual projection writing RMS partials (the tile count
+    follows the variant, so it is named explicitly)."""
+    var = _variant(m, h, device)
+    return var, torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=device)
+
+
 # ---- the model ------------------------------------------------------------------------------------------------
 @dataclass
 class _Rows:
@@ -428,12 +435,12 @@ class PrefillModel:
         self.quantize = _quantizer(glue)
         self.inv_freq = rope_inv_freq(cfg).float().to(self.device)
         self.states: dict[object, ScaleState] = {}
-        fits = cfg.head_dim in ATTN_HEAD_DIMS and ATTN_TILE_M % cfg.group_size == 0
+        fits = cfg.head_dim in ATTN_HEAD_DIMS and 1 <= cfg.group_size <= ATTN_MAX_GROUP
         if attention not in ("auto", "kernel", "torch"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'torch', got {attention!r}")
         if attention == "kernel" and not fits:
             raise ValueError(f"the prefill attention kernel needs head_dim in {ATTN_HEAD_DIMS} and a GQA group "
-                             f"dividing {ATTN_TILE_M}; this model has {cfg.head_dim} and {cfg.group_size}")
+                             f"of 1..{ATTN_MAX_GROUP}; this model has {cfg.head_dim} and {cfg.group_size}")
         self.attention_impl = "torch" if attention == "torch" or not fits else "kernel"
         self.fused_qkv = cfg.head_dim in QKV_HEAD_DIMS[self.fmt]
         self.stats = _Stats()
@@ -556,14 +563,12 @@ class PrefillModel:
         # ---- O projection: residual add (+ RMS partials) ----
         if fp8:
             a8, a_s = self.quantize(attn)
-            var = _variant(m, h, dev)
-            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            var, sumsq = _rms_partials(m, h, dev)
             x = ops.gemm(a8, w.o.data, "scale_res_rms_bf16", variant=var, a_scale=a_s, b_scale=w.o.scale,
                          residual=x, sumsq=sumsq)
             rho = _rms_rho(sumsq, h, eps)
         else:
-            var = _variant(m, h, dev)
-            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            var, sumsq = _rms_partials(m, h, dev)
             x = ops.gemm(attn, w.o, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
             rho = _rms_rho(sumsq, h, eps)
         # ---- gate/up + SwiGLU ----
@@ -583,15 +588,13 @@ class PrefillModel:
             z = ops.gemm(x, w.gateup, "rho_swiglu_bf16", rho=rho)
         # ---- down projection: residual add (+ RMS partials for the next block) ----
         if fp8:
-            var = _variant(m, h, dev)
-            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            var, sumsq = _rms_partials(m, h, dev)
             x = ops.gemm(z, w.down.data, "scalet_res_rms_bf16", variant=var, a_scale=st.scale[i],
                          b_scale=w.down.scale, residual=x, sumsq=sumsq)
             st.next_scale(i)
             rho = _rms_rho(sumsq, h, eps)
         else:
-            var = _variant(m, h, dev)
-            sumsq = torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=dev)
+            var, sumsq = _rms_partials(m, h, dev)
             x = ops.gemm(z, w.down, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
             rho = _rms_rho(sumsq, h, eps)
         return x, rho

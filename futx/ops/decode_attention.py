@@ -146,7 +146,7 @@ def resolve(cache_format: str, head_dim: int, rotate: bool, variant: str):
         raise ValueError(f"decode_attention: kernel variant {variant!r} does not exist for {cache_format!r} "
                          f"d{head_dim} rotate={rotate}; variants {sorted(VARIANTS)} ('' everywhere, the others for "
                          "rotated INT4 at head dim 128)")
-    return variant, default_plan(cache_format, head_dim, rotate, 0, **VARIANTS[variant])
+    return variant, default_plan(cache_format, head_dim, rotate, **VARIANTS[variant])
 
 
 def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,

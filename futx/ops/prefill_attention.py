@@ -9,7 +9,8 @@ cu_seqlens [R + 1], start_pos [R], slot [R] int32 (futx.reference.batch.PackedBa
 start_positions, slots): request r owns rows [cu_seqlens[r], cu_seqlens[r+1]) at positions start_pos[r],
 start_pos[r] + 1, ... of cache slot slot[r], and row i attends to positions [0, start_pos[r] + i]
 (chunked prefill when start_pos[r] > 0). Returns out [M, Hq, D] bfloat16 (the caller may pass `out`).
-D is 64 or 128 and Hq / Hkv must divide 128. scale 0 (or None) means 1 / sqrt(D).
+D is 64 or 128 and the GQA group Hq / Hkv is 1..16 (a work tile stacks 128 // G tokens x G heads into its 128
+MMA rows; the rest stay idle when G does not divide 128). scale 0 (or None) means 1 / sqrt(D).
 
 Everything is validated before the launch; the ranges (cu_seqlens non-decreasing from 0 to M,
 start_pos + length <= capacity, 0 <= slot < slots) need the int32 vectors on the host: one device->host
@@ -28,7 +29,8 @@ from futx.ops.registration import futx_op
 from futx.runtime import get_kernel
 from futx.runtime.catalog.prefill_attention import HEAD_DIMS, attn_key
 
-TILE_M = 128  # kernel rows per work tile: the GQA group must divide it
+TILE_M = 128     # kernel rows per work tile: 128 // G tokens x G query heads
+MAX_GROUP = 16   # largest GQA group (query heads per KV head) the op accepts
 
 
 def check_inputs(q, k_cache, v_cache, cu_seqlens, start_pos, slot, out, scale: float) -> None:
@@ -56,8 +58,9 @@ def check_inputs(q, k_cache, v_cache, cu_seqlens, start_pos, slot, out, scale: f
         raise ValueError(f"prefill_attention: empty cache {list(k_cache.shape)}")
     if hkv < 1 or hq < 1 or hq % hkv:
         raise ValueError(f"prefill_attention: {hq} query heads are not a multiple of {hkv} KV heads")
-    if TILE_M % (hq // hkv):
-        raise ValueError(f"prefill_attention: {hq // hkv} query heads per KV head; the group must divide {TILE_M}")
+    if hq // hkv > MAX_GROUP:
+        raise ValueError(f"prefill_attention: {hq // hkv} query heads per KV head; the GQA group must be at most "
+                         f"{MAX_GROUP}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must have shape [requests + 1] with at least one request, "
                          f"got {list(cu_seqlens.shape)}")

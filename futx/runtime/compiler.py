@@ -83,6 +83,10 @@ def export_spec(spec: KernelSpec, out_dir: str | Path, arch: str = "sm_90a", sas
         compile_s = time.time() - t0
         obj = out_dir / "obj" / f"{spec.key}.o"
         compiled.export_to_c(str(obj), function_name=spec.symbol)
+        if arch.encode() not in obj.read_bytes():
+            # the DSL reads CUTE_DSL_ARCH once, at import: a process that imported it earlier builds for its default
+            raise RuntimeError(f"{spec.key}: the object holds no {arch} code (the DSL was imported before "
+                               f"CUTE_DSL_ARCH={arch} was set in this process)")
         runtime_lib = installed_runtime_lib()
         if runtime_lib is None:
             raise RuntimeError("libcute_dsl_runtime.so not found: install nvidia-cutlass-dsl[cu13]")

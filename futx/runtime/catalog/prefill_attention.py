@@ -1,6 +1,6 @@
 """Prefill attention kernels (futx/prefill_attention.py): causal GQA over a packed batch, reading the BF16
 KV cache the QKV prefill epilogue wrote. One variant per head dim; batch, request count, head counts
-(GQA group a divisor of 128), slot count and capacity are runtime values. No DSL imports."""
+(GQA group 1..16), slot count and capacity are runtime values. No DSL imports."""
 
 from futx.runtime.registry import KernelSpec
 
