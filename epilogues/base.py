@@ -205,6 +205,7 @@ class Chain:
         if wide and (pairs or any(s.kind != "map" for s in steps[: wide[-1] + 1])):
             raise ValueError("whole-tile steps (e.g. QKVPlacement) must be maps in a chain without a pair step")
         self.steps = tuple(steps)
+        self._fingerprint = None
         self.n_tile = wide[-1] + 1 if wide else 0    # steps[:n_tile] run once on the whole tile
         self.tile = self.steps[: self.n_tile]
         self.pair_index = pairs[0] if pairs else None
@@ -256,7 +257,10 @@ class Chain:
         """Hash of every step's class, static parameters and source (the modules of its class and bases).
 
         Part of a composed chain's kernel key: editing a policy, or building it with other parameters,
-        names a different kernel, so a stale compiled one is never loaded."""
+        names a different kernel, so a stale compiled one is never loaded. Computed once per chain (the op
+        asks at every call; a chain's classes do not change under it once built)."""
+        if self._fingerprint is not None:
+            return self._fingerprint
         h = hashlib.sha256()
         for step in self.steps:
             cls = type(step)
@@ -268,7 +272,8 @@ class Chain:
             for base in cls.__mro__:
                 if base is not object and base is not Policy:
                     h.update(_source_digest(base).encode())
-        return h.hexdigest()
+        self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def split(self, tensors: tuple) -> list:
         """Flat runtime tensors -> one tuple per step."""

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from futx import cli
-from futx.checkpoint.hf import save_hf
 from futx.checkpoint.synthetic import random_weights, tiny_config
 from futx.engine import DecodeModel, PackedModel, pack_model
 from futx.engine.cache import EngineCache
@@ -193,18 +192,9 @@ def test_unsupported_shapes_name_the_dimension():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, weights):
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers
+    from tiny_checkpoint import save_tiny_hf
 
-    path = tmp_path_factory.mktemp("engine-tiny")
-    save_hf(path, weights)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|endoftext|>"])
-    backend.save(str(path / "tokenizer.json"))
-    return path
+    return save_tiny_hf(tmp_path_factory.mktemp("engine-tiny"), weights)
 
 
 def test_cli_generate_and_ppl_on_the_emulated_engine(model_dir, tmp_path, capsys):

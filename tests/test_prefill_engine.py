@@ -18,6 +18,7 @@ from futx.quant.fold import fold_layer
 from futx.quant.formats import weight_format
 from futx.quant.simulated import quantized_weights
 from futx.reference import PackedBatch, forward_hidden
+from teacher_forcing import forced_decode_logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 CFG = tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
@@ -194,29 +195,6 @@ def test_emulated_rms_partials_sum_to_the_row_sum():
         torch.testing.assert_close(sumsq.sum(0), out2.float().pow(2).sum(1), rtol=1e-5, atol=0)
 
 
-def _forced_decode_logits(weights, prefill, prompts, cont, wf="e4m3", cf="int4"):
-    """Prefill prompt[:-1] (kernel prefill emulated in format `prefill`, or 'reference': the BF16 reference path
-    through DecodeEngine), then decode steps on the engine fed the last prompt token and then `cont` (teacher
-    forcing: both runs see the same inputs); returns the logits of every step [B, steps, V]."""
-    from futx.serve.engines import Chunk, DecodeEngine
-
-    model = DecodeModel(pack_model(weights, wf, progress=False), cf, max_batch=len(prompts), capacity=64,
-                        backend="emulated", device="cpu")
-    heads = [p[:-1] for p in prompts]
-    if prefill == "reference":
-        DecodeEngine(model, None, quantized_weights(weights, "bf16")).prefill(
-            [Chunk(b, h, 0, len(h)) for b, h in enumerate(heads)])
-    else:
-        prefill_tokens(PrefillModel(pack_prefill(weights, prefill), model.cache, "emulated"), heads)
-    out = []
-    toks, pos = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
-    for s in range(cont.shape[1]):
-        model.run(toks, pos, list(range(len(prompts))))
-        out.append(model.logits(model.buffers.hidden[:len(prompts)]).float())
-        toks, pos = cont[:, s].tolist(), [q + 1 for q in pos]
-    return torch.stack(out, 1)
-
-
 @pytest.mark.parametrize("fmt,min_agree,max_gap", [("bf16", 0.85, 0.3), ("e4m3", 0.6, 0.5)])
 def test_prefill_then_decode_greedy_tokens(weights, fmt, min_agree, max_gap):
     """Kernel prefill (emulated) + engine decode (E4M3 weights, INT4 cache) vs the reference BF16 prefill + the
@@ -226,8 +204,8 @@ def test_prefill_then_decode_greedy_tokens(weights, fmt, min_agree, max_gap):
     this random model is only 0.25, so its argmax flips easily (decode logits move 7 % / 20 %)."""
     prompts = _prompts([12, 5, 19, 8, 23, 2, 15, 9], seed=7)
     cont = torch.randint(0, CFG.vocab_size, (8, 8), generator=torch.Generator().manual_seed(1))
-    ref = _forced_decode_logits(weights, "reference", prompts, cont)
-    got = _forced_decode_logits(weights, fmt, prompts, cont)
+    ref = forced_decode_logits(weights, "reference", prompts, cont)
+    got = forced_decode_logits(weights, fmt, prompts, cont)
     differ = got.argmax(-1) != ref.argmax(-1)
     top = ref.topk(2, dim=-1).values
     gap = (top[..., 0] - top[..., 1]) / ref.std(dim=-1)
@@ -317,20 +295,9 @@ def test_attention_fallback_for_groups_the_kernel_cannot_take():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, weights):
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers
+    from tiny_checkpoint import save_tiny_hf
 
-    from futx.checkpoint.hf import save_hf
-
-    path = tmp_path_factory.mktemp("prefill-tiny")
-    save_hf(path, weights)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|endoftext|>"])
-    backend.save(str(path / "tokenizer.json"))
-    return path
+    return save_tiny_hf(tmp_path_factory.mktemp("prefill-tiny"), weights)
 
 
 def test_cli_ppl_and_generate_with_the_kernel_prefill(model_dir, tmp_path, capsys):

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from futx.checkpoint.synthetic import random_weights, tiny_config
-from futx.engine import DecodeModel, pack_model
 from futx.engine.cache import EngineCache
 from futx.engine.prefill import PrefillModel, pack_prefill, prefill_tokens
 from futx.kvcache import KVCache
 from futx.quant.simulated import quantized_weights
 from futx.reference import PackedBatch, forward_hidden
+from teacher_forcing import forced_decode_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -188,26 +188,6 @@ def test_calibrated_scale_and_no_saturation(weights):
         torch.testing.assert_close(st.scale[i], st.amax[i] * 2.0 / 448, rtol=1e-6, atol=0)
 
 
-def _forced_logits(w, prefill, prompts, cont, backend):
-    model = DecodeModel(pack_model(w, "int4", progress=False), "int4", max_batch=len(prompts), capacity=CAP,
-                        backend=backend, device="cuda")
-    heads = [p[:-1] for p in prompts]
-    if prefill == "reference":
-        from futx.serve.engines import Chunk, DecodeEngine
-
-        DecodeEngine(model, None, quantized_weights(w, "bf16")).prefill(
-            [Chunk(b, h, 0, len(h)) for b, h in enumerate(heads)])
-    else:
-        prefill_tokens(PrefillModel(pack_prefill(w, prefill), model.cache, backend), heads)
-    out = []
-    toks, pos = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
-    for s in range(cont.shape[1]):
-        model.run(toks, pos, list(range(len(prompts))))
-        out.append(model.logits(model.buffers.hidden[:len(prompts)]).float())
-        toks, pos = cont[:, s].tolist(), [q + 1 for q in pos]
-    return torch.stack(out, 1)
-
-
 @pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
 def test_prefill_then_kernel_decode_greedy(weights, fmt):
     """Kernel prefill + kernel decode vs emulated prefill + emulated decode (same dataflow) and vs the
@@ -215,9 +195,10 @@ def test_prefill_then_kernel_decode_greedy(weights, fmt):
     w = weights[128]
     prompts = _prompts([40, 7, 129, 2], w.config.vocab_size, seed=4)
     cont = torch.randint(0, w.config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(9))
-    k = _forced_logits(w, fmt, prompts, cont, "kernels")
-    e = _forced_logits(w, fmt, prompts, cont, "emulated")
-    r = _forced_logits(w, "reference", prompts, cont, "kernels")
+    k = forced_decode_logits(w, fmt, prompts, cont, wf="int4", capacity=CAP, backend="kernels", device="cuda")
+    e = forced_decode_logits(w, fmt, prompts, cont, wf="int4", capacity=CAP, backend="emulated", device="cuda")
+    r = forced_decode_logits(w, "reference", prompts, cont, wf="int4", capacity=CAP, backend="kernels",
+                             device="cuda")
     assert torch.isfinite(k).all()
     agree_e = float((k.argmax(-1) == e.argmax(-1)).float().mean())
     agree_r = float((k.argmax(-1) == r.argmax(-1)).float().mean())

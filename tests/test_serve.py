@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from futx.checkpoint.hf import save_hf
 from futx.checkpoint.synthetic import random_weights, tiny_config
 from futx.engine import DecodeModel, pack_model
 from futx.engine.generate import generate
@@ -50,18 +49,10 @@ def weights():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, weights):
     """The tiny model as an HF directory with a byte-level tokenizer and ChatML special tokens."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers
+    from tiny_checkpoint import save_tiny_hf
 
-    path = tmp_path_factory.mktemp("serve-tiny")
-    save_hf(path, weights)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    backend.save(str(path / "tokenizer.json"))
-    return path
+    return save_tiny_hf(tmp_path_factory.mktemp("serve-tiny"), weights,
+                        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
 
 
 @pytest.fixture(scope="module")

@@ -59,16 +59,19 @@ from futx.quant.fp8 import E4M3_MAX, E4M3Weight, ieee_div, quantize_e4m3_weight
 from futx.reference import rms_norm
 from futx.reference.batch import PackedBatch
 from futx.reference.weights import ModelWeights
+from futx.hardware import sm_count
+from futx.ops.prefill import rms_rho
+from futx.ops.prefill_attention import MAX_GROUP as ATTN_MAX_GROUP
+from futx.rope import apply_rope
 from futx.rope import inv_freq as rope_inv_freq
+from futx.runtime.catalog.prefill import Variant, choose_variant
+from futx.runtime.catalog.prefill_attention import HEAD_DIMS as ATTN_HEAD_DIMS
 
 from .cache import EngineCache
 
 FORMATS = ("e4m3", "bf16")
 BACKENDS = ("kernels", "emulated")
 GLUE = ("eager", "compiled")
-ATTN_MAX_GROUP = 16        # futx.ops.prefill_attention.MAX_GROUP: the largest GQA group of the kernel
-ATTN_HEAD_DIMS = (64, 128)  # prefill attention kernels
-QKV_HEAD_DIMS = {"e4m3": (64, 128), "bf16": (64, 128)}  # shipped QKV placement chains
 Weight = Union[E4M3Weight, torch.Tensor]
 
 
@@ -208,14 +211,6 @@ def _rope_cos_sin(row_pos: torch.Tensor, inv_freq32: torch.Tensor) -> tuple[torc
     return angle.cos().float(), angle.sin().float()
 
 
-def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [M, heads, D] float32 with cos/sin [M, D/2]."""
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
-
-
 def place_qkv(y: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slot: torch.Tensor,
               row_pos: torch.Tensor, inv_freq32: torch.Tensor) -> torch.Tensor:
     """QKVPlacement in torch: y float32 [M, (Hq + 2 Hkv) D] (scales and rho applied) -> Q bf16 [M, Hq, D]; RoPE'd
@@ -225,7 +220,7 @@ def place_qkv(y: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
     x = y.view(m, -1, d)
     hq = x.shape[1] - 2 * hkv
     cos, sin = _rope_cos_sin(row_pos, inv_freq32)
-    qk = rope_f32(x[:, :hq + hkv], cos, sin)
+    qk = apply_rope(x[:, :hq + hkv], torch.cat([cos, cos], 1), torch.cat([sin, sin], 1))
     sl, ps = row_slot.long(), row_pos.long()
     k_cache[sl, :, ps] = qk[:, hq:].to(torch.bfloat16)
     v_cache[sl, :, ps] = x[:, hq + hkv:].to(torch.bfloat16)
@@ -303,7 +298,7 @@ class EmulatedPrefillOps:
         if "rms" in steps:
             sumsq = t["sumsq"]
             tiles = sumsq.shape[0]
-            width = _tile_n(variant) if variant else -(-res.shape[1] // tiles)
+            width = Variant.parse(variant).tile_n if variant else -(-res.shape[1] // tiles)
             sq = res.float().pow(2)
             for i in range(tiles):
                 sumsq[i] = sq[:, i * width:(i + 1) * width].sum(dim=1)
@@ -359,23 +354,11 @@ def make_prefill_ops(backend: str):
     raise ValueError(f"unknown prefill backend {backend!r}: 'kernels' or 'emulated'")
 
 
-def _variant(m: int, n: int, device: torch.device) -> str:
-    """The variant the op would choose (named explicitly: the RMS partials' tile count depends on it)."""
-    from futx.runtime.catalog.prefill import choose_variant
-
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return choose_variant(m, n, sms)
-
-
-def _tile_n(variant: str) -> int:
-    return 128 if variant.startswith("n128") else 256
-
-
 def _rms_partials(m: int, h: int, device: torch.device) -> tuple:
-    """(variant, sumsq [output tiles, M]) of a residual projection writing RMS partials (the tile count
-    follows the variant, so it is named explicitly)."""
-    var = _variant(m, h, device)
-    return var, torch.empty(-(-h // _tile_n(var)), m, dtype=torch.float32, device=device)
+    """(variant, sumsq [output tiles, M]) of a residual projection writing RMS partials: the variant the op
+    would choose, named explicitly because the tile count follows it."""
+    var = choose_variant(m, h, sm_count(device) if device.type == "cuda" else 132)
+    return var, torch.empty(-(-h // Variant.parse(var).tile_n), m, dtype=torch.float32, device=device)
 
 
 # ---- the model ------------------------------------------------------------------------------------------------
@@ -442,7 +425,6 @@ class PrefillModel:
             raise ValueError(f"the prefill attention kernel needs head_dim in {ATTN_HEAD_DIMS} and a GQA group "
                              f"of 1..{ATTN_MAX_GROUP}; this model has {cfg.head_dim} and {cfg.group_size}")
         self.attention_impl = "torch" if attention == "torch" or not fits else "kernel"
-        self.fused_qkv = cfg.head_dim in QKV_HEAD_DIMS[self.fmt]
         self.stats = _Stats()
 
     def describe(self) -> str:
@@ -451,8 +433,6 @@ class PrefillModel:
         if self.attention_impl == "torch":
             parts.append(f"attention in torch (GQA group {self.config.group_size} / head_dim {self.config.head_dim}"
                          " has no prefill attention kernel)")
-        if not self.fused_qkv:
-            parts.append(f"QKV RoPE/cache placement in torch (no shipped {self.fmt} qkv{self.config.head_dim} chain)")
         return "; ".join(parts)
 
     def state(self, group: object = 0) -> ScaleState:
@@ -542,17 +522,10 @@ class PrefillModel:
         # ---- QKV: RoPE, K/V into the main copy, then the mirror rows ----
         if fp8:
             x8, a_s = self.quantize(x)
-            if self.fused_qkv:
-                q = ops.qkv(x8, w.qkv.data, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq,
-                            rho=rho, a_scale=a_s, b_scale=w.qkv.scale)
-            else:  # pragma: no cover - every head dim of check_prefill_model has an e4m3 chain
-                raise AssertionError("no e4m3 QKV chain")
-        elif self.fused_qkv:
+            q = ops.qkv(x8, w.qkv.data, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq,
+                        rho=rho, a_scale=a_s, b_scale=w.qkv.scale)
+        else:
             q = ops.qkv(x, w.qkv, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq, rho=rho)
-        else:  # no shipped BF16 QKV chain for this head dim: plain GEMM, rho + RoPE + placement in torch
-            y = ops.gemm(x, w.qkv, "bf16")
-            q = place_qkv(y.float() * rho[:, None], lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos,
-                          self.inv_freq)
         self._mirror(i, rows)
         # ---- attention ----
         if self.attention_impl == "kernel":
@@ -566,11 +539,11 @@ class PrefillModel:
             var, sumsq = _rms_partials(m, h, dev)
             x = ops.gemm(a8, w.o.data, "scale_res_rms_bf16", variant=var, a_scale=a_s, b_scale=w.o.scale,
                          residual=x, sumsq=sumsq)
-            rho = _rms_rho(sumsq, h, eps)
+            rho = rms_rho(sumsq, h, eps)
         else:
             var, sumsq = _rms_partials(m, h, dev)
             x = ops.gemm(attn, w.o, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
-            rho = _rms_rho(sumsq, h, eps)
+            rho = rms_rho(sumsq, h, eps)
         # ---- gate/up + SwiGLU ----
         if fp8:
             x8, a_s = self.quantize(x)
@@ -592,11 +565,11 @@ class PrefillModel:
             x = ops.gemm(z, w.down.data, "scalet_res_rms_bf16", variant=var, a_scale=st.scale[i],
                          b_scale=w.down.scale, residual=x, sumsq=sumsq)
             st.next_scale(i)
-            rho = _rms_rho(sumsq, h, eps)
+            rho = rms_rho(sumsq, h, eps)
         else:
             var, sumsq = _rms_partials(m, h, dev)
             x = ops.gemm(z, w.down, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
-            rho = _rms_rho(sumsq, h, eps)
+            rho = rms_rho(sumsq, h, eps)
         return x, rho
 
     def _mirror(self, i: int, rows: _Rows) -> None:
@@ -617,11 +590,6 @@ def _device_key(device) -> tuple:
     if d.type == "cuda" and d.index is None:
         return d.type, torch.cuda.current_device()
     return d.type, d.index
-
-
-def _rms_rho(sumsq: torch.Tensor, hidden: int, eps: float) -> torch.Tensor:
-    """futx.ops.prefill.rms_rho without importing the ops (the emulated backend runs without the DSL)."""
-    return torch.rsqrt(sumsq.sum(dim=0) / hidden + eps)
 
 
 # ---- convenience ------------------------------------------------------------------------------------------------
