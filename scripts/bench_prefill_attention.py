@@ -93,6 +93,10 @@ def candidates(lengths, d, gen):
         ref = torch.cat([F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
                          .transpose(1, 2).reshape(-1, HQ, d) for qq, kk, vv in views])
     err = (out.float() - ref.float()).abs().max().item()
+    if "flash-attn-4" in cands:   # the peer is checked too (its output is the first of what it returns)
+        o = cands["flash-attn-4"]()
+        o = o[0] if isinstance(o, tuple) else o
+        print(f"  flash-attn-4 max |err| vs SDPA {(o.float() - ref.float()).abs().max().item():.3g}", file=sys.stderr)
     return cands, err
 
 

@@ -1,9 +1,10 @@
-"""The prefill block (futx.engine.prefill) at 8B shapes: futx FP8/BF16 vs compiled PyTorch FP8, packed vs
-padded, and a whole 8B prefill of a 2048-token prompt (issue 12, part 5).
+"""The prefill block (futx.engine.prefill): futx FP8/BF16 vs compiled PyTorch FP8 at the 8B and 405B layer shapes,
+packed vs padded, and a whole 8B prefill of a 2048-token prompt (issue 12, part 5).
 
     python scripts/bench_prefill_block.py [--rounds 5] [--quick]      (GPU; writes $OUT/bench_prefill_block.{json,md})
+    python scripts/bench_prefill_block.py --shape layer-405b --parts block      (the 405B layer: effective PFLOP/s)
 
-1. One 8B layer (preset "layer-8b") at S = 2048, one request, CUDA-graph replay, interleaved rounds, medians
+1. One layer (preset "layer-8b", or --shape) at S = 2048, one request, CUDA-graph replay, interleaved rounds, medians
    (scripts/bench_common.time_candidates):
      futx_fp8 / futx_bf16      PrefillModel.layer: QKV (+RoPE, K/V into the BF16 cache) -> prefill attention ->
                                O (+residual, RMS partials) -> gate/up (+SwiGLU; FP8: E4M3 out, delayed scale) ->
@@ -13,12 +14,11 @@ padded, and a whole 8B prefill of a 2048-token prompt (issue 12, part 5).
                                torch._scaled_mm row-wise (fast accumulation), rho, RoPE, K/V index_put into the
                                cache, SDPA (causal, GQA), residuals, RMSNorm factors, SwiGLU, per-tensor E4M3 of
                                its output (current scaling)
-   The decode mirror is not written here (cache "bf16"): it has host-side checks (EngineCache.write_rows) that a
-   graph cannot hold; its cost is in part 3.
+   The decode mirror is not written here (cache "bf16"); its cost is in part 3.
 2. Packed vs padded, one 8B layer, requests 1 x 2048 + 7 x 128 (2944 rows packed, 16384 padded).
 3. The whole 8B model (32 layers, random weights drawn in the kernel format): a 2048-token prompt, embedding to
-   the last position's logits, eager (host syncs included) with the INT4 mirror written (decode-ready), and as a
-   CUDA graph without the mirror; ms and tokens/s.
+   the last position's logits, eager and as one CUDA graph, with the INT4 mirror written (decode-ready) and
+   with a BF16 cache (no mirror); ms and tokens/s.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def torch_fp8_block(cfg, s: int, seed=0, gqa: bool = True):
 
 
 def whole_model(fmt: str, s: int, rounds: int):
-    """Whole 8B prefill of one s-token prompt: eager with the INT4 mirror, and a CUDA graph without it."""
+    """Whole 8B prefill of one s-token prompt, eager and as a CUDA graph, with an INT4 cache (mirror written) and
+    a BF16 one."""
     from futx.config import preset
     from futx.engine.cache import EngineCache
     from futx.engine.prefill import PrefillModel
@@ -164,7 +165,7 @@ def whole_model(fmt: str, s: int, rounds: int):
     batch = PackedBatch.from_lengths([s], device="cuda")
     res = {}
     for cache_fmt in ("int4", "bf16"):
-        pm = PrefillModel(w, EngineCache(cfg, cache_fmt, 1, s, "cuda"), "kernels", glue="compiled")
+        pm = PrefillModel(w, EngineCache(cfg, cache_fmt, 1, s, "cuda"), "kernels")
         pm.forward(toks, batch, want_logits=True)
         torch.cuda.synchronize()
         times = []
@@ -175,20 +176,19 @@ def whole_model(fmt: str, s: int, rounds: int):
             times.append(time.perf_counter() - t0)
         ms = 1e3 * statistics.median(times)
         res[f"eager_{cache_fmt}"] = {"ms": ms, "tokens_per_s": s / ms * 1e3, "mirror": cache_fmt != "bf16"}
-        if cache_fmt == "bf16":
-            rows = pm._rows(toks, batch)
-            last = torch.tensor([s - 1], device="cuda")
+        rows = pm._rows(toks, batch)
+        last = torch.tensor([s - 1], device="cuda")
 
-            def run():
-                x = pm._run(toks, rows, 0)[last]
-                return rms_norm(x, pm.weights.final_norm.to(torch.bfloat16), cfg.rms_norm_eps) @ pm.weights.lm_head.T
+        def run():
+            x = pm._run(toks, rows, 0)[last]
+            return rms_norm(x, pm.weights.final_norm.to(torch.bfloat16), cfg.rms_norm_eps) @ pm.weights.lm_head.T
 
-            t = time_candidates({"graph": run}, rounds=rounds, target_ms=50.0, max_reps=3)["graph"]
-            if "us" in t:
-                res["graph_bf16"] = {"ms": t["us"] / 1e3, "tokens_per_s": s / t["us"] * 1e6, "mode": t["mode"],
-                                     "spread": t["spread"]}
-            else:
-                res["graph_bf16"] = t
+        t = time_candidates({"graph": run}, rounds=rounds, target_ms=50.0, max_reps=3)["graph"]
+        if "us" in t:
+            res[f"graph_{cache_fmt}"] = {"ms": t["us"] / 1e3, "tokens_per_s": s / t["us"] * 1e6, "mode": t["mode"],
+                                         "spread": t["spread"], "mirror": cache_fmt != "bf16"}
+        else:
+            res[f"graph_{cache_fmt}"] = t
         del pm
         torch.cuda.empty_cache()
     del w
@@ -201,13 +201,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="skip the whole-model BF16 run")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--shape", default="layer-8b", help="layer preset of part 1 (layer-8b, layer-405b)")
+    p.add_argument("--parts", default="block,packed,whole", help="comma-separated subset of block,packed,whole")
     args = p.parse_args()
     from futx.config import preset
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = preset("layer-8b")
+    cfg = preset(args.shape)
+    parts = set(args.parts.split(","))
     s = args.seq
-    results = {"info": gpu_info(), "seq": s}
+    results = {"info": gpu_info(), "seq": s, "shape": args.shape, "block": {},
+               "packed_vs_padded": None, "whole_8b": {}}
     layer_flops = 2 * s * (cfg.qkv_size * cfg.hidden_size + cfg.hidden_size * cfg.q_size
                            + 3 * cfg.intermediate_size * cfg.hidden_size) \
         + 2 * 2 * cfg.num_attention_heads * cfg.head_dim * s * s / 2
@@ -215,7 +219,7 @@ def main() -> int:
     # 1. block at S = 2048
     arm_watchdog(900)
     cands = {}
-    for fmt in ("e4m3", "bf16"):
+    for fmt in (("e4m3", "bf16") if "block" in parts else ()):
         for glue in (("eager", "compiled") if fmt == "e4m3" else ("eager",)):
             try:
                 _, fn = block_setup(cfg, fmt, [s], glue=glue)
@@ -223,7 +227,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 results.setdefault("errors", {})[f"futx_{fmt}_{glue}"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(f"futx {fmt} {glue}: {exc}", file=sys.stderr)
-    for gqa in (True, False):   # SDPA's enable_gqa, else K/V repeated per query head
+    for gqa in ((True, False) if "block" in parts else ()):   # SDPA's enable_gqa, else K/V repeated per query head
         try:
             cands["torch_fp8_compiled"] = torch_fp8_block(cfg, s, gqa=gqa)
             results["torch_sdpa_gqa"] = gqa
@@ -231,7 +235,9 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             results.setdefault("errors", {})[f"torch_fp8_compiled_gqa{gqa}"] = f"{type(exc).__name__}: {exc}"[:300]
             print(f"torch block (gqa={gqa}): {exc}", file=sys.stderr)
-    results["block"] = time_candidates(cands, flops=layer_flops, rounds=args.rounds, target_ms=10.0)
+    if cands:
+        results["block"] = time_candidates(cands, flops=layer_flops, rounds=args.rounds, target_ms=10.0)
+        results["layer_flops"] = layer_flops
     del cands
     torch.cuda.empty_cache()
     print("block", {k: round(v.get("us", float("nan")), 1) for k, v in results["block"].items()}, file=sys.stderr)
@@ -239,21 +245,22 @@ def main() -> int:
     # 2. packed vs padded: 1 x 2048 + 7 x 128
     lengths = [s] + [s // 16] * 7
     cands = {}
-    for fmt in ("e4m3", "bf16"):
+    for fmt in (("e4m3", "bf16") if "packed" in parts else ()):
         for padded in (False, True):
             try:
                 _, fn = block_setup(cfg, fmt, lengths, padded=padded, glue="compiled" if fmt == "e4m3" else "eager")
                 cands[f"{fmt}_{'padded' if padded else 'packed'}"] = fn
             except Exception as exc:  # noqa: BLE001
                 results.setdefault("errors", {})[f"{fmt}_padded{padded}"] = f"{type(exc).__name__}: {exc}"[:300]
-    results["packed_vs_padded"] = {"lengths": lengths, "rows_packed": sum(lengths), "rows_padded": len(lengths) * s,
-                                   "times": time_candidates(cands, rounds=args.rounds, target_ms=10.0)}
+    if cands:
+        results["packed_vs_padded"] = {"lengths": lengths, "rows_packed": sum(lengths),
+                                       "rows_padded": len(lengths) * s,
+                                       "times": time_candidates(cands, rounds=args.rounds, target_ms=10.0)}
     del cands
     torch.cuda.empty_cache()
 
     # 3. whole 8B prefill
-    results["whole_8b"] = {}
-    for fmt in (("e4m3",) if args.quick else ("e4m3", "bf16")):
+    for fmt in (() if "whole" not in parts else ("e4m3",) if args.quick else ("e4m3", "bf16")):
         try:
             results["whole_8b"][fmt] = whole_model(fmt, s, args.rounds)
         except Exception as exc:  # noqa: BLE001
@@ -274,8 +281,8 @@ def render(r: dict) -> str:
     def us(t):
         return f"{t['us']:.1f}" if "us" in t else t.get("error", "?")
 
-    lines = [f"# Prefill block, 8B shapes, S = {r['seq']} ({r['info'].get('gpu')}, torch {r['info'].get('torch')})", "",
-             "## One layer (layer-8b), one request, CUDA graphs, median µs", "",
+    lines = [f"# Prefill block, S = {r['seq']} ({r['info'].get('gpu')}, torch {r['info'].get('torch')})", "",
+             f"## One layer ({r['shape']}), one request, CUDA graphs, median µs", "",
              "| Candidate | µs | TFLOP/s | spread | mode |", "| --- | --- | --- | --- | --- |"]
     for k, t in r["block"].items():
         lines.append(f"| {k} | {us(t)} | {t.get('tflops', float('nan')):.0f} | {t.get('spread', float('nan')):.2f} "
@@ -286,15 +293,16 @@ def render(r: dict) -> str:
             if "us" in t and k.startswith("futx"):
                 lines.append(f"\n{k} vs compiled PyTorch FP8: {base / t['us']:.2f}x")
     pv = r["packed_vs_padded"]
-    lines += ["", f"## Packed vs padded, lengths 1 x {pv['lengths'][0]} + 7 x {pv['lengths'][1]} "
+    lines += [] if not pv else ["", f"## Packed vs padded, lengths 1 x {pv['lengths'][0]} + 7 x {pv['lengths'][1]} "
               f"({pv['rows_packed']} vs {pv['rows_padded']} rows), one layer, µs", "",
               "| Format | packed | padded | speedup |", "| --- | --- | --- | --- |"]
-    for fmt in ("e4m3", "bf16"):
+    for fmt in (("e4m3", "bf16") if pv else ()):
         a, b = pv["times"].get(f"{fmt}_packed", {}), pv["times"].get(f"{fmt}_padded", {})
         sp = f"{b['us'] / a['us']:.2f}x" if "us" in a and "us" in b else "-"
         lines.append(f"| {fmt} | {us(a) if a else '-'} | {us(b) if b else '-'} | {sp} |")
-    lines += ["", f"## Whole 8B prefill of a {r['seq']}-token prompt (32 layers, logits of the last position)", "",
-              "| Format | run | ms | tokens/s |", "| --- | --- | --- | --- |"]
+    lines += [] if not r["whole_8b"] else [
+        "", f"## Whole 8B prefill of a {r['seq']}-token prompt (32 layers, logits of the last position)", "",
+        "| Format | run | ms | tokens/s |", "| --- | --- | --- | --- |"]
     for fmt, res in r["whole_8b"].items():
         if "error" in res:
             lines.append(f"| {fmt} | error | {res['error']} | |")

@@ -3,7 +3,7 @@
 The engine `futx serve` builds (futx.serve.cli.build_serving_engine), with random weights instead of a
 checkpoint: a DecodeModel over INT4 decode weights drawn in the kernel format (futx.engine.random_packed,
 as scripts/bench_engine.py), an INT4 cache, CUDA graphs (GraphSteps) and the kernel prefill
-(futx.engine.prefill.PrefillModel) in E4M3, whose random weights come from an E4M3 `random_packed` model
+(futx.engine.prefill.PrefillModel) in E4M3, its chunks replayed as CUDA graphs (PrefillGraphs), whose random weights come from an E4M3 `random_packed` model
 through `prefill_from_packed` (embedding / BF16 LM head shared with the decode model). All of it goes into
 futx.serve's `Scheduler` (continuous batching, chunked prefill, `--prefill-chunk` tokens per tick) driven
 in-process: no HTTP, so the numbers are the engine's and the scheduler's, not aiohttp's.
@@ -102,8 +102,13 @@ def build_engine(cfg: LlamaConfig, a):
         from futx.engine.graphs import GraphSteps
 
         graphs = GraphSteps(model)
-    prefill = PrefillModel(pre_weights, model.cache, a.backend)
-    engine = DecodeEngine(model, graphs, None, prefill)
+    prefill = PrefillModel(pre_weights, model.cache, a.backend, glue=a.prefill_glue)
+    prefill_graphs = None
+    if graphs is not None and not a.no_prefill_graphs:
+        from futx.engine.prefill_graphs import PrefillGraphs
+
+        prefill_graphs = PrefillGraphs(prefill, max_rows=min(a.prefill_chunk, a.capacity), max_requests=a.max_batch)
+    engine = DecodeEngine(model, graphs, None, prefill, prefill_graphs)
     print(f"engine: {engine.describe()} (built in {time.perf_counter() - t0:.1f} s)", flush=True)
     return engine
 
@@ -340,7 +345,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=None, help="decode slots (default 32)")
     p.add_argument("--capacity", type=int, default=None, help="cache positions per request (default 2048)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per tick (futx serve's default)")
-    p.add_argument("--no-graphs", action="store_true", help="eager decode steps")
+    p.add_argument("--no-graphs", action="store_true", help="eager decode steps and prefill chunks")
+    p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill chunks (decode graphs kept)")
+    p.add_argument("--prefill-glue", default="eager", choices=("eager", "compiled"),
+                   help="FP8 row quantization and INT4 mirror writer: eager torch ops or torch.compile")
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests before the stream (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")

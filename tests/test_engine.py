@@ -18,7 +18,8 @@ from futx.engine.support import UnsupportedModel, check_model
 from futx.eval import Runner, evaluate
 from futx.quant.fold import fold_layer
 from futx.quant.formats import weight_format
-from futx.quant.kv_mirror import CacheMirror
+from futx.quant import hadamard, layouts
+from futx.quant.kv_mirror import CacheMirror, quantize_int4_rows
 from futx.quant.simulated import QuantSpec, simulate
 from futx.reference import PackedBatch, forward_hidden
 
@@ -105,6 +106,30 @@ def test_cache_rows_hold_the_mirror_values(fmt, seeded):
     assert torch.equal(cache.layers[0].k_cache[1, :, :3].transpose(0, 1), k[:3])  # main copy: the BF16 rows
     with pytest.raises(ValueError, match="overflow"):
         cache.write_rows(0, torch.tensor([0]), torch.tensor([24]), k[:1], v[:1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mirror_rows_store_what_write_rows_stores(fmt, seeded):
+    """mirror_rows (unchecked, CUDA-graph capturable: the prefill's writer) stores the bytes write_rows stores,
+    and an INT4 key row lands in its block exactly where layouts.pack_int4_keys puts it (rows in any order,
+    blocks partly filled)."""
+    k = torch.randn(19, 2, 64, generator=seeded).to(torch.bfloat16)
+    v = torch.randn(19, 2, 64, generator=seeded).to(torch.bfloat16)
+    positions = torch.cat([torch.randperm(16, generator=seeded), torch.tensor([3, 4, 5])])
+    slots = torch.tensor([1] * 16 + [3] * 3)   # slot 3: the scratch slot
+    a, b = (EngineCache(CFG, fmt, slots=3, capacity=24, device="cpu") for _ in range(2))
+    a.write_rows(0, slots, positions, k, v)
+    b.layers[0].k_cache[slots, :, positions] = k
+    b.layers[0].v_cache[slots, :, positions] = v
+    b.mirror_rows(0, slots, positions)
+    for ta, tb in zip(a.layers[0].tensors(), b.layers[0].tensors()):
+        if ta is not None:
+            assert torch.equal(ta.view(torch.uint8) if ta.dtype == torch.float8_e4m3fn else ta,
+                               tb.view(torch.uint8) if tb.dtype == torch.float8_e4m3fn else tb)
+    if fmt == "int4":
+        order = torch.argsort(positions[:16])
+        kq, _ = quantize_int4_rows(hadamard.rotate(k[order].float()))          # [16 tokens, Hkv, D]
+        assert torch.equal(a.layers[0].k_mirror[1, :, :2], layouts.pack_int4_keys(kq.transpose(0, 1)))
 
 
 def _emulated(weights, wf, cf, batch=3, capacity=48):

@@ -371,7 +371,7 @@ def test_serve_help_says_how_prompts_are_prefilled(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert e.value.code == 0 and "prefill does not exist yet" in out and "--max-queue" in out
+    assert e.value.code == 0 and "CUDA graphs per row bucket" in out and "--max-queue" in out
 
 
 # ---- the GPU ---------------------------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 Slots [0, slots) hold requests; one extra *scratch* slot at index `slots` absorbs the padded rows of a
 CUDA-graph bucket (they write and read only there, so real requests are never touched).
 
-Decode steps write their new rows inside the attention kernel. `write_rows` is the host-side writer for
-rows computed elsewhere (a prefill on the reference path): it stores exactly what the attention kernel
-would have stored for the same BF16 row (main copy, then rotation, per-row scale, quantization and
-fragment-order packing from `futx.quant`), so decode cannot tell who wrote a row. `read` returns the
+Decode steps write their new rows inside the attention kernel. `write_rows` is the checked writer for rows
+computed elsewhere (a prefill on the reference path), `mirror_rows` the unchecked, CUDA-graph-capturable one
+for rows a prefill kernel already put in the main copy: both store exactly what the attention kernel would
+have stored for the same BF16 row (main copy, then rotation, per-row scale, quantization and fragment-order
+packing from `futx.quant`), so decode cannot tell who wrote a row. `read` returns the
 values decode attention uses (mirror dequantized, rotation undone), for the emulated backend and tests.
 """
 
@@ -19,7 +20,8 @@ import torch
 from futx.config import LlamaConfig
 from futx.ops.decode_attention import DecodeCache
 from futx.quant import hadamard, layouts
-from futx.quant.kv_mirror import dequantize_rows, quantize_e4m3_rows, quantize_int4_rows
+from futx.quant.kv_mirror import (dequantize_rows, int4_mirror_rows, key_lane_channels, quantize_e4m3_rows,
+                                  quantize_int4_rows)
 
 from .support import check_capacity
 
@@ -44,6 +46,7 @@ class EngineCache:
         if keep_values:
             self.values = [(torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
                            for _ in range(config.num_hidden_layers)]
+        self._int4_rows = int4_mirror_rows
 
     @property
     def scratch_slot(self) -> int:
@@ -73,10 +76,11 @@ class EngineCache:
                 else:
                     t.copy_(torch.randn(t.shape, generator=gen, device=self.device, dtype=t.dtype))
 
-    # ---- host-side writes (rows from a prefill) -----------------------------------------------------
+    # ---- writes of rows computed outside the decode attention kernel ----------------------------------
     def write_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> None:
-        """Store rows k, v [M, Hkv, D] of (slots[m], positions[m]) as the attention kernel would."""
+        """Store rows k, v [M, Hkv, D] of (slots[m], positions[m]) as the attention kernel would (checked on
+        the host first: this reads the indices back)."""
         m = k.shape[0]
         if m == 0:
             return
@@ -90,7 +94,30 @@ class EngineCache:
         kb, vb = k.to(self.device, torch.bfloat16), v.to(self.device, torch.bfloat16)
         c.k_cache[slots, :, positions] = kb
         c.v_cache[slots, :, positions] = vb
-        kf, vf = kb.float(), vb.float()
+        self._store_mirror(layer, slots, positions, kb.float(), vb.float(), check_finite=True)
+
+    def mirror_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """The mirror (and kept values) of rows already in the main copy (a prefill's QKV epilogue wrote them),
+        slots / positions long [M] on the device. No checks and no host synchronization (the caller validated
+        the indices on the host), so a CUDA graph can capture it."""
+        if self.fmt == "bf16" and self.values is None:
+            return
+        c = self.layers[layer]
+        self._store_mirror(layer, slots, positions, c.k_cache[slots, :, positions].float(),
+                           c.v_cache[slots, :, positions].float(), check_finite=False)
+
+    def compile_mirror(self) -> None:
+        """Fuse the INT4 mirror's rotation, quantization and packing with torch.compile (a few Triton kernels
+        instead of ~70 eager launches per layer); scales may then differ from the kernels' in the last bit
+        (futx.engine.compiled)."""
+        if self._int4_rows is int4_mirror_rows:
+            from .compiled import compile_glue
+
+            self._int4_rows = compile_glue(int4_mirror_rows)
+
+    def _store_mirror(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kf: torch.Tensor,
+                      vf: torch.Tensor, check_finite: bool) -> None:
+        c = self.layers[layer]
         if self.fmt == "bf16":
             if self.values is not None:
                 self.values[layer][0][slots, :, positions] = kf
@@ -98,25 +125,24 @@ class EngineCache:
             return
         if self.fmt == "e4m3":
             for i, (x, mir, sc) in enumerate(((kf, c.k_mirror, c.k_scale), (vf, c.v_mirror, c.v_scale))):
-                data, scale = quantize_e4m3_rows(x)
+                data, scale = quantize_e4m3_rows(x, check_finite)
                 mir[slots, :, positions] = data
                 sc[slots, :, positions] = scale
                 if self.values is not None:
                     self.values[layer][i][slots, :, positions] = dequantize_rows(data, scale)
             return
-        kq, ks = quantize_int4_rows(hadamard.rotate(kf))
-        vq, vs = quantize_int4_rows(hadamard.rotate(vf))
         if self.values is not None:
-            self.values[layer][0][slots, :, positions] = hadamard.unrotate(dequantize_rows(kq, ks))
-            self.values[layer][1][slots, :, positions] = hadamard.unrotate(dequantize_rows(vq, vs))
+            for i, x in enumerate((kf, vf)):
+                q, s = quantize_int4_rows(hadamard.rotate(x), check_finite)
+                self.values[layer][i][slots, :, positions] = hadamard.unrotate(dequantize_rows(q, s))
+        k_lanes, ks, v_bytes, vs = self._int4_rows(kf, vf, check_finite,
+                                                   key_lane_channels(kf.shape[-1], kf.device))
         c.k_scale[slots, :, positions] = ks
         c.v_scale[slots, :, positions] = vs
-        c.v_mirror[slots, :, positions] = layouts.pack_int4_values(vq)
-        # Keys: pack each row as if all 8 tokens of its block were it, then keep the 4 lanes of its token.
-        blocks = layouts.pack_int4_keys(kq.unsqueeze(2).expand(*kq.shape[:2], 8, kq.shape[-1]))  # [M,Hkv,1,32,D/8]
-        lanes = 4 * (positions % 8)[:, None] + torch.arange(4, device=self.device)[None, :]    # [M, 4]
-        mine = blocks[:, :, 0][torch.arange(m, device=self.device)[:, None], :, lanes]          # [M, 4, Hkv, D/8]
-        c.k_mirror[slots[:, None], :, (positions // 8)[:, None], lanes] = mine
+        c.v_mirror[slots, :, positions] = v_bytes
+        # a key row fills 4 of the 32 lanes of its 8-token block: lanes 4 (p % 8) + j
+        lanes = 4 * (positions % 8)[:, None] + torch.arange(4, device=positions.device)[None, :]   # [M, 4]
+        c.k_mirror[slots[:, None], :, (positions // 8)[:, None], lanes] = k_lanes.transpose(1, 2)
 
     # ---- what decode attention reads -------------------------------------------------------------------
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

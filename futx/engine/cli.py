@@ -34,6 +34,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None
                         "kernels, else reference")
     g.add_argument("--prefill-format", default="e4m3", choices=PREFILL_FORMATS,
                    help="prefill weight/operand format for --prefill kernels (default e4m3)")
+    g.add_argument("--prefill-glue", default="eager", choices=("eager", "compiled"),
+                   help="the kernel prefill's torch glue (per-row FP8 quantization, INT4 mirror writer): eager "
+                        "(exact, the default) or torch.compile (fewer launches; can differ in the last bit)")
 
 
 def engine_device(args) -> str:
@@ -65,7 +68,8 @@ def build_prefill(args, model, float_weights=None):
         weights = prefill_from_packed(packed)
     else:
         return None
-    return PrefillModel(weights, model.cache, "kernels" if model.backend == "kernels" else "emulated")
+    return PrefillModel(weights, model.cache, "kernels" if model.backend == "kernels" else "emulated",
+                        glue=getattr(args, "prefill_glue", None) or "eager")
 
 
 def build_engine(args, capacity: int, float_weights=None):

@@ -7,7 +7,7 @@ row factors [M], layer 0's from a torch reduction, later ones from the previous 
   e4m3 ("FP8"):
     x8, a  = quantize_rows(x)                                     torch glue: per-row dynamic E4M3
     q      = gemm(x8, Wqkv, "scale_rho_qkv{hd}_bf16", a, b, rho)  RoPE; K/V -> cache main copy (BF16)
-             cache.write_rows(...)                                the INT4 / E4M3 mirror rows (+ main again)
+             cache.mirror_rows(...)                               the INT4 / E4M3 mirror rows
     o      = attention(q, k_cache, v_cache, cu, start, slot)      causal GQA over the cache
     o8, a  = quantize_rows(o)                                     torch glue
     x, s   = gemm(o8, Wo, "scale_res_rms_bf16", a, b, residual=x) residual add + RMS partials s [t, M]
@@ -28,7 +28,8 @@ Weights: `pack_prefill` folds the RMSNorm gains (futx.quant.fold) into Wqkv (row
 FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
   * activations into QKV, O and gate/up: per row, a[m] = amax_m / 448 (1 for an all-zero row),
     x8 = e4m3(clamp(x / a)) (IEEE division). One torch pass over the BF16 tensor per GEMM (`quantize_rows`);
-    `glue="compiled"` fuses it with torch.compile.
+    `glue="compiled"` fuses it, and the INT4 mirror writer, with torch.compile (fewer launches, but not bit
+    for bit: futx.engine.compiled says where Triton rounds differently).
   * the SwiGLU output: delayed per-tensor scaling, one state per layer and per request group
     (`ScaleState`). Call t quantizes with the scale from call t-1's amax: scale = amax * margin / 448
     (margin 2 by default: one binade of headroom for a later batch whose values run larger; all-zero keeps
@@ -174,7 +175,9 @@ def _quantizer(glue: str):
     if glue == "eager":
         return quantize_rows
     if "q" not in _COMPILED:
-        _COMPILED["q"] = torch.compile(quantize_rows, dynamic=True)
+        from .compiled import compile_glue
+
+        _COMPILED["q"] = compile_glue(quantize_rows)
     return _COMPILED["q"]
 
 
@@ -343,7 +346,8 @@ class KernelPrefillOps:
                               b_scale=b_scale, out=out, variant=variant)
 
     def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None):
-        return self._attn.attention(q, k_cache, v_cache, cu32, start32, slot32, out=out)
+        # the ranges were checked on the host from the batch's host lists (PrefillModel.check_rows)
+        return self._attn.attention(q, k_cache, v_cache, cu32, start32, slot32, out=out, check_ranges_on_host=False)
 
 
 def make_prefill_ops(backend: str):
@@ -370,8 +374,9 @@ class _Rows:
     cu: torch.Tensor
     start: torch.Tensor
     slot: torch.Tensor
-    host: tuple
-    real: Optional[torch.Tensor] = None   # padded path: indices of the real rows (mirror writes)
+    host: Optional[tuple]                 # (cu, starts, slots) host tuples (None inside a CUDA graph)
+    mirror_slot: torch.Tensor             # long: the rows whose decode mirror is written (padded path: real rows)
+    mirror_pos: torch.Tensor
 
 
 @dataclass
@@ -416,6 +421,8 @@ class PrefillModel:
         self.ops = make_prefill_ops(backend)
         self.margin, self.initial_amax = margin, initial_amax
         self.quantize = _quantizer(glue)
+        if glue == "compiled":
+            cache.compile_mirror()
         self.inv_freq = rope_inv_freq(cfg).float().to(self.device)
         self.states: dict[object, ScaleState] = {}
         fits = cfg.head_dim in ATTN_HEAD_DIMS and 1 <= cfg.group_size <= ATTN_MAX_GROUP
@@ -467,8 +474,8 @@ class PrefillModel:
         slots = list(range(n)) if slots is None else list(slots)
         batch = PackedBatch.from_lengths([s_max] * n, starts, slots, device=self.device)
         toks = torch.tensor([t for p in prompts for t in list(p) + [0] * (s_max - len(p))], dtype=torch.int64)
-        rows = self._rows(toks, batch)
-        rows.real = torch.tensor([b * s_max + i for b in range(n) for i in range(lengths[b])], device=self.device)
+        real = torch.tensor([b * s_max + i for b in range(n) for i in range(lengths[b])], device=self.device)
+        rows = self._rows(toks, batch, real)
         x = self._run(toks.to(self.device), rows, group)
         last = torch.tensor([b * s_max + lengths[b] - 1 for b in range(n)], device=self.device)
         self.stats.calls += 1
@@ -484,28 +491,42 @@ class PrefillModel:
         h = rms_norm(x, self.weights.final_norm.to(torch.bfloat16), self.config.rms_norm_eps)
         return PrefillOutput(x, h, self.logits(h) if want_logits else None)
 
-    def _rows(self, tokens: torch.Tensor, batch: PackedBatch) -> _Rows:
+    def check_rows(self, tokens: torch.Tensor, cu: Sequence[int], starts: Sequence[int],
+                   slots: Sequence[int]) -> None:
+        """Host-side checks of a batch (tokens: a 1-D integer CPU tensor; the rest host ints) before any launch:
+        token ids, cache slots and capacity. Nothing is read back from the device."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype.is_floating_point \
                 or tokens.dtype == torch.bool:
             raise ValueError("tokens must be a 1-D integer tensor")
-        if tokens.numel() != batch.num_rows:
-            raise ValueError(f"{tokens.numel()} tokens but the batch describes {batch.num_rows} rows")
-        lo, hi = (int(v) for v in torch.aminmax(tokens.cpu()))
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {lo}..{hi}")
-        cu, starts, slots = batch.host_lists()
+        if tokens.numel() != cu[-1]:
+            raise ValueError(f"{tokens.numel()} tokens but the batch describes {cu[-1]} rows")
+        if tokens.numel():
+            lo, hi = (int(v) for v in torch.aminmax(tokens))
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {lo}..{hi}")
         for b, (st, sl) in enumerate(zip(starts, slots)):
             if not 0 <= sl < self.cache.slots:
                 raise ValueError(f"request {b}: cache slot {sl} out of range [0, {self.cache.slots})")
-            if st + cu[b + 1] - cu[b] > self.cache.capacity:
-                raise ValueError(f"request {b}: KV cache overflow: positions up to {st + cu[b + 1] - cu[b]} but the "
-                                 f"capacity is {self.cache.capacity}")
-        i32 = lambda t: t.to(device=self.device, dtype=torch.int32).contiguous()  # noqa: E731
-        return _Rows(i32(batch.row_slot), i32(batch.row_position), i32(batch.cu_seqlens),
-                     i32(batch.start_positions), i32(batch.slots), (cu, starts, slots))
+            if st < 0 or st + cu[b + 1] - cu[b] > self.cache.capacity:
+                raise ValueError(f"request {b}: KV cache overflow: positions {st}..{st + cu[b + 1] - cu[b] - 1} but "
+                                 f"the capacity is {self.cache.capacity}")
 
-    def _run(self, tokens: torch.Tensor, rows: _Rows, group: object) -> torch.Tensor:
+    def _rows(self, tokens: torch.Tensor, batch: PackedBatch, real: Optional[torch.Tensor] = None) -> _Rows:
+        host = batch.host_lists()
+        self.check_rows(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens, *host)
+        i32 = lambda t: t.to(device=self.device, dtype=torch.int32).contiguous()  # noqa: E731
+        row_slot, row_pos = i32(batch.row_slot), i32(batch.row_position)
+        ms, mp = row_slot.long(), row_pos.long()
+        if real is not None:
+            ms, mp = ms[real], mp[real]
+        return _Rows(row_slot, row_pos, i32(batch.cu_seqlens), i32(batch.start_positions), i32(batch.slots), host,
+                     ms, mp)
+
+    def _run(self, tokens: torch.Tensor, rows: _Rows, group: object,
+             pad: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.weights.embed[tokens]
+        if pad is not None:  # padding rows (bool [M]) start at zero and stay exactly zero through every block
+            x = x.masked_fill(pad[:, None], 0)
         rho = rms_row_factor(x, self.config.rms_norm_eps)   # layer 0: a plain torch reduction
         st = self.state(group) if self.fmt == "e4m3" else None
         for i in range(self.config.num_hidden_layers):
@@ -573,15 +594,9 @@ class PrefillModel:
         return x, rho
 
     def _mirror(self, i: int, rows: _Rows) -> None:
-        """The decode mirror (and kept values) of this layer's new rows, as the decode kernels store them."""
-        c = self.cache
-        if c.fmt == "bf16" and c.values is None:
-            return  # the QKV epilogue wrote the only copy
-        sl, ps = rows.row_slot.long(), rows.row_pos.long()
-        if rows.real is not None:
-            sl, ps = sl[rows.real], ps[rows.real]
-        lc = c.layers[i]
-        c.write_rows(i, sl, ps, lc.k_cache[sl, :, ps], lc.v_cache[sl, :, ps])
+        """The decode mirror (and kept values) of this layer's new rows, as the decode kernels store them (no
+        host sync: the rows were checked on the host)."""
+        self.cache.mirror_rows(i, rows.mirror_slot, rows.mirror_pos)
 
 
 def _device_key(device) -> tuple:

@@ -12,6 +12,8 @@ mirror callables below return exactly those values, for the reference KV cache's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -21,8 +23,10 @@ from .fp8 import E4M3_MAX, ieee_div, to_e4m3
 INT4_CACHE_QMAX = 7
 
 
-def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
-    if not torch.isfinite(x).all():
+def _row_scale(x: torch.Tensor, qmax: float, check_finite: bool = True) -> torch.Tensor:
+    # the finiteness check reads a flag back to the host: callers inside a CUDA graph (rows a kernel just
+    # wrote, like the decode attention kernel's own mirror writes) skip it
+    if check_finite and not torch.isfinite(x).all():
         raise ValueError("KV mirror: cache rows contain NaN or Inf")
     amax = x.float().abs().amax(dim=-1)
     return ieee_div(amax, qmax)
@@ -34,9 +38,9 @@ def _safe_div(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, x.float() / torch.where(s > 0, s, 1.0), 0.0)
 
 
-def quantize_int4_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4_rows(x: torch.Tensor, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (signed nibbles int8 [..., D] in [-7, 7], float32 scale [...])."""
-    scale = _row_scale(x, INT4_CACHE_QMAX)
+    scale = _row_scale(x, INT4_CACHE_QMAX, check_finite)
     q = torch.round(_safe_div(x, scale)).clamp(-INT4_CACHE_QMAX, INT4_CACHE_QMAX)
     return q.to(torch.int8), scale
 
@@ -46,9 +50,9 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.unsqueeze(-1)
 
 
-def quantize_e4m3_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_e4m3_rows(x: torch.Tensor, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (float8_e4m3fn [..., D], float32 scale [...])."""
-    scale = _row_scale(x, E4M3_MAX)
+    scale = _row_scale(x, E4M3_MAX, check_finite)
     return to_e4m3(_safe_div(x, scale)), scale
 
 
@@ -72,6 +76,42 @@ def pack_int4_cache(k: torch.Tensor, v: torch.Tensor, rotate: bool = True,
     kq, ks = quantize_int4_rows(k)
     vq, vs = quantize_int4_rows(v)
     return Int4CacheRows(layouts.pack_int4_keys(kq), ks, layouts.pack_int4_values(vq), vs)
+
+
+@lru_cache(maxsize=None)
+def _key_lane_channels(head_dim: int, device: torch.device) -> torch.Tensor:
+    """Channel of each (lane j, byte, nibble) of a token's 4 lanes in its key block, long [4, D/8, 2], on the
+    device once. In `layouts.INT4_KEY` lane L holds token L // 4, in a channel pattern that depends on L % 4
+    only (asserted here)."""
+    src = layouts._key_block_index(head_dim)                    # [32, D/8, 2]: token * D + channel
+    lane = src[:, :1, :1] * 0 + torch.arange(layouts.WARP)[:, None, None].numpy()
+    channel = src % head_dim
+    assert (src // head_dim == lane // 4).all() and (channel == channel[lane[:, 0, 0] % 4]).all()
+    return torch.from_numpy(channel[:4].copy()).to(device)
+
+
+def key_lane_channels(head_dim: int, device) -> torch.Tensor:
+    """The channel table `pack_int4_key_rows` gathers with (long [4, D/8, 2], made once per device)."""
+    return _key_lane_channels(head_dim, torch.device(device))
+
+
+def pack_int4_key_rows(q: torch.Tensor, channels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Signed nibbles of single key rows [..., D] -> uint8 [..., 4, D/8]: the bytes of the 4 lanes (4 (p % 8) + j)
+    that hold the row's token p in its 8-token key block (what `layouts.pack_int4_keys` puts there).
+    channels: `key_lane_channels(D, device)` (looked up when not given)."""
+    if channels is None:
+        channels = key_lane_channels(q.shape[-1], q.device)
+    g = (q.to(torch.int16) & 0xF)[..., channels]   # [..., 4, D/8, 2]
+    return (g[..., 0] | (g[..., 1] << 4)).to(torch.uint8)
+
+
+def int4_mirror_rows(k: torch.Tensor, v: torch.Tensor, check_finite: bool = True,
+                     channels: Optional[torch.Tensor] = None):
+    """K, V rows float32 [..., D] -> what the INT4 mirror stores for them (rotated by H first):
+    (key lane bytes uint8 [..., 4, D/8] (`pack_int4_key_rows`), key scales [...], value bytes [..., D/2],
+    value scales [...]). Pure tensor code when `channels` is given (what torch.compile traces)."""
+    q, s = quantize_int4_rows(hadamard.rotate(torch.stack([k, v])), check_finite)   # one pass: row-wise math
+    return pack_int4_key_rows(q[0], channels), s[0], layouts.pack_int4_values(q[1]), s[1]
 
 
 def unpack_int4_cache(rows: Int4CacheRows, rotate: bool = True,

@@ -7,7 +7,7 @@ import sys
 
 PREFILL_NOTE = ("Prompts are prefilled by --prefill: kernels (the default on --backend kernels) runs futx's packed "
                 "prefill block (FP8 or BF16 GEMMs with fused epilogues and prefill attention; the chunks of all "
-                "requests in one batch, eager: a CUDA-graph-captured prefill does not exist yet), writing K/V and "
+                "requests in one batch, replayed as CUDA graphs per row bucket unless --no-graphs), writing K/V and "
                 "the decode mirror straight into the engine's cache; reference (the default elsewhere) prefills "
                 "on the BF16 reference path (float32, BF16-valued weights; chunked, request by request) and "
                 "writes the K/V rows into the engine's cache. On --backend reference the whole model is the "
@@ -73,7 +73,13 @@ def build_serving_engine(args, capacity: int, tokenizer=None):
             if prefill_model is None:
                 print(f"note: no kernel prefill (no checkpoint, and the packed weights are {model.packed.weights}, "
                       f"not {args.prefill_format}); prompts are read one token per decode step", file=sys.stderr)
-            return DecodeEngine(model, graphs, None, prefill_model), tok
+            prefill_graphs = None
+            if prefill_model is not None and graphs is not None and prefill_model.backend == "kernels":
+                from futx.engine.prefill_graphs import PrefillGraphs
+
+                rows = min(getattr(args, "prefill_chunk", 512), capacity)
+                prefill_graphs = PrefillGraphs(prefill_model, max_rows=rows, max_requests=args.max_batch)
+            return DecodeEngine(model, graphs, None, prefill_model, prefill_graphs), tok
         prefill = quantized_weights(weights, "bf16") if weights is not None else None
     return DecodeEngine(model, graphs, prefill), tok
 

@@ -67,11 +67,13 @@ class ReferenceEngine:
 
 
 class DecodeEngine:
-    def __init__(self, model, graphs=None, prefill_weights=None, prefill_model=None):
+    def __init__(self, model, graphs=None, prefill_weights=None, prefill_model=None, prefill_graphs=None):
         if prefill_model is not None and prefill_model.cache is not model.cache:
             raise ValueError("the prefill model must write the decode engine's own cache")
+        if prefill_graphs is not None and prefill_graphs.model is not prefill_model:
+            raise ValueError("the prefill graphs must be those of the engine's prefill model")
         self.model, self.graphs, self.prefill_weights = model, graphs, prefill_weights
-        self.prefill_model = prefill_model
+        self.prefill_model, self.prefill_graphs = prefill_model, prefill_graphs
         self.config = model.config
         self.name = model.backend
         self.max_batch, self.capacity = model.max_batch, model.capacity
@@ -83,6 +85,9 @@ class DecodeEngine:
         g = "CUDA graphs" if self.graphs is not None else "eager"
         if self.prefill_model is not None:
             pre = self.prefill_model.describe()
+            if self.prefill_graphs is not None:
+                pre += f", CUDA graphs of {len(self.prefill_graphs.buckets)} row buckets up to " \
+                       f"{max(self.prefill_graphs.buckets)}"
         elif self.prefills:
             pre = "prefill on the BF16 reference path"
         else:
@@ -94,9 +99,13 @@ class DecodeEngine:
         if self.prefill_model is not None:  # every request's chunk in one packed batch, one scale group
             pm = self.prefill_model
             toks = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.run(toks, [len(c.tokens) for c in chunks], [c.start for c in chunks],
+                                        [c.slot for c in chunks])
+                return
             batch = PackedBatch.from_lengths([len(c.tokens) for c in chunks], [c.start for c in chunks],
                                              [c.slot for c in chunks], device=pm.device)
-            pm.forward(toks.to(pm.device), batch)
+            pm.forward(toks, batch)
             return
         w = self.prefill_weights
         cfg, dev = self.config, self.model.device

@@ -18,6 +18,8 @@
 #              suite (after the argument-structure change)
 #   bench-pattn  prefill attention vs SDPA;  bench-block  the 8B prefill block vs compiled PyTorch FP8;
 #   ppl-prefill  SmolLM2 serving perplexity with the kernel prefill (FP8, BF16) vs the reference prefill
+#   prefill-graphs-tests  CUDA-graph prefill tests (+ prefill block, engine, serve);  profile-chunk  a 512-token
+#              chunk eager vs graph (FUTX_GLUE=eager|compiled);  serving  scripts/bench_serving.py
 # Logs -> $OUT/logs.tgz; results (JSON, Markdown, plot) -> $OUT.
 set -u
 source scripts/gpu/steps.sh
@@ -111,6 +113,17 @@ for compile in (False, True):
       TAILN=6 step ppl_prefill_ref 150 python3 -m futx.cli ppl --model $W/smollm2.gguf --text $W/wiki.test.raw \
         --backend kernels --protocol serving --max-windows 32 --no-progress --prefill reference \
         --json $OUT/ppl_prefill_ref.json ;;
+    prefill-graphs-tests)  # the CUDA-graph prefill against the eager one, and what it changed beside it
+      P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+      TAILN=8 step prefill_graphs_tests 200 $P tests/test_prefill_graphs_gpu.py tests/test_prefill_engine_gpu.py
+      TAILN=6 step engine_serve_tests 200 $P tests/test_engine_gpu.py tests/test_serve.py ;;
+    profile-chunk)  # a 512-token chunk eager vs graph (FUTX_GLUE: eager or compiled)
+      TAILN=0 step profile_chunk_${FUTX_GLUE:-eager} 200 python3 scripts/profile_prefill_chunk.py --cache int4 \
+        --glue ${FUTX_GLUE:-eager}
+      grep -E "chunk|GPU time|synchron" $LOGS/profile_chunk_${FUTX_GLUE:-eager}.log
+      cp $LOGS/profile_chunk_${FUTX_GLUE:-eager}.log $OUT/ ;;
+    serving)  # bench_serving, default stream (FUTX_SERVE_ARGS adds options)
+      TAILN=30 step serving 400 python3 scripts/bench_serving.py --out $OUT --timeout 300 ${FUTX_SERVE_ARGS:-} ;;
     *) echo "unknown part $part" ;;
   esac
 done
