@@ -32,8 +32,9 @@ import cutlass.memory as cmem
 
 from decode import ptx
 from decode import hadamard_warp as hw
-from decode.attn_plan import (ATTN_TENSORS, E4M3_PAIR_SELECTORS, MAX_GROUP, QMAX, AttnPlan, default_plan,
-                              int4_key_pair_slot, int4_value_pairs)
+from decode import mirror_row
+from decode.attn_plan import (ATTN_TENSORS, E4M3_PAIR_SELECTORS, MAX_GROUP, AttnPlan, default_plan,
+                              int4_value_pairs)
 from decode.splitkv_combine import merge_splits, merge_warps
 
 LOG2E = math.log2(math.e)
@@ -73,12 +74,6 @@ def _row_addr(t: cute.Tensor, slot, kvh, elem_bytes: int):
     """64-bit byte address of t[slot, kvh, 0, ...] (the first two modes index slot and KV head)."""
     st = t.layout.stride
     return t.iterator.toint() + (Int64(slot) * Int64(st[0]) + Int64(kvh) * Int64(st[1])) * elem_bytes
-
-
-def _warp_max(x):
-    for s in (16, 8, 4, 2, 1):
-        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=s))
-    return x
 
 
 class DecodeAttention:
@@ -209,8 +204,8 @@ class DecodeAttention:
     @cute.jit
     def write_row(self, t: AttnTensors, src_head, b, kvh, slot, pos, lane, is_key: bool):
         """One warp: copy the new BF16 row (row `src_head` of k_new / v_new, or of qkv when fused; keys
-        RoPE-rotated first when fused) into the main cache; for a mirror also rotate, quantize (scale =
-        amax / qmax, IEEE division, round half to even) and store it in its packed order."""
+        RoPE-rotated first when fused) into the main cache; for a mirror also store its mirror row
+        (decode.mirror_row: rotation, scale, quantization, packed order)."""
         p = self.p
         n = p.per_lane
         mNew, mMain, mMir, mScale = self._row_tensors(t, is_key)
@@ -221,37 +216,8 @@ class DecodeAttention:
         for i in cutlass.range_constexpr(n):
             mMain[slot, kvh, pos, c0 + i] = raw[i]
         if cutlass.const_expr(p.quantized):
-            x = [v.to(Float32) for v in raw]
-            if cutlass.const_expr(p.rotate):
-                x = hw.rotate(x, lane, p.head_dim)
-            amax = Float32(0.0)
-            for v in x:
-                amax = cute.arch.fmax(amax, cute.math.absf(v))
-            amax = _warp_max(amax)
-            scale = ptx.div_rn(amax, Float32(QMAX[p.fmt]))
-            live = scale > Float32(0.0)
-            if cutlass.const_expr(p.fmt == "int4"):
-                q = []
-                for v in x:
-                    r = ptx.rint_s32(ptx.div_rn(v, cutlass.select_(live, scale, Float32(1.0))))
-                    r = cutlass.max(cutlass.min(r, Int32(7)), Int32(-7))
-                    q.append(cutlass.select_(live, r, Int32(0)))
-                for e in cutlass.range_constexpr(n // 2):
-                    byte = Uint8((q[2 * e] & 0xF) | ((q[2 * e + 1] & 0xF) << 4))
-                    if cutlass.const_expr(is_key):
-                        quad, sb = int4_key_pair_slot(c0 + 2 * e)
-                        mMir[slot, kvh, pos // 8, 4 * (pos % 8) + quad, sb] = byte
-                    else:
-                        mMir[slot, kvh, pos, c0 // 2 + e] = byte
-            else:
-                y = [cutlass.select_(live, ptx.div_rn(v, cutlass.select_(live, scale, Float32(1.0))),
-                                     Float32(0.0)) for v in x]
-                y = y + [Float32(0.0)] * (4 - n)
-                word = ptx.f32x4_to_e4m3x4(y[0], y[1], y[2], y[3])
-                for i in cutlass.range_constexpr(n):
-                    mMir[slot, kvh, pos, c0 + i] = Uint8((word >> (8 * i)) & 0xFF)
-            if lane == 0:
-                mScale[slot, kvh, pos] = scale
+            mirror_row.store_row([v.to(Float32) for v in raw], mMir, mScale, slot, kvh, pos, lane, fmt=p.fmt,
+                                 rotate=p.rotate, head_dim=p.head_dim, is_key=is_key)
 
     @cute.jit
     def fill_lut(self, mLut, s_lut, tidx, lane):

@@ -83,7 +83,7 @@ def test_graph_prefill_equals_eager(hd, fmt, cache_fmt):
 
 
 def test_compiled_glue_in_graphs_is_close():
-    """glue="compiled" (torch.compile'd row quantization and INT4 mirror writer) in the graphs: within the FP8
+    """glue="compiled" (torch.compile'd per-row FP8 quantization) in the graphs: within the FP8
     noise of the eager glue (not bitwise: E4M3 ties and folded constant divisions, futx.engine.compiled)."""
     w = random_weights(CFGS[128], seed=5, std=0.05).to(device="cuda")
     eager, pm = _pair(w, "e4m3", "int4", "compiled")

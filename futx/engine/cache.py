@@ -46,7 +46,6 @@ class EngineCache:
         if keep_values:
             self.values = [(torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
                            for _ in range(config.num_hidden_layers)]
-        self._int4_rows = int4_mirror_rows
 
     @property
     def scratch_slot(self) -> int:
@@ -96,24 +95,26 @@ class EngineCache:
         c.v_cache[slots, :, positions] = vb
         self._store_mirror(layer, slots, positions, kb.float(), vb.float(), check_finite=True)
 
-    def mirror_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+    def mirror_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kernel: bool = False) -> None:
         """The mirror (and kept values) of rows already in the main copy (a prefill's QKV epilogue wrote them),
-        slots / positions long [M] on the device. No checks and no host synchronization (the caller validated
-        the indices on the host), so a CUDA graph can capture it."""
+        slots / positions integer [M] on the device. No checks of their ranges and no host synchronization (the
+        caller validated the indices on the host), so a CUDA graph can capture it. kernel: futx's mirror kernel
+        (futx.ops.mirror_rows: one launch, the decode kernel's own code) instead of the torch ops."""
         if self.fmt == "bf16" and self.values is None:
             return
         c = self.layers[layer]
+        if kernel:
+            if self.values is not None:
+                raise ValueError("the mirror kernel keeps no float values (a cache made with keep_values=True)")
+            from futx.ops.mirror_rows import mirror_rows
+
+            i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+            mirror_rows(self.fmt, c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, i32(slots),
+                        i32(positions))
+            return
+        slots, positions = slots.long(), positions.long()
         self._store_mirror(layer, slots, positions, c.k_cache[slots, :, positions].float(),
                            c.v_cache[slots, :, positions].float(), check_finite=False)
-
-    def compile_mirror(self) -> None:
-        """Fuse the INT4 mirror's rotation, quantization and packing with torch.compile (a few Triton kernels
-        instead of ~70 eager launches per layer); scales may then differ from the kernels' in the last bit
-        (futx.engine.compiled)."""
-        if self._int4_rows is int4_mirror_rows:
-            from .compiled import compile_glue
-
-            self._int4_rows = compile_glue(int4_mirror_rows)
 
     def _store_mirror(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kf: torch.Tensor,
                       vf: torch.Tensor, check_finite: bool) -> None:
@@ -135,8 +136,7 @@ class EngineCache:
             for i, x in enumerate((kf, vf)):
                 q, s = quantize_int4_rows(hadamard.rotate(x), check_finite)
                 self.values[layer][i][slots, :, positions] = hadamard.unrotate(dequantize_rows(q, s))
-        k_lanes, ks, v_bytes, vs = self._int4_rows(kf, vf, check_finite,
-                                                   key_lane_channels(kf.shape[-1], kf.device))
+        k_lanes, ks, v_bytes, vs = int4_mirror_rows(kf, vf, check_finite, key_lane_channels(kf.shape[-1], kf.device))
         c.k_scale[slots, :, positions] = ks
         c.v_scale[slots, :, positions] = vs
         c.v_mirror[slots, :, positions] = v_bytes

@@ -7,7 +7,7 @@ row factors [M], layer 0's from a torch reduction, later ones from the previous 
   e4m3 ("FP8"):
     x8, a  = quantize_rows(x)                                     torch glue: per-row dynamic E4M3
     q      = gemm(x8, Wqkv, "scale_rho_qkv{hd}_bf16", a, b, rho)  RoPE; K/V -> cache main copy (BF16)
-             cache.mirror_rows(...)                               the INT4 / E4M3 mirror rows
+             cache.mirror_rows(...)                               the INT4 / E4M3 mirror rows (futx's mirror kernel)
     o      = attention(q, k_cache, v_cache, cu, start, slot)      causal GQA over the cache
     o8, a  = quantize_rows(o)                                     torch glue
     x, s   = gemm(o8, Wo, "scale_res_rms_bf16", a, b, residual=x) residual add + RMS partials s [t, M]
@@ -28,8 +28,8 @@ Weights: `pack_prefill` folds the RMSNorm gains (futx.quant.fold) into Wqkv (row
 FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
   * activations into QKV, O and gate/up: per row, a[m] = amax_m / 448 (1 for an all-zero row),
     x8 = e4m3(clamp(x / a)) (IEEE division). One torch pass over the BF16 tensor per GEMM (`quantize_rows`);
-    `glue="compiled"` fuses it, and the INT4 mirror writer, with torch.compile (fewer launches, but not bit
-    for bit: futx.engine.compiled says where Triton rounds differently).
+    `glue="compiled"` fuses it with torch.compile (fewer launches, but not bit for bit: futx.engine.compiled
+    says where Triton rounds differently).
   * the SwiGLU output: delayed per-tensor scaling, one state per layer and per request group
     (`ScaleState`). Call t quantizes with the scale from call t-1's amax: scale = amax * margin / 448
     (margin 2 by default: one binade of headroom for a later batch whose values run larger; all-zero keeps
@@ -375,7 +375,7 @@ class _Rows:
     start: torch.Tensor
     slot: torch.Tensor
     host: Optional[tuple]                 # (cu, starts, slots) host tuples (None inside a CUDA graph)
-    mirror_slot: torch.Tensor             # long: the rows whose decode mirror is written (padded path: real rows)
+    mirror_slot: torch.Tensor             # the rows whose decode mirror is written (padded path: the real rows)
     mirror_pos: torch.Tensor
 
 
@@ -421,8 +421,6 @@ class PrefillModel:
         self.ops = make_prefill_ops(backend)
         self.margin, self.initial_amax = margin, initial_amax
         self.quantize = _quantizer(glue)
-        if glue == "compiled":
-            cache.compile_mirror()
         self.inv_freq = rope_inv_freq(cfg).float().to(self.device)
         self.states: dict[object, ScaleState] = {}
         fits = cfg.head_dim in ATTN_HEAD_DIMS and 1 <= cfg.group_size <= ATTN_MAX_GROUP
@@ -516,9 +514,9 @@ class PrefillModel:
         self.check_rows(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens, *host)
         i32 = lambda t: t.to(device=self.device, dtype=torch.int32).contiguous()  # noqa: E731
         row_slot, row_pos = i32(batch.row_slot), i32(batch.row_position)
-        ms, mp = row_slot.long(), row_pos.long()
+        ms, mp = row_slot, row_pos
         if real is not None:
-            ms, mp = ms[real], mp[real]
+            ms, mp = ms[real].contiguous(), mp[real].contiguous()
         return _Rows(row_slot, row_pos, i32(batch.cu_seqlens), i32(batch.start_positions), i32(batch.slots), host,
                      ms, mp)
 
@@ -595,8 +593,8 @@ class PrefillModel:
 
     def _mirror(self, i: int, rows: _Rows) -> None:
         """The decode mirror (and kept values) of this layer's new rows, as the decode kernels store them (no
-        host sync: the rows were checked on the host)."""
-        self.cache.mirror_rows(i, rows.mirror_slot, rows.mirror_pos)
+        host sync: the rows were checked on the host); on the kernels by futx's mirror kernel."""
+        self.cache.mirror_rows(i, rows.mirror_slot, rows.mirror_pos, kernel=self.backend == "kernels")
 
 
 def _device_key(device) -> tuple:

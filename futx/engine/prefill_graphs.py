@@ -112,8 +112,7 @@ class PrefillGraphs:
     # ---- capture ------------------------------------------------------------------------------------------
     def _body(self, bucket: int) -> None:
         v = self.layout.views(self.dev, bucket)
-        rows = _Rows(v["row_slot"], v["row_pos"], v["cu"], v["start"], v["slot"], None,
-                     v["row_slot"].long(), v["row_pos"].long())
+        rows = _Rows(v["row_slot"], v["row_pos"], v["cu"], v["start"], v["slot"], None, v["row_slot"], v["row_pos"])
         pad = v["row_slot"] == self.model.cache.scratch_slot
         x = self.model._run(v["tokens"].long(), rows, self.group, pad)
         self.hidden.copy_(x[v["last"].long()])

@@ -92,36 +92,44 @@ def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, 
         checks.shape(name, t, (b, hkv, d))
     checks.shape("positions", positions, (b,))
     checks.shape("slots", slots, (b,))
-    mirrors = (("k_mirror", k_mirror), ("k_scale", k_scale), ("v_mirror", v_mirror), ("v_scale", v_scale))
-    if cache_format == "bf16":
-        if any(t is not None for _, t in mirrors):
-            raise ValueError("decode_attention: cache_format 'bf16' takes no mirror tensors")
-    else:
-        for name, t in mirrors:
-            if t is None:
-                raise ValueError(f"decode_attention: cache_format {cache_format!r} needs {name}")
-            checks.cuda(name, t, dev)
-        checks.dtype("k_scale", k_scale, torch.float32)
-        checks.dtype("v_scale", v_scale, torch.float32)
-        checks.shape("k_scale", k_scale, (s, hkv, cap))
-        checks.shape("v_scale", v_scale, (s, hkv, cap))
-        if cache_format == "int4":
-            layouts.INT4_KEY.check(d, cap)
-            checks.dtype("k_mirror", k_mirror, torch.uint8)
-            checks.dtype("v_mirror", v_mirror, torch.uint8)
-            checks.shape("k_mirror", k_mirror, (s, hkv, cap // 8, layouts.WARP, layouts.INT4_KEY.bytes_per_lane(d)))
-            checks.shape("v_mirror", v_mirror, (s, hkv, cap, d // 2))
-        else:
-            checks.multiple("k_cache", cap, 8, "capacity")  # 16-byte aligned scale rows for cp.async
-            checks.dtype("k_mirror", k_mirror, (torch.float8_e4m3fn, torch.uint8))
-            checks.dtype("v_mirror", v_mirror, (torch.float8_e4m3fn, torch.uint8))
-            checks.shape("k_mirror", k_mirror, (s, hkv, cap, d))
-            checks.shape("v_mirror", v_mirror, (s, hkv, cap, d))
+    mirrors = check_mirror_tensors("decode_attention", cache_format, k_cache, k_mirror, k_scale, v_mirror, v_scale)
     for name, t in (("q", q), *new_rows, ("positions", positions), ("slots", slots),
                     ("k_cache", k_cache), ("v_cache", v_cache), *mirrors):
         if t is not None:
             checks.contiguous(name, t)
             checks.aligned(name, t)
+
+
+def check_mirror_tensors(op: str, cache_format: str, k_cache, k_mirror, k_scale, v_mirror, v_scale) -> tuple:
+    """Devices, dtypes and shapes of a cache's mirror tensors against its main copy k_cache [S, Hkv, C, D];
+    returns them as (name, tensor) pairs."""
+    s, hkv, cap, d = k_cache.shape
+    mirrors = (("k_mirror", k_mirror), ("k_scale", k_scale), ("v_mirror", v_mirror), ("v_scale", v_scale))
+    if cache_format == "bf16":
+        if any(t is not None for _, t in mirrors):
+            raise ValueError(f"{op}: cache_format 'bf16' takes no mirror tensors")
+        return mirrors
+    for name, t in mirrors:
+        if t is None:
+            raise ValueError(f"{op}: cache_format {cache_format!r} needs {name}")
+        checks.cuda(name, t, k_cache.device)
+    checks.dtype("k_scale", k_scale, torch.float32)
+    checks.dtype("v_scale", v_scale, torch.float32)
+    checks.shape("k_scale", k_scale, (s, hkv, cap))
+    checks.shape("v_scale", v_scale, (s, hkv, cap))
+    if cache_format == "int4":
+        layouts.INT4_KEY.check(d, cap)
+        checks.dtype("k_mirror", k_mirror, torch.uint8)
+        checks.dtype("v_mirror", v_mirror, torch.uint8)
+        checks.shape("k_mirror", k_mirror, (s, hkv, cap // 8, layouts.WARP, layouts.INT4_KEY.bytes_per_lane(d)))
+        checks.shape("v_mirror", v_mirror, (s, hkv, cap, d // 2))
+    else:
+        checks.multiple("k_cache", cap, 8, "capacity")  # 16-byte aligned scale rows for cp.async
+        checks.dtype("k_mirror", k_mirror, (torch.float8_e4m3fn, torch.uint8))
+        checks.dtype("v_mirror", v_mirror, (torch.float8_e4m3fn, torch.uint8))
+        checks.shape("k_mirror", k_mirror, (s, hkv, cap, d))
+        checks.shape("v_mirror", v_mirror, (s, hkv, cap, d))
+    return mirrors
 
 
 def check_positions(positions: torch.Tensor, slots: torch.Tensor, capacity: int, num_slots: int) -> None:

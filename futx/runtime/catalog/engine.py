@@ -2,7 +2,21 @@
 
 from futx.runtime.registry import KernelSpec
 
+MIRROR_SOURCES = ("decode/mirror_rows.py", "decode/mirror_row.py", "decode/attn_plan.py", "decode/ptx.py",
+                  "decode/hadamard_warp.py", "futx/quant/layouts.py")
+
+
+def mirror_key(fmt: str, head_dim: int) -> str:
+    return f"engine.mirror_rows.{fmt}.d{head_dim}"
+
+
 SPECS = [
     KernelSpec(key="engine.rms_rows", module="decode.rms_rows", sources=("decode/rms_rows.py",),
                doc="RMSNorm row factor of bf16 rows (gain folded into the next projection)"),
+] + [
+    # the engine cache rotates exactly its INT4 mirror (futx.engine.cache.EngineCache.rotate)
+    KernelSpec(key=mirror_key(fmt, d), module="decode.mirror_rows",
+               params=(("fmt", fmt), ("head_dim", d), ("rotate", fmt == "int4")), sources=MIRROR_SOURCES,
+               doc=f"decode mirror ({fmt}) of cache rows a prefill wrote, head dim {d}")
+    for fmt in ("int4", "e4m3") for d in (64, 128)
 ]

@@ -1,0 +1,67 @@
+"""futx's mirror kernel (futx.ops.mirror_rows, decode/mirror_rows.py) on a Hopper GPU: the bytes it stores for
+rows of the BF16 main copy equal those of the torch writer (EngineCache.mirror_rows(kernel=False), which
+futx.quant defines and the CPU tests tie to layouts and the decode kernel's conventions): INT4 (rotated) and
+E4M3, head dims 64 and 128, rows in any order, blocks partly filled, zero rows; bad inputs raise before launch.
+
+    python -m pytest -m gpu -q tests/test_mirror_rows_gpu.py
+"""
+
+import pytest
+import torch
+
+from futx.checkpoint.synthetic import tiny_config
+from futx.engine.cache import EngineCache
+
+pytestmark = pytest.mark.gpu
+
+CASES = [(fmt, d) for fmt in ("int4", "e4m3") for d in (64, 128)]
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("fmt,d", CASES, ids=[f"{f}-d{d}" for f, d in CASES])
+def test_kernel_stores_the_torch_writers_bytes(fmt, d):
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=d, num_hidden_layers=1, vocab_size=64)
+    caches = [EngineCache(cfg, fmt, 3, 64, "cuda") for _ in range(2)]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    main = [(torch.randn(4, 2, 64, d, generator=g, device="cuda") * 3).to(torch.bfloat16) for _ in range(2)]
+    main[0][1, 0, 5].zero_()                                       # a zero row: scale 0, zero bytes
+    for c in caches:
+        for t, src in zip((c.layers[0].k_cache, c.layers[0].v_cache), main):
+            t.copy_(src)
+        for t in c.layers[0].tensors()[2:]:                         # poison the mirror: every byte is written
+            _bytes(t).fill_(0x5A) if t.dtype != torch.float32 else t.fill_(float("nan"))
+    slots = torch.tensor([1] * 21 + [0] * 2 + [3] * 4, device="cuda")   # slot 3: the scratch slot
+    positions = torch.cat([torch.randperm(21, generator=g, device="cuda"), torch.tensor([40, 5], device="cuda"),
+                           torch.tensor([0, 1, 2, 3], device="cuda")])
+    caches[0].mirror_rows(0, slots, positions, kernel=False)
+    caches[1].mirror_rows(0, slots.int(), positions.int(), kernel=True)
+    torch.cuda.synchronize()
+    names = ("k_mirror", "k_scale", "v_mirror", "v_scale")
+    for name, a, b in zip(names, caches[0].layers[0].tensors()[2:], caches[1].layers[0].tensors()[2:]):
+        a, b = _bytes(a), _bytes(b)
+        if a.dtype == torch.float32:
+            assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0)), name
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_bad_inputs_raise_before_launch():
+    from futx.ops.mirror_rows import mirror_rows
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=128, num_hidden_layers=1, vocab_size=64)
+    c = EngineCache(cfg, "int4", 2, 64, "cuda").layers[0]
+    rows = torch.zeros(3, dtype=torch.int32, device="cuda")
+    args = [c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, rows, rows]
+    with pytest.raises(ValueError, match="cache_format"):
+        mirror_rows("bf16", *args)
+    with pytest.raises((TypeError, ValueError), match="row_slot"):
+        mirror_rows("int4", *args[:6], rows.long(), rows)
+    with pytest.raises(ValueError, match="k_mirror"):
+        mirror_rows("int4", c.k_cache, c.v_cache, c.k_mirror[:, :, :4], *args[3:])
+    with pytest.raises(ValueError, match="row_pos"):
+        mirror_rows("int4", *args[:7], rows[:2])
