@@ -23,7 +23,10 @@ their partial sums through shared memory; the fused epilogue writes the 16 outpu
 * "rolling" (tuning space, measured slower, P2): a `2 * prefetch`-unit rolling register prefetch, step i
   consumes position i and refills its registers with position i + depth, group scales kept as float16 bits
   until used: no load is waited for in the block that issues it.
-No programmatic dependent launch.
+PDL: launched as a programmatic dependent; the first batch of weights (and scales) is requested before
+`griddepcontrol.wait`, the activation row and the residual are read after it, so the weight stream can start
+while the previous kernel (the RMSNorm row factor, which signals at its start) runs. It signals its own
+dependents after its K loop: signalling at the start measured slower (docs/routing.md E1).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class GemvTile:
         n_tiles = self.epi.weight_rows(y.shape[1]) // BLOCK_N
         smem = k * 2 + self.warps * BLOCK_N * 4  # = smem_bytes(k, warps)
         self.kernel(x, w, s, r, y).launch(grid=(n_tiles, 1, 1), block=(WARP * self.warps, 1, 1), smem=smem,
-                                          stream=stream)
+                                          stream=stream, use_pdl=True)
 
     # ---- device side -------------------------------------------------------------------------
     def _load(self, u, where) -> tuple:
@@ -112,8 +115,10 @@ class GemvTile:
         where = (ub, lane_base, offsets, k, s_base, nb, n_units, g)
         D = self.depth
 
-        # 1. weights first: they come from HBM, everything else from L2
+        # 1. weights first: they come from HBM, everything else from L2; they never depend on the previous
+        #    kernel, so they are requested before waiting on it (PDL)
         bufs = tuple(self._load(ua + i, where) for i in range(D))
+        cute.arch.griddepcontrol_wait()
 
         # 2. this warp's slice of the activation row -> shared memory
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
@@ -150,6 +155,7 @@ class GemvTile:
                     nxt[i] = self._load(u0 + i + D, where)
                 bufs = tuple(nxt)
 
+        cute.arch.griddepcontrol_launch_dependents()
         # 4. combine the warps' partials (every B column holds x, so any lane with t = 0 has them)
         red = xs + k * 2
         if lane % 4 == 0:

@@ -3,7 +3,8 @@
 The norm's gain is folded into the next projection's weights (futx.quant.fold), so only the row factor
 is left; it runs between the residual epilogue that produced x and the projection that reads y. Loads
 are coalesced across the CTA (thread t reads elements t, t + 256, ...); the second pass re-reads x from
-L1/L2 (a row is at most 32 KB).
+L1/L2 (a row is at most 32 KB). PDL: it signals its dependents at once (the next projection's weight
+stream overlaps it) and waits for the previous kernel before reading x (docs/routing.md E1).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ WARPS = THREADS // 32
 class RmsRows:
     @cute.jit
     def __call__(self, x: cute.Tensor, y: cute.Tensor, eps: Float32, stream):
-        self.kernel(x, y, eps).launch(grid=(x.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
+        self.kernel(x, y, eps).launch(grid=(x.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, y: cute.Tensor, eps: Float32):
+        cute.arch.griddepcontrol_launch_dependents()   # the next projection may start streaming its weights
+        cute.arch.griddepcontrol_wait()                # x is the previous kernel's output
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         k = x.shape[1]

@@ -134,7 +134,7 @@ class KernelOps:
 
     def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V]: up to GEMV_HEAD_ROWS rows on futx's BF16 decode GEMV (as fast as cuBLAS there, and
-        no cuBLAS workspace in the step's graph: see graphs._fresh_cublas_workspace), above on cuBLAS (the skinny
+        no cuBLAS workspace in the step's graph: see graphs.fresh_cublas_workspace), above on cuBLAS (the skinny
         BF16 kernel is slower at 32 rows: 8B step 5.75 vs 5.44 ms at B = 32, H200)."""
         if h.shape[0] > GEMV_HEAD_ROWS:
             return h @ lm_head.T

@@ -29,7 +29,7 @@ def bucket_of(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"batch of {n} rows exceeds the largest captured bucket {max(buckets)}")
 
 
-def _fresh_cublas_workspace() -> None:
+def fresh_cublas_workspace() -> None:
     """Drop torch's cached cuBLAS workspaces, so that a cuBLAS call in the capture allocates its workspace inside
     the graph's own pool (as torch.compile's CUDA-graph trees do). A graph that captured the shared workspace
     faults once anyone frees it: torch.compile's graph trees free every workspace before they capture."""
@@ -55,7 +55,7 @@ class GraphSteps:
                 for _ in range(warmup):
                     model.step(rows)
             self.stream.synchronize()
-            _fresh_cublas_workspace()
+            fresh_cublas_workspace()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=self.stream):
                 model.step(rows)

@@ -24,7 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .graphs import _fresh_cublas_workspace, bucket_of
+from futx.reference.batch import PackedBatch
+
+from .graphs import bucket_of, fresh_cublas_workspace
 from .prefill import PrefillModel, _Rows
 
 
@@ -136,7 +138,7 @@ class PrefillGraphs:
             with torch.cuda.stream(self.stream):     # warm-up: compiled glue specializes, kernels load
                 self._body(bucket)
             self.stream.synchronize()
-            _fresh_cublas_workspace()
+            fresh_cublas_workspace()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=self.stream):
                 self._body(bucket)
@@ -164,8 +166,6 @@ class PrefillGraphs:
         state = model.state(self.group) if model.fmt == "e4m3" else None
         calibrated = state is None or all(state.calibrated)
         if not calibrated or m > max(self.buckets) or r >= self.layout.requests:
-            from futx.reference.batch import PackedBatch
-
             self.eager_calls += 1
             batch = PackedBatch.from_lengths(list(lengths), list(starts), list(slots), device=model.device)
             return model.forward(tokens, batch, group=self.group).hidden

@@ -109,7 +109,7 @@ def int4_mirror_rows(k: torch.Tensor, v: torch.Tensor, check_finite: bool = True
                      channels: Optional[torch.Tensor] = None):
     """K, V rows float32 [..., D] -> what the INT4 mirror stores for them (rotated by H first):
     (key lane bytes uint8 [..., 4, D/8] (`pack_int4_key_rows`), key scales [...], value bytes [..., D/2],
-    value scales [...]). Pure tensor code when `channels` is given (what torch.compile traces)."""
+    value scales [...]). The torch definition of what decode/mirror_row.py stores (tests compare the bytes)."""
     q, s = quantize_int4_rows(hadamard.rotate(torch.stack([k, v])), check_finite)   # one pass: row-wise math
     return pack_int4_key_rows(q[0], channels), s[0], layouts.pack_int4_values(q[1]), s[1]
 
