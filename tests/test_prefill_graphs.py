@@ -34,3 +34,42 @@ def test_padded_batch_metadata():
     v = lay.views(buf, 8)
     assert v["cu"].tolist() == [0, 8, 8, 8, 8] and v["row_pos"].tolist() == list(range(3, 11))
     assert all(a % 4 == 0 for a, _ in lay.spans.values())   # 16-byte aligned views
+
+
+def test_capture_buckets_order_and_pool(monkeypatch):
+    """The capture loop both graph runners share (futx.engine.graphs.capture_buckets), with torch.cuda stubbed:
+    largest bucket first, inputs prepared before the warm-up, warm-up on the capture stream, then one capture
+    per bucket, each after the first in the pool of the one before (torch hands back the same pool)."""
+    import contextlib
+
+    from futx.engine import graphs as g
+
+    log = []
+
+    class Graph:
+        def __init__(self):
+            self.id = len([e for e in log if e[0] == "graph"])
+            log.append(("graph", self.id))
+
+        def pool(self):
+            return f"pool{self.id}"
+
+    class Stream:
+        def synchronize(self):
+            log.append(("sync",))
+
+    @contextlib.contextmanager
+    def graph(gr, pool=None, stream=None):
+        log.append(("capture", gr.id, pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(g, "fresh_cublas_workspace", lambda: log.append(("fresh",)))
+    out = g.capture_buckets([8, 32, 16], Stream(), lambda b: log.append(("prepare", b)),
+                            lambda b: log.append(("body", b)), warmup=2)
+    assert list(out) == [32, 16, 8]
+    assert log[:8] == [("prepare", 32), ("body", 32), ("body", 32), ("sync",), ("fresh",), ("graph", 0),
+                       ("capture", 0, None), ("body", 32)]
+    assert ("capture", 1, "pool0") in log and ("capture", 2, "pool1") in log

@@ -7,7 +7,7 @@ one memory pool, so the smaller ones reuse its workspace (as SGLang does).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,27 @@ def fresh_cublas_workspace() -> None:
         clear()
 
 
+def capture_buckets(buckets: Sequence[int], stream, prepare: Callable[[int], None], body: Callable[[int], None],
+                    warmup: int = 1) -> dict:
+    """{bucket: CUDA graph of body(bucket)}, captured largest first into one memory pool (the smaller graphs reuse
+    its workspace); prepare(bucket) fills the static inputs first, the warm-up runs on the capture stream (kernels
+    load, buffers exist, compiled code specializes)."""
+    graphs, pool = {}, None
+    for b in sorted(buckets, reverse=True):
+        prepare(b)
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                body(b)
+        stream.synchronize()
+        fresh_cublas_workspace()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, stream=stream):
+            body(b)
+        pool = g.pool()
+        graphs[b] = g
+    return graphs
+
+
 class GraphSteps:
     """CUDA graphs of `model.step(rows)` for each bucket; `run` pads, replays and returns next tokens."""
 
@@ -46,21 +67,9 @@ class GraphSteps:
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
         self.buckets = buckets_for(model.max_batch, buckets or DEFAULT_BUCKETS)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stream = torch.cuda.Stream(model.device)
-        pool = None
-        for rows in sorted(self.buckets, reverse=True):
-            self._scratch_inputs(rows)
-            with torch.cuda.stream(self.stream):  # warm up on the capture stream: kernels load, buffers exist
-                for _ in range(warmup):
-                    model.step(rows)
-            self.stream.synchronize()
-            fresh_cublas_workspace()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=self.stream):
-                model.step(rows)
-            pool = g.pool()
-            self.graphs[rows] = g
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = capture_buckets(self.buckets, self.stream,
+                                                                       self._scratch_inputs, model.step, warmup)
         torch.cuda.synchronize(model.device)
 
     def _scratch_inputs(self, rows: int) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from futx.reference.batch import PackedBatch
 
-from .graphs import bucket_of, fresh_cublas_workspace
+from .graphs import bucket_of, capture_buckets
 from .prefill import PrefillModel, _Rows
 
 
@@ -132,18 +132,7 @@ class PrefillGraphs:
         if state is not None and not all(state.calibrated):
             raise RuntimeError("capture after the scale state is calibrated (run one eager prefill first)")
         saved = None if state is None else [t.clone() for t in (*state.scale, *state.amax, *state.saturated)]
-        pool = None
-        for bucket in sorted(self.buckets, reverse=True):
-            self._scratch_batch(bucket)
-            with torch.cuda.stream(self.stream):     # warm-up: compiled glue specializes, kernels load
-                self._body(bucket)
-            self.stream.synchronize()
-            fresh_cublas_workspace()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=self.stream):
-                self._body(bucket)
-            pool = g.pool()
-            self.graphs[bucket] = g
+        self.graphs = capture_buckets(self.buckets, self.stream, self._scratch_batch, self._body)
         if saved is not None:
             for t, s in zip((*state.scale, *state.amax, *state.saturated), saved):
                 t.copy_(s)
