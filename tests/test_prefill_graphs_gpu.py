@@ -72,7 +72,7 @@ def test_graph_prefill_equals_eager(hd, fmt, cache_fmt):
                 assert torch.equal(_bytes(ta[:4]), _bytes(tb[:4]))
     if fmt == "e4m3":
         sa, sb = eager.state(), pm.state()
-        for x, y in zip((*sa.scale, *sa.amax, *sa.saturated), (*sb.scale, *sb.amax, *sb.saturated)):
+        for x, y in zip(sa.tensors(), sb.tensors()):
             assert torch.equal(x, y)
     with pytest.raises(ValueError, match="overflow"):
         graphs.run(torch.zeros(4, dtype=torch.int64), [4], [CAP - 2], [0])

@@ -20,8 +20,7 @@ import torch
 from futx.config import LlamaConfig
 from futx.ops.decode_attention import DecodeCache
 from futx.quant import hadamard, layouts
-from futx.quant.kv_mirror import (dequantize_rows, int4_mirror_rows, key_lane_channels, quantize_e4m3_rows,
-                                  quantize_int4_rows)
+from futx.quant.kv_mirror import dequantize_rows, pack_int4_key_rows, quantize_e4m3_rows, quantize_int4_rows
 
 from .support import check_capacity
 
@@ -132,17 +131,16 @@ class EngineCache:
                 if self.values is not None:
                     self.values[layer][i][slots, :, positions] = dequantize_rows(data, scale)
             return
+        q, s = quantize_int4_rows(hadamard.rotate(torch.stack([kf, vf])), check_finite)   # K and V in one pass
         if self.values is not None:
-            for i, x in enumerate((kf, vf)):
-                q, s = quantize_int4_rows(hadamard.rotate(x), check_finite)
-                self.values[layer][i][slots, :, positions] = hadamard.unrotate(dequantize_rows(q, s))
-        k_lanes, ks, v_bytes, vs = int4_mirror_rows(kf, vf, check_finite, key_lane_channels(kf.shape[-1], kf.device))
-        c.k_scale[slots, :, positions] = ks
-        c.v_scale[slots, :, positions] = vs
-        c.v_mirror[slots, :, positions] = v_bytes
+            for i in range(2):
+                self.values[layer][i][slots, :, positions] = hadamard.unrotate(dequantize_rows(q[i], s[i]))
+        c.k_scale[slots, :, positions] = s[0]
+        c.v_scale[slots, :, positions] = s[1]
+        c.v_mirror[slots, :, positions] = layouts.pack_int4_values(q[1])
         # a key row fills 4 of the 32 lanes of its 8-token block: lanes 4 (p % 8) + j
         lanes = 4 * (positions % 8)[:, None] + torch.arange(4, device=positions.device)[None, :]   # [M, 4]
-        c.k_mirror[slots[:, None], :, (positions // 8)[:, None], lanes] = k_lanes.transpose(1, 2)
+        c.k_mirror[slots[:, None], :, (positions // 8)[:, None], lanes] = pack_int4_key_rows(q[0]).transpose(1, 2)
 
     # ---- what decode attention reads -------------------------------------------------------------------
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -203,6 +203,10 @@ class ScaleState:
         a = self.amax[i]
         self.scale[i].copy_(torch.where(a > 0, ieee_div(a * self.margin, E4M3_MAX), self.scale[i]))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the state (scales, amaxes, saturation counts), e.g. to save and restore it."""
+        return [*self.scale, *self.amax, *self.saturated]
+
     def saturations(self) -> int:
         return int(torch.stack(self.saturated).sum())
 

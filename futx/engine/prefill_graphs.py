@@ -20,6 +20,7 @@ bucket or with more requests runs eagerly.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
@@ -73,10 +74,7 @@ class MetaLayout:
         v["row_pos"].copy_(torch.tensor(pos, dtype=torch.int32))
         v["row_slot"].copy_(torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)]
                                          + [scratch] * (bucket - m), dtype=torch.int32))
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-        cu += [bucket] * (self.requests - r)          # the pad request, then empty ones
+        cu = [0, *accumulate(lengths)] + [bucket] * (self.requests - r)   # the pad request, then empty ones
         v["cu"].copy_(torch.tensor(cu, dtype=torch.int32))
         v["start"].copy_(torch.tensor(list(starts) + [0] * (self.requests - r), dtype=torch.int32))
         v["slot"].copy_(torch.tensor(list(slots) + [scratch] * (self.requests - r), dtype=torch.int32))
@@ -131,10 +129,10 @@ class PrefillGraphs:
         state = model.state(self.group) if model.fmt == "e4m3" else None
         if state is not None and not all(state.calibrated):
             raise RuntimeError("capture after the scale state is calibrated (run one eager prefill first)")
-        saved = None if state is None else [t.clone() for t in (*state.scale, *state.amax, *state.saturated)]
+        saved = None if state is None else [t.clone() for t in state.tensors()]
         self.graphs = capture_buckets(self.buckets, self.stream, self._scratch_batch, self._body)
         if saved is not None:
-            for t, s in zip((*state.scale, *state.amax, *state.saturated), saved):
+            for t, s in zip(state.tensors(), saved):
                 t.copy_(s)
         torch.cuda.synchronize(model.device)
 
@@ -148,16 +146,13 @@ class PrefillGraphs:
         r, m = len(lengths), int(sum(lengths))
         if r == 0 or min(lengths) < 1:
             raise ValueError("every request needs at least one token")
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-        model.check_rows(tokens, cu, starts, slots)
         state = model.state(self.group) if model.fmt == "e4m3" else None
         calibrated = state is None or all(state.calibrated)
         if not calibrated or m > max(self.buckets) or r >= self.layout.requests:
-            self.eager_calls += 1
+            self.eager_calls += 1    # model.forward checks the batch on the host
             batch = PackedBatch.from_lengths(list(lengths), list(starts), list(slots), device=model.device)
             return model.forward(tokens, batch, group=self.group).hidden
+        model.check_rows(tokens, [0, *accumulate(lengths)], starts, slots)
         if not self.graphs:
             self.capture()
         bucket = bucket_of(m, self.buckets)

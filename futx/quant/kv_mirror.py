@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
 
 import torch
 
@@ -90,28 +89,11 @@ def _key_lane_channels(head_dim: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(channel[:4].copy()).to(device)
 
 
-def key_lane_channels(head_dim: int, device) -> torch.Tensor:
-    """The channel table `pack_int4_key_rows` gathers with (long [4, D/8, 2], made once per device)."""
-    return _key_lane_channels(head_dim, torch.device(device))
-
-
-def pack_int4_key_rows(q: torch.Tensor, channels: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack_int4_key_rows(q: torch.Tensor) -> torch.Tensor:
     """Signed nibbles of single key rows [..., D] -> uint8 [..., 4, D/8]: the bytes of the 4 lanes (4 (p % 8) + j)
-    that hold the row's token p in its 8-token key block (what `layouts.pack_int4_keys` puts there).
-    channels: `key_lane_channels(D, device)` (looked up when not given)."""
-    if channels is None:
-        channels = key_lane_channels(q.shape[-1], q.device)
-    g = (q.to(torch.int16) & 0xF)[..., channels]   # [..., 4, D/8, 2]
+    that hold the row's token p in its 8-token key block (what `layouts.pack_int4_keys` puts there)."""
+    g = (q.to(torch.int16) & 0xF)[..., _key_lane_channels(q.shape[-1], q.device)]   # [..., 4, D/8, 2]
     return (g[..., 0] | (g[..., 1] << 4)).to(torch.uint8)
-
-
-def int4_mirror_rows(k: torch.Tensor, v: torch.Tensor, check_finite: bool = True,
-                     channels: Optional[torch.Tensor] = None):
-    """K, V rows float32 [..., D] -> what the INT4 mirror stores for them (rotated by H first):
-    (key lane bytes uint8 [..., 4, D/8] (`pack_int4_key_rows`), key scales [...], value bytes [..., D/2],
-    value scales [...]). The torch definition of what decode/mirror_row.py stores (tests compare the bytes)."""
-    q, s = quantize_int4_rows(hadamard.rotate(torch.stack([k, v])), check_finite)   # one pass: row-wise math
-    return pack_int4_key_rows(q[0], channels), s[0], layouts.pack_int4_values(q[1]), s[1]
 
 
 def unpack_int4_cache(rows: Int4CacheRows, rotate: bool = True,
