@@ -220,7 +220,7 @@ def main() -> int:
     arm_watchdog(900)
     cands = {}
     for fmt in (("e4m3", "bf16") if "block" in parts else ()):
-        for glue in (("eager", "compiled") if fmt == "e4m3" else ("eager",)):
+        for glue in (("eager", "kernel", "compiled") if fmt == "e4m3" else ("eager",)):
             try:
                 _, fn = block_setup(cfg, fmt, [s], glue=glue)
                 cands[f"futx_{'fp8' if fmt == 'e4m3' else 'bf16'}_{glue}"] = fn

@@ -1,7 +1,7 @@
 """Where a serving prefill chunk's time goes: one packed 512-token chunk of the kernel prefill (8B shape, random
 weights, as scripts/bench_serving.py builds the engine) timed and profiled with torch.profiler.
 
-    python scripts/profile_prefill_chunk.py [--tokens 512] [--cache int4|bf16] [--layers 32] [--glue eager|compiled]
+    python scripts/profile_prefill_chunk.py [--tokens 512] [--cache int4|bf16] [--layers 32] [--glue eager|kernel|compiled]
 
 Runs the chunk eagerly (PrefillModel.forward) and replayed as a CUDA graph (PrefillGraphs), interleaved in one
 process. Prints the wall time per chunk of each (synchronized, median of 9), the GPU time of the graph (CUDA
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--cache", default="int4")
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--glue", default="eager", choices=("eager", "compiled"))
+    p.add_argument("--glue", default="eager", choices=("eager", "kernel", "compiled"))
     a = p.parse_args(argv)
     ns = argparse.Namespace(backend="kernels", device="cuda", weights="int4", cache=a.cache, prefill_format="e4m3",
                             seed=0, max_batch=32, capacity=2048, no_graphs=True, prefill_glue=a.glue)

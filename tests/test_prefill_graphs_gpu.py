@@ -26,8 +26,9 @@ CFGS = {hd: tiny_config(hidden_size=256, intermediate_size=512, num_attention_he
 CALLS = [([77, 1, 130], [0, 0, 0], [0, 1, 2]),
          ([20, 5, 40, 9], [77, 1, 130, 0], [0, 1, 2, 3]),
          ([3], [97], [0])]
-CASES = [(64, "e4m3", "int4"), (128, "e4m3", "int4"), (128, "bf16", "int4"), (128, "e4m3", "e4m3"),
-         (64, "bf16", "bf16")]
+# (head dim, weights, cache, the graphs' glue; the eager model always runs the eager torch glue)
+CASES = [(64, "e4m3", "int4", "eager"), (128, "e4m3", "int4", "eager"), (128, "bf16", "int4", "eager"),
+         (128, "e4m3", "e4m3", "eager"), (64, "bf16", "bf16", "eager"), (128, "e4m3", "int4", "kernel")]
 
 
 def _bytes(t):
@@ -58,10 +59,11 @@ def _calls(w, eager, graphs):
         yield got.clone(), want
 
 
-@pytest.mark.parametrize("hd,fmt,cache_fmt", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_graph_prefill_equals_eager(hd, fmt, cache_fmt):
+@pytest.mark.parametrize("hd,fmt,cache_fmt,glue", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_graph_prefill_equals_eager(hd, fmt, cache_fmt, glue):
+    """glue "kernel" (futx's row-quantization kernel) stores the torch glue's bytes, so it is equal too."""
     w = random_weights(CFGS[hd], seed=5, std=0.05).to(device="cuda")
-    eager, pm = _pair(w, fmt, cache_fmt, "eager")
+    eager, pm = _pair(w, fmt, cache_fmt, glue)
     graphs = PrefillGraphs(pm, max_rows=256, max_requests=4)
     for got, want in _calls(w, eager, graphs):
         assert torch.equal(got, want)

@@ -34,9 +34,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None
                         "kernels, else reference")
     g.add_argument("--prefill-format", default="e4m3", choices=PREFILL_FORMATS,
                    help="prefill weight/operand format for --prefill kernels (default e4m3)")
-    g.add_argument("--prefill-glue", default="eager", choices=("eager", "compiled"),
-                   help="the kernel prefill's torch glue (per-row FP8 quantization, INT4 mirror writer): eager "
-                        "(exact, the default) or torch.compile (fewer launches; can differ in the last bit)")
+    g.add_argument("--prefill-glue", default="eager", choices=("eager", "kernel", "compiled"),
+                   help="the kernel prefill's per-row FP8 quantization of activations: eager torch ops (the "
+                        "default), kernel (futx's kernel, the same bytes in one launch) or compiled "
+                        "(torch.compile; can differ in the last bit)")
 
 
 def engine_device(args) -> str:

@@ -28,8 +28,9 @@ Weights: `pack_prefill` folds the RMSNorm gains (futx.quant.fold) into Wqkv (row
 FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
   * activations into QKV, O and gate/up: per row, a[m] = amax_m / 448 (1 for an all-zero row),
     x8 = e4m3(clamp(x / a)) (IEEE division). One torch pass over the BF16 tensor per GEMM (`quantize_rows`);
-    `glue="compiled"` fuses it with torch.compile (fewer launches, but not bit for bit: futx.engine.compiled
-    says where Triton rounds differently).
+    `glue="kernel"` runs it as futx's row-quantization kernel (futx/row_quant.py: one launch, bit for bit the
+    torch code); `glue="compiled"` fuses it with torch.compile (fewer launches, but not bit for bit:
+    futx.engine.compiled says where Triton rounds differently).
   * the SwiGLU output: delayed per-tensor scaling, one state per layer and per request group
     (`ScaleState`). Call t quantizes with the scale from call t-1's amax: scale = amax * margin / 448
     (margin 2 by default: one binade of headroom for a later batch whose values run larger; all-zero keeps
@@ -72,7 +73,7 @@ from .cache import EngineCache
 
 FORMATS = ("e4m3", "bf16")
 BACKENDS = ("kernels", "emulated")
-GLUE = ("eager", "compiled")
+GLUE = ("eager", "kernel", "compiled")
 Weight = Union[E4M3Weight, torch.Tensor]
 
 
@@ -160,7 +161,8 @@ def prefill_from_packed(packed) -> PrefillWeights:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (BF16) -> (e4m3 [M, K], float32 scale [M]) with scale = amax / 448 per row (1 for zero rows).
 
-    Costs one read of x and one FP8 write in a fused kernel (glue="compiled"); eager PyTorch makes ~6 passes."""
+    The torch definition; futx's kernel (glue="kernel") stores the same bytes in one launch, eager PyTorch
+    makes ~6 passes."""
     xf = x.float()
     amax = xf.abs().amax(dim=1)
     scale = torch.where(amax > 0, ieee_div(amax, E4M3_MAX), torch.ones_like(amax))
@@ -174,6 +176,10 @@ _COMPILED: dict = {}
 def _quantizer(glue: str):
     if glue == "eager":
         return quantize_rows
+    if glue == "kernel":
+        from futx.ops.row_quant import quantize_rows_e4m3
+
+        return quantize_rows_e4m3
     if "q" not in _COMPILED:
         from .compiled import compile_glue
 
@@ -417,6 +423,8 @@ class PrefillModel:
             raise ValueError("the kernel prefill needs a CUDA (Hopper) device; use backend='emulated' elsewhere")
         if glue not in GLUE:
             raise ValueError(f"glue must be one of {GLUE}, got {glue!r}")
+        if glue == "kernel" and backend != "kernels":
+            raise ValueError("glue='kernel' runs futx's row-quantization kernel: it needs backend='kernels'")
         self.weights, self.config, self.cache, self.fmt = weights, cfg, cache, weights.fmt
         self.device = cache.device
         if _device_key(weights.device) != _device_key(self.device):

@@ -19,7 +19,8 @@
 #   bench-pattn  prefill attention vs SDPA;  bench-block  the 8B prefill block vs compiled PyTorch FP8;
 #   ppl-prefill  SmolLM2 serving perplexity with the kernel prefill (FP8, BF16) vs the reference prefill
 #   prefill-graphs-tests  CUDA-graph prefill tests (+ prefill block, engine, serve);  profile-chunk  a 512-token
-#              chunk eager vs graph (FUTX_GLUE=eager|compiled);  serving  scripts/bench_serving.py
+#              chunk eager vs graph (FUTX_GLUE=eager|kernel|compiled);  serving  scripts/bench_serving.py;
+#   row-quant  the per-row E4M3 quantization kernel's tests and its effect on the chunk, the block and serving
 # Logs -> $OUT/logs.tgz; results (JSON, Markdown, plot) -> $OUT.
 set -u
 source scripts/gpu/steps.sh
@@ -124,6 +125,12 @@ for compile in (False, True):
       cp $LOGS/profile_chunk_${FUTX_GLUE:-eager}.log $OUT/ ;;
     serving)  # bench_serving, default stream (FUTX_SERVE_ARGS adds options)
       TAILN=30 step serving 400 python3 scripts/bench_serving.py --out $OUT --timeout 300 ${FUTX_SERVE_ARGS:-} ;;
+    row-quant)  # the row-quantization kernel (glue "kernel"): its tests, then the chunk, the block and serving with it
+      P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+      TAILN=6 step row_quant_tests 200 $P tests/test_row_quant_gpu.py tests/test_prefill_graphs_gpu.py
+      FUTX_GLUE=kernel bash scripts/gpu/engine.sh profile-chunk
+      TAILN=20 step bench_block_kq 280 python3 scripts/bench_prefill_block.py --rounds 5 --parts block,packed
+      FUTX_SERVE_ARGS="--prefill-glue kernel" bash scripts/gpu/engine.sh serving ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -1,4 +1,5 @@
-"""Small kernels of the decode step that sit between the projections (the engine's glue)."""
+"""Small kernels that sit between the engine's projections (its glue): the decode step's RMSNorm row factor, the
+prefill's mirror writer and per-row E4M3 quantization."""
 
 from futx.runtime.registry import KernelSpec
 
@@ -13,6 +14,8 @@ def mirror_key(fmt: str, head_dim: int) -> str:
 SPECS = [
     KernelSpec(key="engine.rms_rows", module="decode.rms_rows", sources=("decode/rms_rows.py",),
                doc="RMSNorm row factor of bf16 rows (gain folded into the next projection)"),
+    KernelSpec(key="engine.row_quant_e4m3", module="futx.row_quant", sources=("futx/row_quant.py", "decode/ptx.py"),
+               doc="per-row dynamic E4M3 quantization of bf16 activations (the prefill block's glue)"),
 ] + [
     # the engine cache rotates exactly its INT4 mirror (futx.engine.cache.EngineCache.rotate)
     KernelSpec(key=mirror_key(fmt, d), module="decode.mirror_rows",
