@@ -347,8 +347,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per tick (futx serve's default)")
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps and prefill chunks")
     p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill chunks (decode graphs kept)")
-    p.add_argument("--prefill-glue", default="eager", choices=("eager", "kernel", "compiled"),
-                   help="the prefill's per-row FP8 quantization: eager torch ops, futx's kernel or torch.compile")
+    p.add_argument("--prefill-glue", default="auto", choices=("auto", "eager", "kernel", "compiled"),
+                   help="the prefill's per-row FP8 quantization: futx's kernel (auto on the kernels backend), "
+                        "eager torch ops or torch.compile")
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests before the stream (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--cache", default="int4")
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--glue", default="eager", choices=("eager", "kernel", "compiled"))
+    p.add_argument("--glue", default="kernel", choices=("eager", "kernel", "compiled"))
     a = p.parse_args(argv)
     ns = argparse.Namespace(backend="kernels", device="cuda", weights="int4", cache=a.cache, prefill_format="e4m3",
                             seed=0, max_batch=32, capacity=2048, no_graphs=True, prefill_glue=a.glue)

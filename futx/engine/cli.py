@@ -34,10 +34,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None
                         "kernels, else reference")
     g.add_argument("--prefill-format", default="e4m3", choices=PREFILL_FORMATS,
                    help="prefill weight/operand format for --prefill kernels (default e4m3)")
-    g.add_argument("--prefill-glue", default="eager", choices=("eager", "kernel", "compiled"),
-                   help="the kernel prefill's per-row FP8 quantization of activations: eager torch ops (the "
-                        "default), kernel (futx's kernel, the same bytes in one launch) or compiled "
-                        "(torch.compile; can differ in the last bit)")
+    g.add_argument("--prefill-glue", default="auto", choices=("auto", "eager", "kernel", "compiled"),
+                   help="the kernel prefill's per-row FP8 quantization of activations: kernel (futx's kernel, "
+                        "one launch; the default on --backend kernels), eager (torch ops, the same bytes; the "
+                        "default elsewhere) or compiled (torch.compile; can differ in the last bit)")
 
 
 def engine_device(args) -> str:
@@ -70,7 +70,7 @@ def build_prefill(args, model, float_weights=None):
     else:
         return None
     return PrefillModel(weights, model.cache, "kernels" if model.backend == "kernels" else "emulated",
-                        glue=getattr(args, "prefill_glue", None) or "eager")
+                        glue=getattr(args, "prefill_glue", None) or "auto")
 
 
 def build_engine(args, capacity: int, float_weights=None):

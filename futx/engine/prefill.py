@@ -28,8 +28,8 @@ Weights: `pack_prefill` folds the RMSNorm gains (futx.quant.fold) into Wqkv (row
 FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
   * activations into QKV, O and gate/up: per row, a[m] = amax_m / 448 (1 for an all-zero row),
     x8 = e4m3(clamp(x / a)) (IEEE division). One torch pass over the BF16 tensor per GEMM (`quantize_rows`);
-    `glue="kernel"` runs it as futx's row-quantization kernel (futx/row_quant.py: one launch, bit for bit the
-    torch code); `glue="compiled"` fuses it with torch.compile (fewer launches, but not bit for bit:
+    `glue="kernel"` (the default on the kernels backend) runs it as futx's row-quantization kernel
+    (futx/row_quant.py: one launch, bit for bit the torch code); `glue="compiled"` fuses it with torch.compile (fewer launches, but not bit for bit:
     futx.engine.compiled says where Triton rounds differently).
   * the SwiGLU output: delayed per-tensor scaling, one state per layer and per request group
     (`ScaleState`). Call t quantizes with the scale from call t-1's amax: scale = amax * margin / 448
@@ -73,7 +73,7 @@ from .cache import EngineCache
 
 FORMATS = ("e4m3", "bf16")
 BACKENDS = ("kernels", "emulated")
-GLUE = ("eager", "kernel", "compiled")
+GLUE = ("auto", "eager", "kernel", "compiled")
 Weight = Union[E4M3Weight, torch.Tensor]
 
 
@@ -411,7 +411,7 @@ class PrefillModel:
     `EngineCache.write_rows`), so decode continues from the cache at once."""
 
     def __init__(self, weights: PrefillWeights, cache: EngineCache, backend: str = "kernels", *,
-                 margin: float = 2.0, initial_amax: Optional[float] = None, glue: str = "eager",
+                 margin: float = 2.0, initial_amax: Optional[float] = None, glue: str = "auto",
                  attention: str = "auto"):
         cfg = weights.config
         check_prefill_model(cfg, weights.fmt)
@@ -425,6 +425,8 @@ class PrefillModel:
             raise ValueError(f"glue must be one of {GLUE}, got {glue!r}")
         if glue == "kernel" and backend != "kernels":
             raise ValueError("glue='kernel' runs futx's row-quantization kernel: it needs backend='kernels'")
+        if glue == "auto":   # the kernel is bit for bit the torch definition, in one launch
+            glue = "kernel" if backend == "kernels" else "eager"
         self.weights, self.config, self.cache, self.fmt = weights, cfg, cache, weights.fmt
         self.device = cache.device
         if _device_key(weights.device) != _device_key(self.device):
