@@ -54,7 +54,10 @@ TILE_N = SKINNY_WARPS * SKINNY_NB_PER_WARP * 16
 CTAS_PER_SM = 2
 # tuning space of the skinny kernel (INT4): a shorter ring so that more CTAs (warps) fit per SM, the split
 # then filling that many CTA slots per SM ("ctas_per_sm" only steers the host's split choice)
-SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3}}
+# "wg": the same tiles on warpgroup MMA (decode/skinny_wgmma.py, INT4 only; measured slower, docs/routing.md P8);
+# "wgo": its MMAs overlapped with the next unit's dequantization
+SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3},
+                   "wg": {"mma": "wgmma"}, "wgo": {"mma": "wgmma", "overlap": True}}
 MIN_UNITS = 4
 
 

@@ -269,6 +269,72 @@ def mma_16816(a, b, c, kind: str = "f16", *, loc=None, ip=None):
     return _unpack(res, 4, T.f32(), Float32, loc, ip)
 
 
+# ---- warpgroup MMA (decode/skinny_wgmma.py) ---------------------------------------------------------------
+# wgmma.mma_async with A in registers: warp w of the warpgroup holds rows 16w .. 16w + 15 of the 64-row A tile
+# in the m16n8k16 A-fragment order (a0: row g, k 2t..2t+1; a1: row g + 8; a2, a3: k + 8), and D row 16w + g /
+# + 8 in the m16n8 C-fragment order of each 8-column chunk j: d[4j], d[4j+1] = row g, columns 8j + 2t, + 1;
+# d[4j+2], d[4j+3] = row g + 8. B is read from shared memory through a matrix descriptor.
+GMMA_CORE_BYTES = 128   # one 8 x 16-byte core matrix, stored contiguously (no swizzle)
+
+
+@dsl_user_op
+def gmma_desc(saddr: Int32, lbo: int, sbo: int, *, loc=None, ip=None) -> Int64:
+    """Shared-memory matrix descriptor of a no-swizzle tile starting at `saddr` (16-byte aligned): `lbo` bytes
+    between core matrices adjacent along K, `sbo` along M/N (bits 0-13 start >> 4, 16-29 LBO >> 4,
+    32-45 SBO >> 4, layout type 0 in bits 62-63)."""
+    lo = ((Int32(saddr) >> 4) & 0x3FFF) | ((lbo >> 4) << 16)
+    res = _asm(T.i64(), [_i32(lo, loc, ip), _i32(sbo >> 4, loc, ip)], "mov.b64 $0, {$1, $2};", "=l,r,r",
+               False, loc, ip)
+    return Int64(res)
+
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None) -> None:
+    """Orders this warpgroup's register writes (A operands, accumulators) before the wgmma that reads them."""
+    _asm(None, [], "wgmma.fence.sync.aligned;", "", True, loc, ip)
+
+
+@dsl_user_op
+def wgmma_commit(*, loc=None, ip=None) -> None:
+    _asm(None, [], "wgmma.commit_group.sync.aligned;", "", True, loc, ip)
+
+
+@dsl_user_op
+def wgmma_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most `pending` committed wgmma groups of this warpgroup are in flight."""
+    _asm(None, [], f"wgmma.wait_group.sync.aligned {pending};", "", True, loc, ip)
+
+
+@dsl_user_op
+def reg_fence(v: Float32, *, loc=None, ip=None) -> Float32:
+    """An empty instruction that 'rewrites' v: reads of the result cannot move above the last side-effecting
+    instruction (a wgmma wait) that precedes it (CUTLASS's warpgroup_fence_operand)."""
+    return Float32(_asm(T.f32(), [_f32(v, loc, ip)], "", "=f,0", True, loc, ip))
+
+
+@dsl_user_op
+def wgmma_bf16_rs(acc: tuple, a: tuple, desc: Int64, scale_d, *, loc=None, ip=None) -> tuple:
+    """acc (64 x N f32, N = 2 * len(acc)) = A (registers, 4 bf16x2) @ B (16 x N, K-major, descriptor)
+    + (acc if scale_d else 0). Asynchronous: commit, then wait before reading acc or rewriting a."""
+    n_acc = len(acc)
+    d = ",".join(f"${i}" for i in range(n_acc))
+    a_ = ",".join(f"${n_acc + i}" for i in range(4))
+    text = ("{.reg .pred p; setp.ne.b32 p, $%d, 0; "
+            "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16 {%s}, {%s}, $%d, p, 1, 1, 0;}"
+            % (n_acc + 5, 2 * n_acc, d, a_, n_acc + 4))
+    cons = ",".join(["=f"] * n_acc + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(n_acc)])
+    res = _asm(llvm.StructType.get_literal([T.f32()] * n_acc),
+               [_u32(x, loc, ip) for x in a] + [Int64(desc).ir_value(loc=loc, ip=ip), _i32(scale_d, loc, ip)]
+               + [_f32(x, loc, ip) for x in acc], text, cons, True, loc, ip)
+    return _unpack(res, n_acc, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Makes this thread's completed generic-proxy shared writes (cp.async) visible to the async proxy (wgmma)."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "", True, loc, ip)
+
+
 @dsl_user_op
 def movmatrix_trans(x, *, loc=None, ip=None):
     """Transpose an 8x8 b16 matrix held in fragment order (lane (g, t) holds row g, columns 2t, 2t+1):

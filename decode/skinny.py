@@ -32,16 +32,16 @@ ROW_PAD = 16                  # bytes: staggers activation rows across shared-me
 
 
 class Skinny:
+    launch_hints: dict = {}   # extra launch attributes (occupancy) of a subclass
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                 stages: int = 0):
-        warps, nb_per_warp = WARPS, NB_PER_WARP
+                 stages: int = 0, warps: int = WARPS, nb_per_warp: int = NB_PER_WARP):
         self.fmt = make_format(fmt, group_size)
         self.epi = epi.make(epilogue)
         self.m_tiles, self.warps, self.nbw = m_tiles, warps, nb_per_warp
         self.bpu, self.unit_k = stream.units_of(self.fmt)
         self.lanes_bytes = self.fmt.loads_per_block * self.bpu * layouts.WARP * LANE_BYTES  # per n-block/unit
         self.row_bytes = self.unit_k * 2 + ROW_PAD
-        self.x_bytes = m_tiles * TOKENS * self.row_bytes
+        self.x_bytes = self.x_tile_bytes()
         self.w_bytes = warps * nb_per_warp * self.lanes_bytes
         self.s_bytes = warps * nb_per_warp * 2 * BLOCK_N if self.fmt.grouped else 0
         self.stage_bytes = self.x_bytes + self.w_bytes + self.s_bytes
@@ -50,6 +50,10 @@ class Skinny:
         self.stages = stages or max(3, min(8, 100 * 1024 // self.stage_bytes))
         self.tile_n = warps * nb_per_warp * BLOCK_N
         self.reduce_batch = 2 if m_tiles == 4 else 4  # split-K partials loaded together (registers)
+
+    def x_tile_bytes(self) -> int:
+        """Bytes of one unit's activation tile in a ring slot."""
+        return self.m_tiles * TOKENS * self.row_bytes
 
     def smem_bytes(self) -> int:
         return self.stages * self.stage_bytes + 16  # + the split-K "last CTA" flag
@@ -62,9 +66,17 @@ class Skinny:
         n_tiles = (n + self.tile_n - 1) // self.tile_n
         self.kernel(x, w, s, r, y, ws, counters, split).launch(
             grid=(n_tiles, split, 1), block=(WARP * self.warps, 1, 1), smem=self.smem_bytes(), stream=stream_,
-            use_pdl=True)
+            use_pdl=True, **self.launch_hints)
 
     # ---- device side -------------------------------------------------------------------------
+    def _x_coord(self, idx, chunks):
+        """(token row, 16-byte chunk) copied by copy slot idx: consecutive threads walk a row."""
+        return idx // chunks, idx % chunks
+
+    def _x_chunk(self, row, ch):
+        """Byte offset in a slot of 16-byte chunk `ch` of token row `row` (padded rows for ldmatrix)."""
+        return row * self.row_bytes + ch * LANE_BYTES
+
     @cute.jit
     def _stage(self, x_base: Int64, m, k, u, slot: Int32, tid, wheres, nb_ok):
         """cp.async unit u into one ring slot: every token row of x (rows past M repeat row M - 1: finite
@@ -74,10 +86,10 @@ class Skinny:
         threads = WARP * self.warps
         for c in cutlass.range_constexpr((self.m_tiles * TOKENS * chunks + threads - 1) // threads):
             idx = tid + c * threads
-            row, ch = idx // chunks, idx % chunks
+            row, ch = self._x_coord(idx, chunks)
             if idx < self.m_tiles * TOKENS * chunks:
                 src = x_base + (Int64(cutlass.min(row, m - 1)) * k + u * self.unit_k) * 2 + ch * LANE_BYTES
-                ptx.cp_async_16(slot + row * self.row_bytes + ch * LANE_BYTES, src)
+                ptx.cp_async_16(slot + self._x_chunk(row, ch), src)
         warp, lane = tid // WARP, tid % WARP
         lpb = self.fmt.loads_per_block
         for i in cutlass.range_constexpr(self.nbw):
@@ -124,7 +136,7 @@ class Skinny:
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, split: Int32):
-        fmt, SX, NBW = self.fmt, self.stages, self.nbw
+        fmt, NBW = self.fmt, self.nbw
         tid, _, _ = cute.arch.thread_idx()
         tile, sy, _ = cute.arch.block_idx()
         warp = tid // WARP
@@ -151,17 +163,28 @@ class Skinny:
             wheres.append((fmt.lane_base(w_base, nb, lane, k), offsets, k, s_base, nb, n_units, g))
             nb_ok.append(Int32(nb0 + i < n_blocks))
 
-        # 1. the ring's first stages (after the previous kernel: PDL overlaps only the launch)
+        # 1-2. the ring and the main loop (after the previous kernel: PDL overlaps only the launch)
         cute.arch.griddepcontrol_wait()
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
-        x_base = x.iterator.toint()
+        accs = self._mainloop(x.iterator.toint(), m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts)
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # 3. epilogue, directly or through the split-K workspace
+        if split == 1:
+            self._epilogue(accs, nb0, lane, n_blocks, m, s, r, y)
+        else:
+            self._split_k(accs, nb0, lane, n_blocks, m, n, s, r, y, ws, counters, split, tile, sy, tid, xs)
+
+    @cute.jit
+    def _mainloop(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
+        """Units [ua, ub) through the ring: (SX - 1) stages in flight, one consumed per step. Returns the
+        accumulators, per n-block of the warp and 8-token group, in the m16n8 C fragment order."""
+        fmt, SX, NBW = self.fmt, self.stages, self.nbw
         for st in cutlass.range_constexpr(SX - 1):
             if ua + st < ub:
                 self._stage(x_base, m, k, ua + st, xs + st * self.stage_bytes, tid, wheres, nb_ok)
             cute.arch.cp_async_commit_group()
         xs_lane = fmt.x_lane_offset(lane, self.row_bytes)
-
-        # 2. main loop: one ring stage per unit
         accs = [[(Float32(0.0),) * 4 for _ in range(self.m_tiles)] for _ in range(NBW)]
         for u in cutlass.range(ua, ub, unroll=1):
             cute.arch.cp_async_wait_group(SX - 2)
@@ -175,13 +198,7 @@ class Skinny:
             for i in cutlass.range_constexpr(NBW):
                 accs[i] = stream.mma_unit(fmt, self.bpu, self._read_weights(slot, warp, lane, i), b_ops, accs[i],
                                           nb_ok[i], consts)
-        cute.arch.griddepcontrol_launch_dependents()
-
-        # 3. epilogue, directly or through the split-K workspace
-        if split == 1:
-            self._epilogue(accs, nb0, lane, n_blocks, m, s, r, y)
-        else:
-            self._split_k(accs, nb0, lane, n_blocks, m, n, s, r, y, ws, counters, split, tile, sy, tid, xs)
+        return accs
 
     # ---- epilogue ----------------------------------------------------------------------------
     @cute.jit

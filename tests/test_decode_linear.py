@@ -111,7 +111,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 48 and len(tuning) == 48
+    assert len(registry) == 48 and len(tuning) == 72
 
 
 def test_tuning_space_keys_are_what_the_forced_router_names():
@@ -129,7 +129,8 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
             forced.add(plan.choose("int4", group, e, 16, n, k, kernel="gemv").key)
         for m in (16, 32):
             for v in plan.SKINNY_VARIANTS:
-                forced.add(plan.choose("int4", 128, e, m, n, k, kernel="skinny", variant=v).key)
+                for group in plan.GROUP_SIZES:
+                    forced.add(plan.choose("int4", group, e, m, n, k, kernel="skinny", variant=v).key)
     assert {s.key for s in _tuning_space().linear_specs()} <= forced
 
 

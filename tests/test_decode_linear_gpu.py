@@ -233,6 +233,40 @@ def test_skinny_ring_variants(variant, epilogue):
             _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} {epilogue}")
 
 
+# the wgmma skinny kernel: the 8B down shape (split K), a partial last 128-channel tile (N/16 = 131), group 64
+# with K = 576 (9 units: uneven splits) and the 8B QKV shape
+WG_CASES = [(4096, 14336, 128), (2096, 4096, 128), (576, 576, 64), (1536, 576, 64), (6144, 4096, 128)]
+
+
+@pytest.mark.parametrize("variant", ["wg", "wgo"])
+@pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
+@pytest.mark.parametrize("n,k,group", WG_CASES, ids=[f"{c[0]}x{c[1]}g{c[2]}" for c in WG_CASES])
+def test_skinny_wgmma(n, k, group, epilogue, variant):
+    """The skinny kernel on warpgroup MMA (variants "wg", "wgo") at odd M in both token buckets."""
+    stored, w_ref = _weights("int4", n, k, group, n + k + group)
+    for m in (2, 3, 9, 16, 17, 31, 32):
+        x, r = _inputs(m, k, n, m + n)
+        y = _run("int4", stored, x, group, epilogue, r, kernel="skinny", variant=variant)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} g{group} {epilogue}")
+
+
+@pytest.mark.parametrize("variant", ["wg", "wgo"])
+@pytest.mark.parametrize("split", [1, 2, 3, 7, 32])
+def test_skinny_wgmma_split_k(split, variant):
+    from futx.ops import decode_linear as dl
+
+    n, k = 2048, 4096
+    stored, w_ref = _weights("int4", n, k, 128, 11)
+    x, r = _inputs(20, k, n, 3)
+    y = _run("int4", stored, x, 128, "store", r, split=split, kernel="skinny", variant=variant)
+    y2 = _run("int4", stored, x, 128, "store", r, split=split, kernel="skinny", variant=variant)
+    torch.cuda.synchronize()
+    _check(y, _reference(x, w_ref, "store", r), f"{variant} split={split}")
+    assert torch.equal(y, y2), "split-K result is not deterministic"
+    assert int(dl._counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+
+
 def test_back_to_back_launches_respect_the_dependency():
     """PDL: each kernel may start before the previous one ends; it must still read the previous kernel's
     finished output (a chain of projections into NaN-poisoned buffers, one synchronize at the end), also

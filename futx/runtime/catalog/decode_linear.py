@@ -11,7 +11,8 @@ from decode import plan
 from futx.runtime.registry import KernelSpec
 
 _SOURCES = tuple(f"decode/{f}.py" for f in ("__init__", "plan", "gemv_layout", "ptx", "dequant", "stream",
-                                             "epilogue", "signature", "gemv", "gemv_tile", "skinny")) + (
+                                             "epilogue", "signature", "gemv", "gemv_tile", "skinny",
+                                             "skinny_wgmma")) + (
     "futx/quant/layouts.py",)
 # weight formats (format, INT4 group size) with compiled variants
 FORMATS = (("int4", 128), ("int4", 64), ("e4m3", 128), ("bf16", 128))
@@ -34,6 +35,14 @@ def tile_spec(fmt, group, epilogue, warps, variant=""):
 
 
 def skinny_spec(fmt, group, epilogue, m, variant=""):
+    extra = dict(plan.SKINNY_VARIANTS[variant])
+    if extra.pop("mma", "sync") == "wgmma":
+        if fmt != "int4":
+            raise ValueError("the wgmma skinny kernel serves INT4 weights")
+        return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny_wgmma",
+                          params=(("group_size", group), ("epilogue", epilogue), ("m_tiles", plan.SKINNY_M_TILES[m]))
+                          + tuple(extra.items()), sources=_SOURCES, expect_sass=("HGMMA",),
+                          doc=f"M<={m} skinny GEMM on warpgroup MMA, {plan.fmt_tag(fmt, group)} weights, {epilogue}")
     return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny",
                       params=(("fmt", fmt), ("group_size", group), ("epilogue", epilogue),
                               ("m_tiles", plan.SKINNY_M_TILES[m]), ("warps", plan.SKINNY_WARPS),

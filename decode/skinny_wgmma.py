@@ -1,0 +1,161 @@
+"""The skinny INT4 decode projection on warpgroup MMA (`wgmma`), for M up to 32 rows:
+y[M, N] = x[M, K] @ W[N, K]^T.
+
+The skinny kernel (skinny.py) with the tensor-core work moved from `mma.sync` to `wgmma.mma_async`: each
+warpgroup owns 64 output channels (its 4 warps one 16-channel n-block each, two warpgroups per CTA: the same
+128-channel tile, ring, split-K and epilogues as the skinny kernel). The weights stay the A operand and are
+expanded in registers exactly as before: the four registers a lane makes from one packed word are its
+m16n8k16 A fragment, which is also warp w's slice (rows 16w ..) of the m64nNk16 register A operand.
+The activations are the B operand, read by the tensor cores straight from the ring slot through a matrix
+descriptor (N = the padded tokens, K-major, 8 x 16-byte core matrices, no swizzle), so no `ldmatrix` and one
+MMA instruction per k16 step for all tokens.
+
+Per unit (one scale group) a warpgroup dequantizes its A operands, issues the unit's k16 steps into a float32
+partial (the first with scale-d 0), waits for them and adds scale * partial to its accumulator, as the
+other decode kernels do, so the result is theirs up to float32 summation order. `overlap` (variant "wgo")
+issues two units into two partials before waiting, so one unit's MMAs run while the next is dequantized.
+
+Tuning space only: correct (tests/test_decode_linear_gpu.py), but slower than the `mma.sync` skinny kernel at
+every measured shape, and not for want of tensor-core time; docs/routing.md P8 has the measurements.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import ptx
+from .dequant import LANE_BYTES
+from .skinny import TOKENS, Skinny
+from futx.quant import layouts
+
+WARP = layouts.WARP
+WARPS, NB_PER_WARP = 8, 1      # two warpgroups x 4 warps x one n-block: a 128-channel tile
+CORE = ptx.GMMA_CORE_BYTES     # 8 token rows x 16 bytes (8 k)
+
+
+class SkinnyWgmma(Skinny):
+    def __init__(self, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4, stages: int = 0,
+                 overlap: bool = False):
+        super().__init__("int4", group_size, epilogue, m_tiles, stages, warps=WARPS, nb_per_warp=NB_PER_WARP)
+        self.overlap = overlap
+        if overlap:   # two partials in flight need more registers: keep two CTAs (the split's assumption) per SM
+            self.launch_hints = {"min_blocks_per_mp": 2, "preferred_smem_carveout": 100}
+        # B layout in a slot: token group j (8 rows) at j * sbo, k chunk c (8 k) at c * CORE, row r at 16 r
+        self.sbo = self.unit_k * 2 // LANE_BYTES * CORE
+        if self.stages < 3:
+            raise ValueError("the wgmma skinny kernel needs a ring of at least 3 stages")
+
+    def x_tile_bytes(self) -> int:
+        return self.m_tiles * TOKENS * self.unit_k * 2
+
+    def _x_chunk(self, row, ch):
+        return (row // TOKENS) * self.sbo + ch * CORE + (row % TOKENS) * LANE_BYTES
+
+    @cute.jit
+    def _mainloop(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
+        if cutlass.const_expr(self.overlap):
+            return self._mainloop_overlap(x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts)
+        SX = self.stages
+        for st in cutlass.range_constexpr(SX - 1):
+            if ua + st < ub:
+                self._stage(x_base, m, k, ua + st, xs + st * self.stage_bytes, tid, wheres, nb_ok)
+            cute.arch.cp_async_commit_group()
+        zero = Float32(0.0)
+        acc = (zero,) * (4 * self.m_tiles)
+        part = (zero,) * (4 * self.m_tiles)
+        valid = nb_ok[0] != 0
+        for u in cutlass.range(ua, ub, unroll=1):
+            cute.arch.cp_async_wait_group(SX - 2)
+            ptx.fence_proxy_async_shared()   # this thread's copies, visible to the tensor cores' reads
+            cute.arch.sync_threads()          # stage u visible to all; stage u - 1's MMAs finished in every warpgroup
+            ahead = u + SX - 1
+            if ahead < ub:
+                self._stage(x_base, m, k, ahead, xs + ((ahead - ua) % SX) * self.stage_bytes, tid, wheres, nb_ok)
+            cute.arch.cp_async_commit_group()
+            slot = xs + ((u - ua) % SX) * self.stage_bytes
+            regs = self._read_weights(slot, warp, lane, 0)
+            a_ops = []
+            for b in cutlass.range_constexpr(self.bpu):
+                a_ops += self.fmt.a_operands(regs[4 * b:4 * b + 4], consts)
+            ptx.wgmma_fence()
+            for st in cutlass.range_constexpr(len(a_ops)):   # k16 step st reads k chunks 2 st, 2 st + 1
+                desc = ptx.gmma_desc(slot + 2 * st * CORE, CORE, self.sbo)
+                part = ptx.wgmma_bf16_rs(part, a_ops[st], desc, Int32(1 if st else 0))
+            ptx.wgmma_commit()
+            ptx.wgmma_wait(0)
+            part = tuple(ptx.reg_fence(v) for v in part)
+            s_lo, s_hi = regs[-2], regs[-1]   # channels g (d[4j], d[4j+1]) and g + 8 (d[4j+2], d[4j+3])
+            acc = tuple(a + cutlass.select_(valid, (s_lo if e % 4 < 2 else s_hi) * p, zero)
+                        for e, (a, p) in enumerate(zip(acc, part)))
+        return [[tuple(acc[4 * mt:4 * mt + 4]) for mt in range(self.m_tiles)]]
+
+    # ---- overlapped: unit u's MMAs run while unit u + 1 is dequantized ----------------------------------------
+    @cute.jit
+    def _issue(self, x_base, m, k, u, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, part):
+        """One ring step with a lag of one unit (the slot refilled is unit u - 2's, whose MMAs every warpgroup
+        has waited for before this step's barrier): unit u's MMAs into `part`, committed, not waited for.
+        Returns the in-flight partial and unit u's two scales."""
+        SX = self.stages
+        cute.arch.cp_async_wait_group(SX - 3)
+        ptx.fence_proxy_async_shared()
+        cute.arch.sync_threads()
+        ahead = u + SX - 2
+        if ahead < ub:
+            self._stage(x_base, m, k, ahead, xs + ((ahead - ua) % SX) * self.stage_bytes, tid, wheres, nb_ok)
+        cute.arch.cp_async_commit_group()
+        slot = xs + ((u - ua) % SX) * self.stage_bytes
+        regs = self._read_weights(slot, warp, lane, 0)
+        a_ops = []
+        for b in cutlass.range_constexpr(self.bpu):
+            a_ops += self.fmt.a_operands(regs[4 * b:4 * b + 4], consts)
+        ptx.wgmma_fence()
+        for st in cutlass.range_constexpr(len(a_ops)):
+            desc = ptx.gmma_desc(slot + 2 * st * CORE, CORE, self.sbo)
+            part = ptx.wgmma_bf16_rs(part, a_ops[st], desc, Int32(1 if st else 0))
+        ptx.wgmma_commit()
+        return part, regs[-2], regs[-1]
+
+    def _fold(self, acc, part, s_lo, s_hi, keep):
+        part = tuple(ptx.reg_fence(v) for v in part)
+        zero = Float32(0.0)
+        return tuple(a + cutlass.select_(keep, (s_lo if e % 4 < 2 else s_hi) * p, zero)
+                     for e, (a, p) in enumerate(zip(acc, part))), part
+
+    @cute.jit
+    def _mainloop_overlap(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
+        """Two units per step into two partials: unit u + 1 is dequantized and issued while unit u's MMAs run;
+        both are folded before the step ends (nothing in flight across the loop's back edge, where register
+        copies would make ptxas serialize the MMAs). An odd count runs one extra unit on stale data, discarded."""
+        SX = self.stages
+        for st in cutlass.range_constexpr(SX - 2):
+            if ua + st < ub:
+                self._stage(x_base, m, k, ua + st, xs + st * self.stage_bytes, tid, wheres, nb_ok)
+            cute.arch.cp_async_commit_group()
+        zero = Float32(0.0)
+        acc = (zero,) * (4 * self.m_tiles)
+        p0 = (zero,) * (4 * self.m_tiles)
+        p1 = (zero,) * (4 * self.m_tiles)
+        valid = nb_ok[0] != 0
+        for u in cutlass.range(ua, ub, 2, unroll=1):
+            p0, s0_lo, s0_hi = self._issue(x_base, m, k, u, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, p0)
+            p1, s1_lo, s1_hi = self._issue(x_base, m, k, u + 1, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts,
+                                           p1)
+            ptx.wgmma_wait(1)
+            acc, p0 = self._fold(acc, p0, s0_lo, s0_hi, valid)
+            ptx.wgmma_wait(0)
+            acc, p1 = self._fold(acc, p1, s1_lo, s1_hi, valid & (u + 1 < ub))
+        return [[tuple(acc[4 * mt:4 * mt + 4]) for mt in range(self.m_tiles)]]
+
+
+def compile_target(group_size: int = 128, epilogue: str = "store", m_tiles: int = 4, stages: int = 0,
+                   overlap: bool = False):
+    """Registry factory: the same arguments as the skinny kernel's (decode.skinny.compile_target)."""
+    from cutlass import Int32 as I32
+
+    from .signature import fake_args, fake_split_args
+
+    op = SkinnyWgmma(group_size, epilogue, m_tiles, stages, overlap)
+    x, w, s, r, y, stream_ = fake_args("int4", epilogue)
+    return op, (x, w, s, r, y, *fake_split_args(), I32(1), stream_)
