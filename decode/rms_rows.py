@@ -14,6 +14,8 @@ import cutlass.cute as cute
 import cutlass.memory as cmem
 from cutlass import BFloat16, Float32
 
+from .block_reduce import block_reduce
+
 THREADS = 256
 WARPS = THREADS // 32
 
@@ -35,14 +37,7 @@ class RmsRows:
         for c in cutlass.range(tid, k, THREADS, unroll=4):
             v = x[row, c].to(Float32)
             ss = ss + v * v
-        for s in (16, 8, 4, 2, 1):
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=s)
-        if tid % 32 == 0:
-            part[tid // 32] = ss
-        cute.arch.sync_threads()
-        total = part[0]
-        for w in cutlass.range_constexpr(1, WARPS):
-            total = total + part[w]
+        total = block_reduce(ss, lambda a, b: a + b, part, tid, WARPS)
         r = cute.math.rsqrt(total / Float32(k) + eps)
         for c in cutlass.range(tid, k, THREADS, unroll=4):
             y[row, c] = (x[row, c].to(Float32) * r).to(BFloat16)

@@ -55,53 +55,41 @@ class SkinnyWgmma(Skinny):
 
     @cute.jit
     def _mainloop(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
+        lag = 1 if self.overlap else 0
+        self._prologue(x_base, m, k, ua, ub, xs, tid, wheres, nb_ok, lag)
+        zero = Float32(0.0)
+        acc = (zero,) * (4 * self.m_tiles)
+        valid = nb_ok[0] != 0
         if cutlass.const_expr(self.overlap):
-            return self._mainloop_overlap(x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts)
-        SX = self.stages
-        for st in cutlass.range_constexpr(SX - 1):
+            acc = self._loop_overlap(x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, acc, valid)
+        else:
+            part = (zero,) * (4 * self.m_tiles)
+            for u in cutlass.range(ua, ub, unroll=1):
+                part, s_lo, s_hi = self._issue(x_base, m, k, u, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts,
+                                               part, 0)
+                ptx.wgmma_wait(0)
+                acc, part = self._fold(acc, part, s_lo, s_hi, valid)
+        return [[tuple(acc[4 * mt:4 * mt + 4]) for mt in range(self.m_tiles)]]
+
+    @cute.jit
+    def _prologue(self, x_base, m, k, ua, ub, xs, tid, wheres, nb_ok, lag):
+        """The ring's first SX - 1 - lag stages."""
+        for st in cutlass.range_constexpr(self.stages - 1 - lag):
             if ua + st < ub:
                 self._stage(x_base, m, k, ua + st, xs + st * self.stage_bytes, tid, wheres, nb_ok)
             cute.arch.cp_async_commit_group()
-        zero = Float32(0.0)
-        acc = (zero,) * (4 * self.m_tiles)
-        part = (zero,) * (4 * self.m_tiles)
-        valid = nb_ok[0] != 0
-        for u in cutlass.range(ua, ub, unroll=1):
-            cute.arch.cp_async_wait_group(SX - 2)
-            ptx.fence_proxy_async_shared()   # this thread's copies, visible to the tensor cores' reads
-            cute.arch.sync_threads()          # stage u visible to all; stage u - 1's MMAs finished in every warpgroup
-            ahead = u + SX - 1
-            if ahead < ub:
-                self._stage(x_base, m, k, ahead, xs + ((ahead - ua) % SX) * self.stage_bytes, tid, wheres, nb_ok)
-            cute.arch.cp_async_commit_group()
-            slot = xs + ((u - ua) % SX) * self.stage_bytes
-            regs = self._read_weights(slot, warp, lane, 0)
-            a_ops = []
-            for b in cutlass.range_constexpr(self.bpu):
-                a_ops += self.fmt.a_operands(regs[4 * b:4 * b + 4], consts)
-            ptx.wgmma_fence()
-            for st in cutlass.range_constexpr(len(a_ops)):   # k16 step st reads k chunks 2 st, 2 st + 1
-                desc = ptx.gmma_desc(slot + 2 * st * CORE, CORE, self.sbo)
-                part = ptx.wgmma_bf16_rs(part, a_ops[st], desc, Int32(1 if st else 0))
-            ptx.wgmma_commit()
-            ptx.wgmma_wait(0)
-            part = tuple(ptx.reg_fence(v) for v in part)
-            s_lo, s_hi = regs[-2], regs[-1]   # channels g (d[4j], d[4j+1]) and g + 8 (d[4j+2], d[4j+3])
-            acc = tuple(a + cutlass.select_(valid, (s_lo if e % 4 < 2 else s_hi) * p, zero)
-                        for e, (a, p) in enumerate(zip(acc, part)))
-        return [[tuple(acc[4 * mt:4 * mt + 4]) for mt in range(self.m_tiles)]]
 
-    # ---- overlapped: unit u's MMAs run while unit u + 1 is dequantized ----------------------------------------
     @cute.jit
-    def _issue(self, x_base, m, k, u, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, part):
-        """One ring step with a lag of one unit (the slot refilled is unit u - 2's, whose MMAs every warpgroup
-        has waited for before this step's barrier): unit u's MMAs into `part`, committed, not waited for.
-        Returns the in-flight partial and unit u's two scales."""
+    def _issue(self, x_base, m, k, u, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, part, lag):
+        """One ring step: unit u's MMAs into `part`, committed, not waited for; returns the in-flight partial
+        and unit u's two scales (channels g: d[4j], d[4j+1]; g + 8: d[4j+2], d[4j+3]). The slot refilled is
+        unit u - 1 - lag's, whose MMAs every warpgroup has waited for before this step's barrier (lag 1: one
+        unit may still be in flight when a step begins)."""
         SX = self.stages
-        cute.arch.cp_async_wait_group(SX - 3)
-        ptx.fence_proxy_async_shared()
-        cute.arch.sync_threads()
-        ahead = u + SX - 2
+        cute.arch.cp_async_wait_group(SX - 2 - lag)
+        ptx.fence_proxy_async_shared()   # this thread's copies, visible to the tensor cores' reads
+        cute.arch.sync_threads()          # stage u visible to all
+        ahead = u + SX - 1 - lag
         if ahead < ub:
             self._stage(x_base, m, k, ahead, xs + ((ahead - ua) % SX) * self.stage_bytes, tid, wheres, nb_ok)
         cute.arch.cp_async_commit_group()
@@ -111,42 +99,36 @@ class SkinnyWgmma(Skinny):
         for b in cutlass.range_constexpr(self.bpu):
             a_ops += self.fmt.a_operands(regs[4 * b:4 * b + 4], consts)
         ptx.wgmma_fence()
-        for st in cutlass.range_constexpr(len(a_ops)):
+        for st in cutlass.range_constexpr(len(a_ops)):   # k16 step st reads k chunks 2 st, 2 st + 1
             desc = ptx.gmma_desc(slot + 2 * st * CORE, CORE, self.sbo)
             part = ptx.wgmma_bf16_rs(part, a_ops[st], desc, Int32(1 if st else 0))
         ptx.wgmma_commit()
         return part, regs[-2], regs[-1]
 
     def _fold(self, acc, part, s_lo, s_hi, keep):
+        """acc += scale * part (after the wait that completed part's MMAs); returns (acc, part)."""
         part = tuple(ptx.reg_fence(v) for v in part)
         zero = Float32(0.0)
         return tuple(a + cutlass.select_(keep, (s_lo if e % 4 < 2 else s_hi) * p, zero)
                      for e, (a, p) in enumerate(zip(acc, part))), part
 
     @cute.jit
-    def _mainloop_overlap(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
+    def _loop_overlap(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, acc, valid):
         """Two units per step into two partials: unit u + 1 is dequantized and issued while unit u's MMAs run;
         both are folded before the step ends (nothing in flight across the loop's back edge, where register
         copies would make ptxas serialize the MMAs). An odd count runs one extra unit on stale data, discarded."""
-        SX = self.stages
-        for st in cutlass.range_constexpr(SX - 2):
-            if ua + st < ub:
-                self._stage(x_base, m, k, ua + st, xs + st * self.stage_bytes, tid, wheres, nb_ok)
-            cute.arch.cp_async_commit_group()
         zero = Float32(0.0)
-        acc = (zero,) * (4 * self.m_tiles)
         p0 = (zero,) * (4 * self.m_tiles)
         p1 = (zero,) * (4 * self.m_tiles)
-        valid = nb_ok[0] != 0
         for u in cutlass.range(ua, ub, 2, unroll=1):
-            p0, s0_lo, s0_hi = self._issue(x_base, m, k, u, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, p0)
+            p0, s0_lo, s0_hi = self._issue(x_base, m, k, u, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts, p0, 1)
             p1, s1_lo, s1_hi = self._issue(x_base, m, k, u + 1, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts,
-                                           p1)
+                                           p1, 1)
             ptx.wgmma_wait(1)
             acc, p0 = self._fold(acc, p0, s0_lo, s0_hi, valid)
             ptx.wgmma_wait(0)
             acc, p1 = self._fold(acc, p1, s1_lo, s1_hi, valid & (u + 1 < ub))
-        return [[tuple(acc[4 * mt:4 * mt + 4]) for mt in range(self.m_tiles)]]
+        return acc
 
 
 def compile_target(group_size: int = 128, epilogue: str = "store", m_tiles: int = 4, stages: int = 0,

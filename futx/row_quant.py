@@ -17,6 +17,7 @@ import cutlass.memory as cmem
 from cutlass import BFloat16, Float32, Uint8
 
 from decode import ptx
+from decode.block_reduce import block_reduce
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -37,14 +38,7 @@ class RowQuantE4M3:
         amax = Float32(0.0)
         for c in cutlass.range(tid, k, THREADS, unroll=4):
             amax = cute.arch.fmax(amax, cute.math.absf(x[row, c].to(Float32)))
-        for s in (16, 8, 4, 2, 1):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=s))
-        if tid % 32 == 0:
-            part[tid // 32] = amax
-        cute.arch.sync_threads()
-        total = part[0]
-        for w in cutlass.range_constexpr(1, WARPS):
-            total = cute.arch.fmax(total, part[w])
+        total = block_reduce(amax, cute.arch.fmax, part, tid, WARPS)
         sc = cutlass.select_(total > Float32(0.0), ptx.div_rn(total, Float32(E4M3_MAX)), Float32(1.0))
         if tid == 0:
             scale[row] = sc
