@@ -57,7 +57,8 @@ CTAS_PER_SM = 2
 # "wg": the same tiles on warpgroup MMA (decode/skinny_wgmma.py, INT4 only; measured slower, docs/routing.md P8);
 # "wgo": its MMAs overlapped with the next unit's dequantization
 SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3},
-                   "wg": {"mma": "wgmma"}, "wgo": {"mma": "wgmma", "overlap": True}}
+                   "wg": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1},
+                   "wgo": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True}}
 MIN_UNITS = 4
 
 

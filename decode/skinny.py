@@ -278,15 +278,30 @@ class Skinny:
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                   warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0):
+                   warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0,
+                   mma: str = "sync", overlap: bool = False):
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
-    are registry parameters with one value each, WARPS and NB_PER_WARP."""
+    are registry parameters with one value per `mma`: "sync" (this kernel) or "wgmma" (the tuning space's
+    decode/skinny_wgmma.py, INT4; `overlap` is its option)."""
     from .signature import fake_args, fake_split_args
 
-    if (warps, nb_per_warp) != (WARPS, NB_PER_WARP):
-        raise ValueError(f"the skinny kernel runs {WARPS} warps of {NB_PER_WARP} n-blocks, "
+    if mma == "wgmma":
+        from . import skinny_wgmma as wg
+
+        if fmt != "int4":
+            raise ValueError(f"the wgmma skinny kernel serves INT4 weights, got {fmt!r}")
+        shape = (wg.WARPS, wg.NB_PER_WARP)
+    elif mma == "sync":
+        shape = (WARPS, NB_PER_WARP)
+    else:
+        raise ValueError(f"mma must be 'sync' or 'wgmma', got {mma!r}")
+    if (warps, nb_per_warp) != shape:
+        raise ValueError(f"the {mma} skinny kernel runs {shape[0]} warps of {shape[1]} n-blocks, "
                          f"got warps={warps}, nb_per_warp={nb_per_warp}")
-    op = Skinny(fmt, group_size, epilogue, m_tiles, stages)
+    if mma == "wgmma":
+        op = wg.SkinnyWgmma(group_size, epilogue, m_tiles, stages, overlap)
+    else:
+        op = Skinny(fmt, group_size, epilogue, m_tiles, stages)
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
     return op, (x, w, s, r, y, *fake_split_args(), Int32(1), stream_)

@@ -129,15 +129,3 @@ class SkinnyWgmma(Skinny):
             ptx.wgmma_wait(0)
             acc, p1 = self._fold(acc, p1, s1_lo, s1_hi, valid & (u + 1 < ub))
         return acc
-
-
-def compile_target(group_size: int = 128, epilogue: str = "store", m_tiles: int = 4, stages: int = 0,
-                   overlap: bool = False):
-    """Registry factory: the same arguments as the skinny kernel's (decode.skinny.compile_target)."""
-    from cutlass import Int32 as I32
-
-    from .signature import fake_args, fake_split_args
-
-    op = SkinnyWgmma(group_size, epilogue, m_tiles, stages, overlap)
-    x, w, s, r, y, stream_ = fake_args("int4", epilogue)
-    return op, (x, w, s, r, y, *fake_split_args(), I32(1), stream_)

@@ -35,21 +35,13 @@ def tile_spec(fmt, group, epilogue, warps, variant=""):
 
 
 def skinny_spec(fmt, group, epilogue, m, variant=""):
-    extra = dict(plan.SKINNY_VARIANTS[variant])
-    if extra.pop("mma", "sync") == "wgmma":
-        if fmt != "int4":
-            raise ValueError("the wgmma skinny kernel serves INT4 weights")
-        return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny_wgmma",
-                          params=(("group_size", group), ("epilogue", epilogue), ("m_tiles", plan.SKINNY_M_TILES[m]))
-                          + tuple(extra.items()), sources=_SOURCES, expect_sass=("HGMMA",),
-                          doc=f"M<={m} skinny GEMM on warpgroup MMA, {plan.fmt_tag(fmt, group)} weights, {epilogue}")
+    params = {"fmt": fmt, "group_size": group, "epilogue": epilogue, "m_tiles": plan.SKINNY_M_TILES[m],
+              "warps": plan.SKINNY_WARPS, "nb_per_warp": plan.SKINNY_NB_PER_WARP, **plan.SKINNY_VARIANTS[variant]}
+    wgmma = params.get("mma") == "wgmma"
     return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny",
-                      params=(("fmt", fmt), ("group_size", group), ("epilogue", epilogue),
-                              ("m_tiles", plan.SKINNY_M_TILES[m]), ("warps", plan.SKINNY_WARPS),
-                              ("nb_per_warp", plan.SKINNY_NB_PER_WARP)) + tuple(plan.SKINNY_VARIANTS[variant].items()),
-                      sources=_SOURCES, expect_sass=("HMMA",),
-                      doc=f"M<={m} skinny GEMM, {plan.fmt_tag(fmt, group)} weights, {epilogue}"
-                          + (f"; tuning variant {variant}" if variant else ""))
+                      params=tuple(params.items()), sources=_SOURCES, expect_sass=("HGMMA",) if wgmma else ("HMMA",),
+                      doc=f"M<={m} skinny GEMM{' on warpgroup MMA' if wgmma else ''}, {plan.fmt_tag(fmt, group)} "
+                          f"weights, {epilogue}" + (f"; tuning variant {variant}" if variant else ""))
 
 
 TILE_WARPS = (plan.TILE_WARPS_SMALL_K, plan.TILE_WARPS_LARGE_K)
