@@ -15,8 +15,9 @@ partial (the first with scale-d 0), waits for them and adds scale * partial to i
 other decode kernels do, so the result is theirs up to float32 summation order. `overlap` (variant "wgo")
 issues two units into two partials before waiting, so one unit's MMAs run while the next is dequantized.
 
-Tuning space only: correct (tests/test_decode_linear_gpu.py), but slower than the `mma.sync` skinny kernel at
-every measured shape, and not for want of tensor-core time; docs/routing.md P8 has the measurements.
+Tuning space only: correct (tests/test_decode_linear_gpu.py), but 1.2-2.1x slower per 8B/70B layer than the
+shipped kernels at every measured M, and not for want of tensor-core time; docs/routing.md P8 has the
+measurements. Built by decode.skinny's registry factory (`mma="wgmma"`).
 """
 
 from __future__ import annotations
