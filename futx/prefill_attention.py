@@ -252,13 +252,8 @@ class PrefillAttention:
         thr_q = q_copy.get_slice(ctid)
         tQsQ = thr_q.partition_D(sQ)
         tQcQ = thr_q.partition_S(cute.make_identity_tensor((TILE_M, hd)))
-        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-            row = tQcQ[0, m, 0][0]
-            tok = row // group
-            if tok < n_tok:
-                src = cute.tiled_divide(mQ[row0 + tok0 + tok, head0 + row - tok * group, None], (8,))
-                for k in cutlass.range_constexpr(cute.size(tQsQ.shape[2])):
-                    cute.copy(q_copy, src[None, tQcQ[0, 0, k][1] // 8], tQsQ[None, m, k])
+        self._valid_rows(tQcQ, mQ, row0, tok0, head0, group, n_tok,
+                         lambda m, k, src: cute.copy(q_copy, src, tQsQ[None, m, k]))
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")   # generic-proxy writes -> WGMMA reads
@@ -377,13 +372,21 @@ class PrefillAttention:
         tOcO = thr_o.partition_S(cute.make_identity_tensor((TILE_M, hd)))
         r_out = cute.make_rmem_tensor_like(tOsO)
         cute.autovec_copy(tOsO, r_out)
-        for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-            row = tOcO[0, m, 0][0]
+        self._valid_rows(tOcO, mO, row0, tok0, head0, group, n_tok,
+                         lambda m, k, dst: cute.copy(o_copy, r_out[None, m, k], dst))
+
+    @cute.jit
+    def _valid_rows(self, coords, mX, row0, tok0, head0, group, n_tok, move):
+        """For the tile rows of a thread's (TILE_M, hd) partition `coords` that hold a token of the request (row
+        i = token i // G, head h G + i % G): move(m, k, chunk) with its k-th 8-element chunk of mX [tokens,
+        heads, hd] (Q loads and O stores share this walk)."""
+        for m in cutlass.range_constexpr(cute.size(coords.shape[1])):
+            row = coords[0, m, 0][0]
             tok = row // group
             if tok < n_tok:
-                dst = cute.tiled_divide(mO[row0 + tok0 + tok, head0 + row - tok * group, None], (8,))
-                for k in cutlass.range_constexpr(cute.size(tOsO.shape[2])):
-                    cute.copy(o_copy, r_out[None, m, k], dst[None, tOcO[0, 0, k][1] // 8])
+                chunks = cute.tiled_divide(mX[row0 + tok0 + tok, head0 + row - tok * group, None], (8,))
+                for k in cutlass.range_constexpr(cute.size(coords.shape[2])):
+                    move(m, k, chunks[None, coords[0, 0, k][1] // 8])
 
 
 def compile_target(head_dim: int = 128):
