@@ -118,11 +118,11 @@ for compile in (False, True):
       P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
       TAILN=8 step prefill_graphs_tests 200 $P tests/test_prefill_graphs_gpu.py tests/test_prefill_engine_gpu.py
       TAILN=6 step engine_serve_tests 200 $P tests/test_engine_gpu.py tests/test_serve.py ;;
-    profile-chunk)  # a 512-token chunk eager vs graph (FUTX_GLUE: eager or compiled)
-      TAILN=0 step profile_chunk_${FUTX_GLUE:-eager} 200 python3 scripts/profile_prefill_chunk.py --cache int4 \
-        --glue ${FUTX_GLUE:-eager}
-      grep -E "chunk|GPU time|synchron" $LOGS/profile_chunk_${FUTX_GLUE:-eager}.log
-      cp $LOGS/profile_chunk_${FUTX_GLUE:-eager}.log $OUT/ ;;
+    profile-chunk)  # a 512-token chunk eager vs graph (FUTX_GLUE: kernel (default), eager or compiled)
+      TAILN=0 step profile_chunk_${FUTX_GLUE:-kernel} 200 python3 scripts/profile_prefill_chunk.py --cache int4 \
+        --glue ${FUTX_GLUE:-kernel}
+      grep -E "chunk|GPU time|synchron" $LOGS/profile_chunk_${FUTX_GLUE:-kernel}.log
+      cp $LOGS/profile_chunk_${FUTX_GLUE:-kernel}.log $OUT/ ;;
     serving)  # bench_serving, default stream (FUTX_SERVE_ARGS adds options)
       TAILN=30 step serving 400 python3 scripts/bench_serving.py --out $OUT --timeout 300 ${FUTX_SERVE_ARGS:-} ;;
     row-quant)  # the row-quantization kernel (glue "kernel"): its tests, then the chunk, the block and serving with it
