@@ -33,6 +33,7 @@ ROW_PAD = 16                  # bytes: staggers activation rows across shared-me
 
 class Skinny:
     launch_hints: dict = {}   # extra launch attributes (occupancy) of a subclass
+
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                  stages: int = 0, warps: int = WARPS, nb_per_warp: int = NB_PER_WARP):
         self.fmt = make_format(fmt, group_size)
@@ -69,10 +70,6 @@ class Skinny:
             use_pdl=True, **self.launch_hints)
 
     # ---- device side -------------------------------------------------------------------------
-    def _x_coord(self, idx, chunks):
-        """(token row, 16-byte chunk) copied by copy slot idx: consecutive threads walk a row."""
-        return idx // chunks, idx % chunks
-
     def _x_chunk(self, row, ch):
         """Byte offset in a slot of 16-byte chunk `ch` of token row `row` (padded rows for ldmatrix)."""
         return row * self.row_bytes + ch * LANE_BYTES
@@ -86,7 +83,7 @@ class Skinny:
         threads = WARP * self.warps
         for c in cutlass.range_constexpr((self.m_tiles * TOKENS * chunks + threads - 1) // threads):
             idx = tid + c * threads
-            row, ch = self._x_coord(idx, chunks)
+            row, ch = idx // chunks, idx % chunks
             if idx < self.m_tiles * TOKENS * chunks:
                 src = x_base + (Int64(cutlass.min(row, m - 1)) * k + u * self.unit_k) * 2 + ch * LANE_BYTES
                 ptx.cp_async_16(slot + self._x_chunk(row, ch), src)
