@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory as cmem
+from cutlass import Float32
 
 
 @cute.jit
-def block_reduce(v, combine, part: cute.Tensor, tid, warps: int):
-    """`combine` over the CTA's threads: a butterfly inside each warp, then the warps' values in warp order
-    (a fixed order: deterministic). Every thread gets the result. `part`: `warps` float32 in shared memory."""
+def block_reduce(v, combine, tid, warps: int):
+    """`combine` of a float32 over the CTA's threads: a butterfly inside each warp, then the warps' values in warp
+    order (a fixed order: deterministic), exchanged through `warps` floats of shared memory. Every thread gets the
+    result."""
+    part = cmem.SmemAllocator().allocate_tensor(Float32, cute.make_layout((warps,)), byte_alignment=16)
     for s in (16, 8, 4, 2, 1):
         v = combine(v, cute.arch.shuffle_sync_bfly(v, offset=s))
     if tid % 32 == 0:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory as cmem
 from cutlass import BFloat16, Float32
 
 from .block_reduce import block_reduce
@@ -32,12 +31,11 @@ class RmsRows:
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         k = x.shape[1]
-        part = cmem.SmemAllocator().allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
         ss = Float32(0.0)
         for c in cutlass.range(tid, k, THREADS, unroll=4):
             v = x[row, c].to(Float32)
             ss = ss + v * v
-        total = block_reduce(ss, lambda a, b: a + b, part, tid, WARPS)
+        total = block_reduce(ss, lambda a, b: a + b, tid, WARPS)
         r = cute.math.rsqrt(total / Float32(k) + eps)
         for c in cutlass.range(tid, k, THREADS, unroll=4):
             y[row, c] = (x[row, c].to(Float32) * r).to(BFloat16)

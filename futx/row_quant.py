@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory as cmem
 from cutlass import BFloat16, Float32, Uint8
 
 from decode import ptx
@@ -34,11 +33,10 @@ class RowQuantE4M3:
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         k = x.shape[1]
-        part = cmem.SmemAllocator().allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
         amax = Float32(0.0)
         for c in cutlass.range(tid, k, THREADS, unroll=4):
             amax = cute.arch.fmax(amax, cute.math.absf(x[row, c].to(Float32)))
-        total = block_reduce(amax, cute.arch.fmax, part, tid, WARPS)
+        total = block_reduce(amax, cute.arch.fmax, tid, WARPS)
         sc = cutlass.select_(total > Float32(0.0), ptx.div_rn(total, Float32(E4M3_MAX)), Float32(1.0))
         if tid == 0:
             scale[row] = sc
