@@ -4,7 +4,8 @@ activations): fewer launches, close to but not bit for bit the eager glue.
 Measured on the H200 (torch 2.11, inductor/Triton), with IEEE division requested below: a division by a constant
 is still folded into a multiplication by its reciprocal (per-row scales 1 ulp apart), and Triton's float32 ->
 E4M3 conversion does not round ties to even (152 -> 144 where eager gives 160). So the compiled glue's FP8
-activations can differ from the eager ones in the last bit; the eager glue is the exact one and the default.
+activations can differ from the eager ones in the last bit; the eager glue and futx's row-quantization kernel
+(glue="kernel", the default on the kernels backend) are exact.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from . import hadamard, layouts
@@ -83,7 +84,7 @@ def _key_lane_channels(head_dim: int, device: torch.device) -> torch.Tensor:
     device once. In `layouts.INT4_KEY` lane L holds token L // 4, in a channel pattern that depends on L % 4
     only (asserted here)."""
     src = layouts._key_block_index(head_dim)                    # [32, D/8, 2]: token * D + channel
-    lane = src[:, :1, :1] * 0 + torch.arange(layouts.WARP)[:, None, None].numpy()
+    lane = np.arange(layouts.WARP)[:, None, None]
     channel = src % head_dim
     assert (src // head_dim == lane // 4).all() and (channel == channel[lane[:, 0, 0] % 4]).all()
     return torch.from_numpy(channel[:4].copy()).to(device)
