@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--breakdown", default="int4/int4", help="weights/cache whose per-layer breakdown to measure "
                                                            "('' for none)")
-    p.add_argument("--glue", action="store_true", help="also the unfused chain (RMSNorm/RoPE as torch ops)")
+    p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
+                   "and the unfused chain (RMSNorm/RoPE as torch ops)")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="Markdown table")
@@ -178,11 +179,13 @@ def main(argv=None) -> int:
                 models[(wf, cf)] = m
                 cands[f"{wf}/{cf}"] = (lambda g=g: g.replay(batch))
         if a.glue:
-            m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"],
-                            glue="torch")
-            g = GraphSteps(m, buckets=[batch])
-            m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-            cands["int4/int4 unfused glue"] = lambda g=g: g.replay(batch)
+            for glue, name in (("norm-kernel", "int4/int4 row factor as its own kernel"),
+                               ("torch", "int4/int4 unfused glue")):
+                m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"],
+                                glue=glue)
+                g = GraphSteps(m, buckets=[batch])
+                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                cands[name] = lambda g=g: g.replay(batch)
         peers = {}
         if a.peers:
             from scripts.decode_peers import make_peer
