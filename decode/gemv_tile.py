@@ -78,9 +78,7 @@ class GemvTile:
 
     def _shape(self, x, y):
         """(CTAs, dynamic shared-memory bytes) of a launch."""
-        k = x.shape[1]
-        smem = k * 2 + self.warps * BLOCK_N * 4 + (self.warps * 4 if self.norm else 0)  # = smem_bytes
-        return self.epi.weight_rows(y.shape[1]) // BLOCK_N, smem
+        return self.epi.weight_rows(y.shape[1]) // BLOCK_N, smem_bytes(x.shape[1], self.warps, self.norm)
 
     # ---- device side -------------------------------------------------------------------------
     def _load(self, u, where) -> tuple:
