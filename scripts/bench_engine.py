@@ -97,18 +97,17 @@ def breakdown(model, rows: int, timer: Timer, stream) -> dict:
     w = model.packed.layers[0]
     b = model.buffers
     x = torch.randn(rows, c.hidden_size, device=model.device).to(torch.bfloat16)
-    h = ops.rms_rows(x, eps)
-    qkv = ops.linear(h, w.qkv)
+    qkv = ops.norm_linear(x, w.qkv, "store", eps)
     attn = model._attn_out[:rows]
-    z = ops.linear(h, w.gateup, "swiglu")
+    z = ops.norm_linear(x, w.gateup, "swiglu", eps)
     pos, slt = b.positions[:rows], b.slots[:rows]
+    # the layer's own ops: a projection that reads an RMSNorm row includes its row factor (its own kernel, or
+    # computed inside the projection where decode.plan.fuses_norm)
     parts = {
-        "rms_rows": lambda: ops.rms_rows(x, eps),
-        "qkv": lambda: ops.linear(h, w.qkv),
+        "rms+qkv": lambda: ops.norm_linear(x, w.qkv, "store", eps),
         "attention": lambda: ops.attention(qkv, pos, slt, model.cache, 0, model.rope, attn),
         "o+residual": lambda: ops.linear(attn.view(rows, c.q_size), w.o, "residual", x),
-        "rms_rows (mlp)": lambda: ops.rms_rows(x, eps),
-        "gate/up+swiglu": lambda: ops.linear(h, w.gateup, "swiglu"),
+        "rms+gate/up+swiglu": lambda: ops.norm_linear(x, w.gateup, "swiglu", eps),
         "down+residual": lambda: ops.linear(z, w.down, "residual", x),
     }
 
