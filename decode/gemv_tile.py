@@ -48,12 +48,15 @@ FORMAT = ("int4", 128)   # the one format with a tile GEMV (decode.plan.TILE_FOR
 DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 
 
-def smem_bytes(k: int, warps: int) -> int:
-    """The activation row + the warps' partials (host and kernel share this formula)."""
-    return k * 2 + warps * BLOCK_N * 4
+def smem_bytes(k: int, warps: int, norm: bool = False) -> int:
+    """The activation row + the warps' partials (+ their sums of squares with `norm`); host and kernel share
+    this formula."""
+    return k * 2 + warps * BLOCK_N * 4 + (warps * 4 if norm else 0)
 
 
 class GemvTile:
+    norm = False   # GemvTileNorm: the RMSNorm row factor in the prologue
+
     def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch"):
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
@@ -69,11 +72,13 @@ class GemvTile:
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                  y: cute.Tensor, stream):
-        k = x.shape[1]
-        n_tiles = self.epi.weight_rows(y.shape[1]) // BLOCK_N
-        smem = k * 2 + self.warps * BLOCK_N * 4  # = smem_bytes(k, warps)
+        n_tiles, smem = self._shape(x, y)
         self.kernel(x, w, s, r, y).launch(grid=(n_tiles, 1, 1), block=(WARP * self.warps, 1, 1), smem=smem,
                                           stream=stream, use_pdl=True)
+
+    def _shape(self, x, y):
+        """(CTAs, dynamic shared-memory bytes) of a launch."""
+        return self.epi.weight_rows(y.shape[1]) // BLOCK_N, smem_bytes(x.shape[1], self.warps, self.norm)
 
     # ---- device side -------------------------------------------------------------------------
     def _load(self, u, where) -> tuple:
@@ -95,6 +100,11 @@ class GemvTile:
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                y: cute.Tensor):
+        self._body(x, w, s, r, y, None)
+
+    @cute.jit
+    def _body(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+              y: cute.Tensor, eps):
         fmt, W, P = self.fmt, self.warps, self.prefetch
         tid, _, _ = cute.arch.thread_idx()
         nb, _, _ = cute.arch.block_idx()
@@ -129,6 +139,8 @@ class GemvTile:
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
+        if cutlass.const_expr(self.norm):
+            self._normalize(xs, xs + k * 2 + W * BLOCK_N * 4, ua, ub, warp, lane, k, eps)
 
         # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
         # the one activation row, so every B column holds x)
@@ -164,6 +176,33 @@ class GemvTile:
         cute.arch.sync_threads()
         self._epilogue(tid, nb, red, r, y)
 
+    @cute.jit
+    def _normalize(self, xs, part, ua, ub, warp, lane, k, eps):
+        """The RMSNorm row factor (decode/rms_rows.py's definition) from every warp's staged slice of the row,
+        then each warp rewrites its own slice in place as bf16(x * rsqrt(mean(x^2) + eps))."""
+        chunks = (ua * (self.unit_k * 2 // LANE_BYTES) + lane, ub * (self.unit_k * 2 // LANE_BYTES))
+        ss = Float32(0.0)
+        for c in cutlass.range(chunks[0], chunks[1], WARP, unroll=1):
+            for word in ptx.lds_v4(xs + c * LANE_BYTES):
+                lo, hi = ptx.bf16x2_to_f32(word)
+                ss = ss + lo * lo + hi * hi
+        for off in (16, 8, 4, 2, 1):
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=off)
+        if lane == 0:
+            ptx.sts_f32(part + warp * 4, ss)
+        cute.arch.sync_threads()
+        total = ptx.lds_f32(part)
+        for wi in cutlass.range_constexpr(1, self.warps):
+            total = total + ptx.lds_f32(part + wi * 4)
+        factor = cute.math.rsqrt(total / Float32(k) + eps)
+        for c in cutlass.range(chunks[0], chunks[1], WARP, unroll=1):
+            out = []
+            for word in ptx.lds_v4(xs + c * LANE_BYTES):
+                lo, hi = ptx.bf16x2_to_f32(word)
+                out.append(ptx.pack_bf16x2(lo * factor, hi * factor))
+            ptx.sts128(xs + c * LANE_BYTES, *out)
+        cute.arch.sync_warp()
+
     def _row_sum(self, red: Int32, row) -> Float32:
         v = ptx.lds_f32(red + row * 4)
         for wi in range(1, self.warps):
@@ -181,12 +220,39 @@ class GemvTile:
             ptx.stg_bf16(y_base + (Int64(nb) * cols + tid) * 2, v)
 
 
+class GemvTileNorm(GemvTile):
+    """y = bf16(x * rsqrt(mean(x^2) + eps)) @ W^T (+ epilogue): the decode step's RMSNorm row factor folded
+    into the M = 1 projection that reads it (QKV, gate/up; the norm's gain is folded into W), so the step
+    launches no row-factor kernel. Every CTA computes the factor from the row it stages anyway (one extra
+    CTA barrier, while its first weight batch is in flight); the result equals the row-factor kernel followed by
+    the tile GEMV up to the float32 summation order of the sum of squares."""
+
+    norm = True
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+                 y: cute.Tensor, eps: Float32, stream):
+        n_tiles, smem = self._shape(x, y)
+        self.kernel_norm(x, w, s, r, y, eps).launch(grid=(n_tiles, 1, 1), block=(WARP * self.warps, 1, 1),
+                                                    smem=smem, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel_norm(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+                    y: cute.Tensor, eps: Float32):
+        self._body(x, w, s, r, y, eps)
+
+
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
-                   prefetch: int = 0, pipeline: str = "batch"):
+                   prefetch: int = 0, pipeline: str = "batch", norm: bool = False):
     """Registry factory. `fmt` and `group_size` are registry parameters (decode.plan.tile_params) with the one
-    value FORMAT."""
+    value FORMAT. `norm`: the fused-RMSNorm variant, which takes eps (float32) before the stream."""
     from .signature import fake_args
 
     if (fmt, group_size) != FORMAT:
         raise ValueError(f"the tile GEMV serves {FORMAT} weights only, got {(fmt, group_size)}")
-    return GemvTile(epilogue, warps, prefetch, pipeline), fake_args(fmt, epilogue, m=1)
+    args = fake_args(fmt, epilogue, m=1)
+    if not norm:
+        return GemvTile(epilogue, warps, prefetch, pipeline), args
+    if epi.make(epilogue).residual:
+        raise ValueError("the fused-norm tile GEMV has no residual epilogue (it serves QKV and gate/up)")
+    return GemvTileNorm(epilogue, warps, prefetch, pipeline), (*args[:-1], Float32(1e-5), args[-1])

@@ -5,7 +5,8 @@ The default routing (`kernel="auto"`, `default_kernel`), per format and M; each 
 docs/routing.md:
 
 * INT4 group 128, M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, batches of 2 units), 8 warps when
-  K > TILE_LARGE_K, else 4 (where the activation row fits in shared memory).
+  K > TILE_LARGE_K, else 4 (where the activation row fits in shared memory). QKV and gate/up there have a
+  fused-RMSNorm variant (`norm=True`, `fuses_norm`) that the decode step uses instead of the row-factor kernel.
 * INT4, M <= INT4_GEMV_MAX_M -> the persistent GEMV (`gemv.py`, one 8-token group, folded nibble bias)
   where the activation rows fit in shared memory, else the skinny kernel.
 * INT4, INT4_GEMV_MAX_M < M <= 32 -> the skinny kernel (a second token group doubles the GEMV's MMA and
@@ -46,6 +47,7 @@ GEMV_VARIANTS = {"": {}, "nofold": {"fold": False}, "r2": {"raw_scales": False}}
 TILE_FORMATS = (("int4", 128),)
 TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
 TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
+NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
 # tuning space: a rolling prefetch (6 units deep); batches of 1, 3 or 4 units instead of 2 (INT4 g128)
 TILE_VARIANTS = {"": {"pipeline": "batch"}, "rolling": {"pipeline": "rolling", "prefetch": 3},
                  **{f"p{u}": {"pipeline": "batch", "prefetch": u} for u in (1, 3, 4)}}
@@ -142,21 +144,33 @@ def tile_warps(k: int) -> int:
     return TILE_WARPS_LARGE_K if k > TILE_LARGE_K else TILE_WARPS_SMALL_K
 
 
-def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "") -> dict:
+def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "",
+                norm: bool = False) -> dict:
     """Compile-time parameters of a tile GEMV variant (decode.gemv_tile.compile_target keywords)."""
     if (fmt, group_size if fmt == "int4" else 128) not in TILE_FORMATS:
         raise ValueError(f"no tile GEMV is compiled for {fmt_tag(fmt, group_size)} weights")
-    return dict(fmt=fmt, group_size=group_size, epilogue=epilogue, warps=warps, **TILE_VARIANTS[variant])
+    if norm and epilogue not in NORM_EPILOGUES:
+        raise ValueError(f"the fused-norm tile GEMV serves the {NORM_EPILOGUES} epilogues, got {epilogue!r}")
+    params = dict(fmt=fmt, group_size=group_size, epilogue=epilogue, warps=warps, **TILE_VARIANTS[variant])
+    return {**params, "norm": True} if norm else params
 
 
-def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "") -> str:
-    suffix = (f".w{warps}" if warps != TILE_WARPS_SMALL_K else "") + (f".{variant}" if variant else "")
+def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "", norm: bool = False) -> str:
+    suffix = ((f".w{warps}" if warps != TILE_WARPS_SMALL_K else "") + (".norm" if norm else "")
+              + (f".{variant}" if variant else ""))
     return f"decode.gemv.{fmt_tag(fmt, group_size)}.m1.{epilogue}{suffix}"
 
 
-def tile_fits(k: int, warps: int) -> bool:
+def tile_fits(k: int, warps: int, norm: bool = False) -> bool:
     """The activation row and the warps' partials in shared memory (decode.gemv_tile.smem_bytes)."""
-    return k * 2 + warps * 16 * 4 <= SMEM_LIMIT
+    return k * 2 + warps * 16 * 4 + (warps * 4 if norm else 0) <= SMEM_LIMIT
+
+
+def fuses_norm(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132) -> bool:
+    """Whether the routed kernel of this projection has a fused-RMSNorm variant (the tile GEMV at M = 1 for
+    QKV and gate/up, docs/routing.md E2); elsewhere the row factor stays its own kernel."""
+    return (epilogue in NORM_EPILOGUES and default_kernel(fmt, group_size, m, n, k, sms, epilogue) == "tile"
+            and tile_fits(k, tile_warps(k), norm=True))
 
 
 def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int = 132,
@@ -175,7 +189,7 @@ def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int =
 @dataclass(frozen=True)
 class Launch:
     key: str
-    kind: str               # "tile", "gemv" or "skinny"
+    kind: str               # "tile", "gemv" or "skinny" (a fused-norm tile GEMV takes eps: key ".norm")
     tiles: int = 0          # gemv: n-blocks per CTA
     split: int = 1          # skinny: CTAs along K
 
@@ -183,24 +197,26 @@ class Launch:
 @lru_cache(maxsize=4096)
 def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132,
            kernel: str = "auto", variant: str = "", tiles: Optional[int] = None,
-           split: Optional[int] = None, warps: Optional[int] = None) -> Launch:
+           split: Optional[int] = None, warps: Optional[int] = None, norm: bool = False) -> Launch:
     """Kernel and launch shape. `kernel` other than "auto", `variant`, `tiles`, `split` and `warps` (tile
     GEMV) force a design for tests and benchmarks; keys outside the router's choices exist only once
-    scripts/tuning_space.py has registered them."""
+    scripts/tuning_space.py has registered them. `norm`: the fused-RMSNorm tile GEMV (where `fuses_norm`)."""
     fmt_tag(fmt, group_size)
     m_bucket(m)  # validates M
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if kernel == "auto":
         kernel = default_kernel(fmt, group_size, m, n, k, sms, epilogue)
+    if norm and kernel != "tile":
+        raise ValueError(f"no fused-norm kernel for this projection (M = {m}, {kernel}): use the row-factor kernel")
     if kernel == "tile":
         wp = warps or tile_warps(k)
         if m != 1:
             raise ValueError(f"the tile GEMV serves M = 1, got M = {m}")
-        if not tile_fits(k, wp):
+        if not tile_fits(k, wp, norm):
             raise ValueError(f"the tile GEMV cannot serve K = {k} (activation row exceeds shared memory)")
-        tile_params(fmt, group_size, epilogue, wp, variant)  # validates format and variant
-        return Launch(tile_key(fmt, group_size, epilogue, wp, variant), "tile")
+        tile_params(fmt, group_size, epilogue, wp, variant, norm)  # validates format, variant and epilogue
+        return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm), "tile")
     if kernel == "gemv":
         params = gemv_params(fmt, group_size, epilogue, m, variant)
         t = gemv_tiles(params, m, n, k, sms, tiles)

@@ -97,18 +97,17 @@ def breakdown(model, rows: int, timer: Timer, stream) -> dict:
     w = model.packed.layers[0]
     b = model.buffers
     x = torch.randn(rows, c.hidden_size, device=model.device).to(torch.bfloat16)
-    h = ops.rms_rows(x, eps)
-    qkv = ops.linear(h, w.qkv)
+    qkv = ops.norm_linear(x, w.qkv, "store", eps)
     attn = model._attn_out[:rows]
-    z = ops.linear(h, w.gateup, "swiglu")
+    z = ops.norm_linear(x, w.gateup, "swiglu", eps)
     pos, slt = b.positions[:rows], b.slots[:rows]
+    # the layer's own ops: a projection that reads an RMSNorm row includes its row factor (its own kernel, or
+    # computed inside the projection where decode.plan.fuses_norm)
     parts = {
-        "rms_rows": lambda: ops.rms_rows(x, eps),
-        "qkv": lambda: ops.linear(h, w.qkv),
+        "rms+qkv": lambda: ops.norm_linear(x, w.qkv, "store", eps),
         "attention": lambda: ops.attention(qkv, pos, slt, model.cache, 0, model.rope, attn),
         "o+residual": lambda: ops.linear(attn.view(rows, c.q_size), w.o, "residual", x),
-        "rms_rows (mlp)": lambda: ops.rms_rows(x, eps),
-        "gate/up+swiglu": lambda: ops.linear(h, w.gateup, "swiglu"),
+        "rms+gate/up+swiglu": lambda: ops.norm_linear(x, w.gateup, "swiglu", eps),
         "down+residual": lambda: ops.linear(z, w.down, "residual", x),
     }
 
@@ -137,7 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--breakdown", default="int4/int4", help="weights/cache whose per-layer breakdown to measure "
                                                            "('' for none)")
-    p.add_argument("--glue", action="store_true", help="also the unfused chain (RMSNorm/RoPE as torch ops)")
+    p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
+                   "and the unfused chain (RMSNorm/RoPE as torch ops)")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="Markdown table")
@@ -178,11 +178,13 @@ def main(argv=None) -> int:
                 models[(wf, cf)] = m
                 cands[f"{wf}/{cf}"] = (lambda g=g: g.replay(batch))
         if a.glue:
-            m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"],
-                            glue="torch")
-            g = GraphSteps(m, buckets=[batch])
-            m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-            cands["int4/int4 unfused glue"] = lambda g=g: g.replay(batch)
+            for glue, name in (("norm-kernel", "int4/int4 row factor as its own kernel"),
+                               ("torch", "int4/int4 unfused glue")):
+                m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"],
+                                glue=glue)
+                g = GraphSteps(m, buckets=[batch])
+                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                cands[name] = lambda g=g: g.replay(batch)
         peers = {}
         if a.peers:
             from scripts.decode_peers import make_peer

@@ -98,6 +98,8 @@ def _router_keys() -> set[str]:
                 for n in GRID_N:
                     for k in GRID_K:
                         keys.add(plan.choose(fmt, group, epilogue, m, n, k).key)
+                        if plan.fuses_norm(fmt, group, epilogue, m, n, k):
+                            keys.add(plan.choose(fmt, group, epilogue, m, n, k, norm=True).key)
     return keys
 
 
@@ -111,7 +113,27 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 48 and len(tuning) == 72
+    assert len(registry) == 52 and len(tuning) == 72
+
+
+def test_fused_norm_routes_only_the_m1_tile_gemv():
+    """The RMSNorm row factor folds into the M = 1 tile GEMV of QKV and gate/up (INT4 g128); every other
+    projection keeps the row-factor kernel, and forcing the fused variant there is an error."""
+    for n, k, epilogue in ((6144, 4096, "store"), (28672, 4096, "swiglu"), (10240, 8192, "store"),
+                           (57344, 8192, "swiglu")):
+        assert plan.fuses_norm("int4", 128, epilogue, 1, n, k)
+        launch = plan.choose("int4", 128, epilogue, 1, n, k, norm=True)
+        assert launch.kind == "tile" and launch.key.endswith(".norm"), launch
+        assert not plan.fuses_norm("int4", 128, epilogue, 2, n, k)
+        with pytest.raises(ValueError, match="fused-norm"):
+            plan.choose("int4", 128, epilogue, 2, n, k, norm=True)
+    assert not plan.fuses_norm("int4", 128, "residual", 1, 4096, 4096)
+    assert not plan.fuses_norm("int4", 64, "store", 1, 576, 576)       # group 64 has no tile GEMV
+    assert not plan.fuses_norm("e4m3", 128, "store", 1, 4096, 4096)
+    assert not plan.fuses_norm("int4", 128, "store", 1, 4096, 131072)  # the row does not fit
+    with pytest.raises(ValueError, match="epilogue"):
+        plan.choose("int4", 128, "residual", 1, 4096, 4096, kernel="tile", norm=True)
+    assert plan.tile_key("int4", 128, "swiglu", 8, norm=True) == "decode.gemv.int4.m1.swiglu.w8.norm"
 
 
 def test_tuning_space_keys_are_what_the_forced_router_names():

@@ -267,6 +267,50 @@ def test_skinny_wgmma_split_k(split, variant):
     assert int(dl._counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
 
 
+# the fused-RMSNorm tile GEMV (M = 1): the 8B QKV and gate/up, the 70B QKV (K = 8192), one n-block with one unit,
+# 17 units over 4 warps (uneven shares) and the SwiGLU epilogue
+NORM_CASES = [(6144, 4096, "store"), (28672, 4096, "swiglu"), (10240, 8192, "store"), (16, 128, "store"),
+              (2096, 2176, "swiglu")]
+
+
+@pytest.mark.parametrize("n,k,epilogue", NORM_CASES, ids=[f"{c[0]}x{c[1]}-{c[2]}" for c in NORM_CASES])
+def test_norm_linear_matches_row_factor_then_projection(n, k, epilogue):
+    """decode_norm_linear_int4 at M = 1 (one launch) against the float reference of bf16(rmsnorm row) @ W and
+    against the row-factor kernel followed by the projection: the same up to the float32 order of the sum of
+    squares (a rare 1-ulp change of a normalized bf16 value). At M = 3 it is exactly those two kernels."""
+    from futx.ops.decode_linear import decode_linear_int4, decode_norm_linear_int4
+    from futx.ops.rms_rows import rms_rows
+
+    eps = 1e-5
+    stored, w_ref = _weights("int4", n, k, 128, n + k)
+    for m in (1, 3):
+        x, r = _inputs(m, k, n, 7 + m)
+        x = (x.float() * 3.0).bfloat16()
+        y = decode_norm_linear_int4(x, *stored, 128, epilogue, eps)
+        two = decode_linear_int4(rms_rows(x, eps), *stored, 128, epilogue)
+        torch.cuda.synchronize()
+        h = (x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + eps)).bfloat16()
+        _check(y, _reference(h, w_ref, epilogue, r), f"norm_linear M={m} {n}x{k} {epilogue}")
+        if m == 1:
+            scale = two.float().abs().max().item()
+            assert (y.float() - two.float()).abs().max().item() <= 1e-2 * scale, "fused norm != row factor + GEMV"
+        else:
+            assert torch.equal(y, two), "M > 1 must run the row-factor kernel and the routed projection"
+
+
+def test_norm_linear_rejects_bad_inputs():
+    from futx.ops.decode_linear import decode_norm_linear_int4
+
+    stored, _ = _weights("int4", 256, 256, 128, 5)
+    x = torch.randn(1, 256, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="epilogue"):
+        decode_norm_linear_int4(x, *stored, 128, "residual", 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        decode_norm_linear_int4(x, *stored, 128, "store", float("nan"))
+    with pytest.raises(ValueError, match="K"):
+        decode_norm_linear_int4(torch.randn(1, 128, device="cuda").bfloat16(), *stored, 128, "store", 1e-5)
+
+
 def test_back_to_back_launches_respect_the_dependency():
     """PDL: each kernel may start before the previous one ends; it must still read the previous kernel's
     finished output (a chain of projections into NaN-poisoned buffers, one synchronize at the end), also

@@ -68,6 +68,10 @@ class EmulatedOps:
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_rows(x, eps)
 
+    def norm_linear(self, x: torch.Tensor, w: Weight, epilogue: str, eps: float) -> torch.Tensor:
+        """The projection of x's RMSNorm row (gain folded into w): QKV and gate/up."""
+        return self.linear(self.rms_rows(x, eps), w, epilogue)
+
     def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V]."""
         return h @ lm_head.T
@@ -105,10 +109,14 @@ class EmulatedOps:
 GEMV_HEAD_ROWS = 16
 
 
+GLUES = ("fused", "norm-kernel", "torch")
+
+
 class KernelOps:
-    """futx kernels. glue="fused" (default): the RMSNorm row factor is one kernel and RoPE runs inside the
-    attention kernel, which reads q/k/v straight from the QKV output; glue="torch": both as PyTorch ops
-    between the kernels (the naive chain, kept to measure what fusing saves)."""
+    """futx kernels. glue="fused" (default): the RMSNorm row factor runs inside the M = 1 projections that read
+    it (decode.plan.fuses_norm; elsewhere it is one kernel) and RoPE inside the attention kernel, which reads
+    q/k/v straight from the QKV output; glue="norm-kernel": the row factor always its own kernel; glue="torch":
+    both as PyTorch ops between the kernels (the naive chain, kept to measure what fusing saves)."""
 
     name = "kernels"
 
@@ -116,8 +124,8 @@ class KernelOps:
         import futx.ops  # noqa: F401  (registers torch.ops.futx.*)
         from futx.ops import decode_linear as dl
 
-        if glue not in ("fused", "torch"):
-            raise ValueError(f"glue must be 'fused' or 'torch', got {glue!r}")
+        if glue not in GLUES:
+            raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
         self.glue = glue
         self._dl = dl
         self._padded_heads: dict = {}
@@ -131,6 +139,11 @@ class KernelOps:
 
     def linear(self, x: torch.Tensor, w: Weight, epilogue: str = "store", residual=None) -> torch.Tensor:
         return self._dl.decode_linear(x, w, epilogue, residual)
+
+    def norm_linear(self, x: torch.Tensor, w: Weight, epilogue: str, eps: float) -> torch.Tensor:
+        if self.glue != "fused":
+            return self.linear(self.rms_rows(x, eps), w, epilogue)
+        return self._dl.decode_norm_linear(x, w, epilogue, eps)
 
     def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V]: up to GEMV_HEAD_ROWS rows on futx's BF16 decode GEMV (as fast as cuBLAS there, and
@@ -153,7 +166,7 @@ class KernelOps:
                   layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         c = cache.config
         lc = cache.layers[layer]
-        if self.glue == "fused":
+        if self.glue != "torch":
             x = qkv.view(qkv.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim)
             torch.ops.futx.decode_attention_qkv_(x, positions, slots, *lc.tensors(), table, out, cache.fmt,
                                                  cache.rotate, 0.0, 0, 0, False)

@@ -4,7 +4,8 @@ One step takes one new token per row (request), at its own position and cache sl
 
     x = embed[token]                                            BF16 residual stream [M, H]
     per layer:
-        h    = rms_rows(x)                                      row factor only (gain folded into qkv)
+        h    = rms_rows(x)                                      row factor only (gain folded into qkv); at
+                                                                M = 1 inside the QKV and gate/up kernels
         qkv  = h @ Wqkv^T                                       decode projection
         a    = attention(qkv)                                   RoPE on q/k, new K/V row written (main copy +
                                                                 quantized, rotated mirror), GQA over [0, pos]
@@ -98,10 +99,10 @@ class DecodeModel:
         """Decoder block i on the residual stream x [M, H] (writes this layer's K/V rows)."""
         ops, w, eps = self.ops, self.packed.layers[i], self.config.rms_norm_eps
         attn = self._attn_out[:x.shape[0]]
-        qkv = ops.linear(ops.rms_rows(x, eps), w.qkv)
+        qkv = ops.norm_linear(x, w.qkv, "store", eps)
         ops.attention(qkv, positions, slots, self.cache, i, self.rope, attn)
         x = ops.linear(attn.view(x.shape[0], self.config.q_size), w.o, "residual", x)
-        z = ops.linear(ops.rms_rows(x, eps), w.gateup, "swiglu")
+        z = ops.norm_linear(x, w.gateup, "swiglu", eps)
         return ops.linear(z, w.down, "residual", x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

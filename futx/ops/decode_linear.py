@@ -3,7 +3,10 @@
     torch.ops.futx.decode_linear_int4(x, packed, scales, group_size, epilogue, residual) -> y
     torch.ops.futx.decode_linear_e4m3(x, data, scale, epilogue, residual) -> y
     torch.ops.futx.decode_linear_bf16(x, weight, epilogue, residual) -> y
+    torch.ops.futx.decode_norm_linear_int4(x, packed, scales, group_size, epilogue, eps) -> y   (RMSNorm row
+        factor of x first: one launch at M = 1, decode.plan.fuses_norm)
     decode_linear(x, weight, epilogue="store", residual=None)   # dispatch on the weight's type
+    decode_norm_linear(x, weight, epilogue, eps)
 
 x [M, K] bf16; weights as `futx.quant` stores them (Int4Weight: packed [N/16, K/64, 32, 4] int32 +
 float16 scales [N/16, K/G, 16]; E4M3Weight: float8_e4m3fn [N, K] + float32 [N]; bf16 [N, K]).
@@ -19,6 +22,7 @@ not write them.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -68,10 +72,15 @@ def _check_common(x: torch.Tensor, n: int, k_w: int, epilogue: str, residual: Op
 
 
 def _plan(fmt: str, group: int, epilogue: str, x: torch.Tensor, n: int, kernel: str = "auto", variant: str = "",
-          tiles: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None):
-    """(launch choice, kernel) for validated operands."""
+          tiles: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None,
+          norm: bool = False):
+    """(launch choice, kernel) for validated operands; (None, None) for `norm` where no fused-norm kernel
+    serves the projection."""
     m, k = x.shape
-    choice = plan.choose(fmt, group, epilogue, m, n, k, sm_count(x.device), kernel, variant, tiles, split, warps)
+    if norm and not plan.fuses_norm(fmt, group, epilogue, m, n, k, sm_count(x.device)):
+        return None, None
+    choice = plan.choose(fmt, group, epilogue, m, n, k, sm_count(x.device), kernel, variant, tiles, split, warps,
+                         norm)
     if choice.kind == "gemv":
         checks.in_range("tiles", choice.tiles, 1, n // layouts.INT4_WEIGHT.block_n)
     elif choice.kind == "skinny":
@@ -80,7 +89,7 @@ def _plan(fmt: str, group: int, epilogue: str, x: torch.Tensor, n: int, kernel: 
 
 
 def _launch(planned, epilogue: str, x, w, s, residual, n: int, out: Optional[torch.Tensor] = None,
-            workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+            workspace: Optional[torch.Tensor] = None, eps: Optional[float] = None) -> torch.Tensor:
     choice, fn = planned
     m = x.shape[0]
     shape = (m, n // 2 if epilogue == "swiglu" else n)
@@ -92,7 +101,7 @@ def _launch(planned, epilogue: str, x, w, s, residual, n: int, out: Optional[tor
         checks.shape("out", out, shape)
         checks.contiguous("out", out)
     if choice.kind == "tile":
-        fn(x, w, s, residual, out)
+        fn(x, w, s, residual, out, *(() if eps is None else (eps,)))
         return out
     if choice.kind == "gemv":
         fn(x, w, s, residual, out, choice.tiles)
@@ -117,12 +126,12 @@ def _meta(t: Optional[torch.Tensor]):
     return None if t is None else (t.dtype, t.device, t.shape, t.stride())
 
 
-def _prepared(fmt: str, group: int, epilogue: str, x, w, s, residual, check) -> tuple:
+def _prepared(fmt: str, group: int, epilogue: str, x, w, s, residual, check, norm: bool = False) -> tuple:
     """(n, choice, kernel) for this call, validating on the first call of a signature (and to name a
     misaligned pointer on later ones)."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         check()  # raises the TypeError
-    sig = (fmt, group, epilogue, _meta(x), _meta(w), _meta(s), _meta(residual))
+    sig = (fmt, group, epilogue, norm, _meta(x), _meta(w), _meta(s), _meta(residual))
     ready = _READY.get(sig)
     ptrs = x.data_ptr() | w.data_ptr() | (s.data_ptr() if s is not None else 0) | \
         (residual.data_ptr() if residual is not None else 0)
@@ -131,7 +140,7 @@ def _prepared(fmt: str, group: int, epilogue: str, x, w, s, residual, check) -> 
         if ready is None:
             if len(_READY) >= _READY_MAX:
                 _READY.clear()
-            ready = _READY[sig] = (n, *_plan(fmt, group, epilogue, x, n))
+            ready = _READY[sig] = (n, *_plan(fmt, group, epilogue, x, n, norm=norm))
     return ready
 
 
@@ -169,6 +178,35 @@ def decode_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 def _(x, packed, scales, group_size, epilogue="store", residual=None):
     n = packed.shape[0] * layouts.INT4_WEIGHT.block_n
     return x.new_empty(x.shape[0], n // 2 if epilogue == "swiglu" else n)
+
+
+@futx_op("decode_norm_linear_int4")
+def decode_norm_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                            epilogue: str = "store", eps: float = 1e-5) -> torch.Tensor:
+    """y = bf16(x * rsqrt(mean(x^2) + eps)) @ W^T (+ "store" or "swiglu"): the decode step's RMSNorm row factor
+    and the projection that reads it, in one launch where decode.plan.fuses_norm (the tile GEMV at M = 1), else
+    the row-factor kernel then decode_linear_int4."""
+    if epilogue not in plan.NORM_EPILOGUES:
+        raise ValueError(f"epilogue must be one of {plan.NORM_EPILOGUES} with the RMSNorm row factor, got {epilogue!r}")
+    if not (eps >= 0.0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    n, *planned = _prepared("int4", group_size, epilogue, x, packed, scales, None,
+                            lambda: _check_int4(x, packed, scales, group_size, epilogue, None), norm=True)
+    if planned[0] is None:
+        return decode_linear_int4(_rms_rows(x, eps), packed, scales, group_size, epilogue)
+    return _launch(planned, epilogue, x, packed, scales, None, n, eps=float(eps))
+
+
+@decode_norm_linear_int4.register_fake
+def _(x, packed, scales, group_size, epilogue="store", eps=1e-5):
+    n = packed.shape[0] * layouts.INT4_WEIGHT.block_n
+    return x.new_empty(x.shape[0], n // 2 if epilogue == "swiglu" else n)
+
+
+def _rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    from futx.ops.rms_rows import rms_rows
+
+    return rms_rows(x, eps)
 
 
 # ---- E4M3 ---------------------------------------------------------------------------------------
@@ -244,6 +282,19 @@ def decode_linear(x: torch.Tensor, weight, epilogue: str = "store",
     if isinstance(weight, torch.Tensor):
         return decode_linear_bf16(x, weight, epilogue, residual)
     raise TypeError(f"decode_linear: unsupported weight type {type(weight).__name__}")
+
+
+def decode_norm_linear(x: torch.Tensor, weight, epilogue: str, eps: float) -> torch.Tensor:
+    """bf16(x * rsqrt(mean(x^2) + eps)) @ W^T (+ "store" or "swiglu"), dispatching on the weight's type: one
+    launch where a fused-norm kernel serves it (INT4, decode_norm_linear_int4), else the row-factor kernel then
+    decode_linear."""
+    from futx.quant.int4 import Int4Weight
+
+    if isinstance(weight, Int4Weight):
+        return decode_norm_linear_int4(x, weight.packed, weight.scales, weight.group_size, epilogue, eps)
+    if epilogue not in plan.NORM_EPILOGUES:
+        raise ValueError(f"epilogue must be one of {plan.NORM_EPILOGUES} with the RMSNorm row factor, got {epilogue!r}")
+    return decode_linear(_rms_rows(x, eps), weight, epilogue)
 
 
 def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Tensor], group_size: int = 128,

@@ -18,6 +18,7 @@
 #              suite (after the argument-structure change)
 #   bench-pattn  prefill attention vs SDPA;  bench-block  the 8B prefill block vs compiled PyTorch FP8;
 #   ppl-prefill  SmolLM2 serving perplexity with the kernel prefill (FP8, BF16) vs the reference prefill
+#   tile-norm  the fused RMSNorm row factor (rule E2): its tests and the step with/without it
 #   prefill-graphs-tests  CUDA-graph prefill tests (+ prefill block, engine, serve);  profile-chunk  a 512-token
 #              chunk eager vs graph (FUTX_GLUE=eager|kernel|compiled);  serving  scripts/bench_serving.py;
 #   row-quant  the per-row E4M3 quantization kernel's tests and its effect on the chunk, the block and serving
@@ -131,6 +132,12 @@ for compile in (False, True):
       FUTX_GLUE=kernel bash scripts/gpu/engine.sh profile-chunk
       TAILN=20 step bench_block_kq 280 python3 scripts/bench_prefill_block.py --rounds 5 --parts block,packed
       FUTX_SERVE_ARGS="--prefill-glue kernel" bash scripts/gpu/engine.sh serving ;;
+    tile-norm)  # the RMSNorm row factor inside the M = 1 QKV/gate-up GEMVs (routing rule E2): tests, then the step
+                # with it, with the row factor as its own kernel, and unfused, in one process
+      P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+      TAILN=8 step norm_tests 240 $P tests/test_decode_linear_gpu.py -k "norm_linear" tests/test_engine_gpu.py
+      TAILN=40 step bench_norm 240 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+        --points 1x1024,8x1024,32x4096 --glue --rounds 5 --reps 10 --out $OUT/bench-norm.json ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -26,12 +26,13 @@ def gemv_spec(fmt, group, epilogue, m, variant=""):
                           f"{epilogue}{', ' + variant if variant else ''}")
 
 
-def tile_spec(fmt, group, epilogue, warps, variant=""):
-    params = plan.tile_params(fmt, group, epilogue, warps, variant)
-    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant), module="decode.gemv_tile",
+def tile_spec(fmt, group, epilogue, warps, variant="", norm=False):
+    params = plan.tile_params(fmt, group, epilogue, warps, variant, norm)
+    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant, norm), module="decode.gemv_tile",
                       params=tuple(sorted(params.items())), sources=_SOURCES, expect_sass=("HMMA",),
-                      doc=f"M=1 one-tile-per-CTA GEMV, {plan.fmt_tag(fmt, group)} weights, "
-                          f"{epilogue}, {warps} warps{', ' + variant if variant else ''}")
+                      doc=f"M=1 one-tile-per-CTA GEMV{' with the RMSNorm row factor' if norm else ''}, "
+                          f"{plan.fmt_tag(fmt, group)} weights, {epilogue}, {warps} warps"
+                          f"{', ' + variant if variant else ''}")
 
 
 def skinny_spec(fmt, group, epilogue, m, variant=""):
@@ -49,3 +50,5 @@ TILE_WARPS = (plan.TILE_WARPS_SMALL_K, plan.TILE_WARPS_LARGE_K)
 SPECS = [gemv_spec(f, g, e, m) for f, g in FORMATS for e in plan.EPILOGUES for m in plan.gemv_buckets(f)]
 SPECS += [skinny_spec(f, g, e, m) for f, g in FORMATS for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]
 SPECS += [tile_spec(f, g, e, w) for f, g in plan.TILE_FORMATS for e in plan.EPILOGUES for w in TILE_WARPS]
+SPECS += [tile_spec(f, g, e, w, norm=True) for f, g in plan.TILE_FORMATS for e in plan.NORM_EPILOGUES
+          for w in TILE_WARPS]
