@@ -102,6 +102,20 @@ def ldg_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def ldg_v4(addr: Int64, *, loc=None, ip=None) -> tuple:
+    """16 bytes through L1 (read again soon: a row kernel's second pass)."""
+    res = _asm(_struct(4), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,l", True, loc, ip)
+    return _unpack(res, 4, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
+def stg_b32x2(addr: Int64, a, b, *, loc=None, ip=None) -> None:
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _u32(a, loc, ip), _u32(b, loc, ip)],
+         "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", True, loc, ip)
+
+
+@dsl_user_op
 def ldg_bf16_to_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
     """One bfloat16 (a residual) widened to float32 (exact: bf16 is the top half of a float32)."""
     res = _asm(T.f32(), [Int64(addr).ir_value(loc=loc, ip=ip)],

@@ -12,7 +12,8 @@ from futx.engine.prefill import quantize_rows
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(1, 64), (3, 4096), (17, 576), (31, 14336), (512, 4096), (2, 4)]
+# 16-byte rows (K % 8 == 0) and the element-by-element path (K = 4, 12)
+SHAPES = [(1, 64), (3, 4096), (17, 576), (31, 14336), (512, 4096), (2, 4), (5, 12)]
 
 
 @pytest.mark.parametrize("m,k", SHAPES, ids=[f"{m}x{k}" for m, k in SHAPES])
