@@ -111,7 +111,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 48 and len(tuning) == 72
+    assert len(registry) == 48 and len(tuning) == 78
 
 
 def test_tuning_space_keys_are_what_the_forced_router_names():
