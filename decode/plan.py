@@ -57,10 +57,12 @@ CTAS_PER_SM = 2
 # tuning space of the skinny kernel (INT4): a shorter ring so that more CTAs (warps) fit per SM, the split
 # then filling that many CTA slots per SM ("ctas_per_sm" only steers the host's split choice)
 # "wg": the same tiles on warpgroup MMA (decode/skinny_wgmma.py, INT4 only; measured slower, docs/routing.md P8);
-# "wgo": its MMAs overlapped with the next unit's dequantization
+# "wgo": its MMAs overlapped with the next unit's dequantization; "c2": two accumulation chains per token group (its
+# top stall at M = 32 is the fixed-latency MMA dependency, results-decode-linear.md run 7)
 SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3},
                    "wg": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1},
-                   "wgo": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True}}
+                   "wgo": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True},
+                   "c2": {"chains": 2}}
 MIN_UNITS = 4
 
 

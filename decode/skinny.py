@@ -35,8 +35,9 @@ class Skinny:
     launch_hints: dict = {}   # extra launch attributes (occupancy) of a subclass
 
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                 stages: int = 0, warps: int = WARPS, nb_per_warp: int = NB_PER_WARP):
+                 stages: int = 0, warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, chains: int = 0):
         self.fmt = make_format(fmt, group_size)
+        self.chains = chains  # MMA accumulation chains per token group (stream.mma_unit; 0: its default)
         self.epi = epi.make(epilogue)
         self.m_tiles, self.warps, self.nbw = m_tiles, warps, nb_per_warp
         self.bpu, self.unit_k = stream.units_of(self.fmt)
@@ -194,7 +195,7 @@ class Skinny:
             b_ops = [self._x_frags(slot + xs_lane, b) for b in range(self.bpu)]
             for i in cutlass.range_constexpr(NBW):
                 accs[i] = stream.mma_unit(fmt, self.bpu, self._read_weights(slot, warp, lane, i), b_ops, accs[i],
-                                          nb_ok[i], consts)
+                                          nb_ok[i], consts, chains=self.chains)
         return accs
 
     # ---- epilogue ----------------------------------------------------------------------------
@@ -276,11 +277,12 @@ class Skinny:
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                    warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0,
-                   mma: str = "sync", overlap: bool = False):
+                   mma: str = "sync", overlap: bool = False, chains: int = 0):
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
     are registry parameters with one value per `mma`: "sync" (this kernel) or "wgmma" (the tuning space's
-    decode/skinny_wgmma.py, INT4; `overlap` is its option)."""
+    decode/skinny_wgmma.py, INT4; `overlap` is its option). `chains`: the mma.sync kernel's accumulation chains
+    per token group (0: stream.mma_unit's default)."""
     from .signature import fake_args, fake_split_args
 
     if mma == "wgmma":
@@ -299,6 +301,6 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     if mma == "wgmma":
         op = wg.SkinnyWgmma(group_size, epilogue, m_tiles, stages, overlap)
     else:
-        op = Skinny(fmt, group_size, epilogue, m_tiles, stages)
+        op = Skinny(fmt, group_size, epilogue, m_tiles, stages, chains=chains)
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
     return op, (x, w, s, r, y, *fake_split_args(), Int32(1), stream_)

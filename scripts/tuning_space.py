@@ -7,7 +7,7 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.gemv.int4[g64].m16.*               the INT4 persistent GEMV with two token groups (M bucket 16)
     decode.gemv.int4.m8.*.{nofold,r2}         the persistent GEMV without the fold / scales converted at the load
     decode.gemv.int4.m1.*[.w8].{p1,p3,p4,rolling}   the tile GEMV with other batch sizes / a rolling prefetch
-    decode.skinny.int4.m{16,32}.*.{s3,s4}     the skinny kernel with shorter rings (more CTAs per SM)
+    decode.skinny.int4.m{16,32}.*.{s3,s4,c2}  the skinny kernel with shorter rings (more CTAs per SM), two MMA chains
     decode.skinny.int4[g64].m{16,32}.*.{wg,wgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
     prefill.gemm.<ab>.<chain>[.n256.st|.n256.pp.g16|.n256.pp.c1]   prefill schedules (catalog prefill.TUNING)

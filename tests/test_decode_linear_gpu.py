@@ -219,7 +219,7 @@ def test_design_variants_match(epilogue):
         _check(y, _reference(x, w_ref, epilogue, r), f"skinny M={m} {epilogue}")
 
 
-@pytest.mark.parametrize("variant", ["s3", "s4"])
+@pytest.mark.parametrize("variant", ["s3", "s4", "c2"])
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
 def test_skinny_ring_variants(variant, epilogue):
     """Tuning-space INT4 skinny variants with shorter rings (more CTAs per SM, larger split), at odd M in
