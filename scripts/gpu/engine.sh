@@ -19,7 +19,6 @@
 #   bench-pattn  prefill attention vs SDPA;  bench-block  the 8B prefill block vs compiled PyTorch FP8;
 #   ppl-prefill  SmolLM2 serving perplexity with the kernel prefill (FP8, BF16) vs the reference prefill
 #   tile-norm  the fused RMSNorm row factor (rule E2): its tests and the step with/without it
-#   next-run   everything waiting on branch wip/next-gpu-run (tile-norm, row-quant-vec, skinny-chains)
 #   prefill-graphs-tests  CUDA-graph prefill tests (+ prefill block, engine, serve);  profile-chunk  a 512-token
 #              chunk eager vs graph (FUTX_GLUE=eager|kernel|compiled);  serving  scripts/bench_serving.py;
 #   row-quant  the per-row E4M3 quantization kernel's tests and its effect on the chunk, the block and serving
@@ -139,14 +138,6 @@ for compile in (False, True):
       TAILN=8 step norm_tests 240 $P tests/test_decode_linear_gpu.py -k "norm_linear" tests/test_engine_gpu.py
       TAILN=40 step bench_norm 240 python3 -m futx.cli bench decode --weights int4 --cache int4 \
         --points 1x1024,8x1024,32x4096 --glue --rounds 5 --reps 10 --out $OUT/bench-norm.json ;;
-    next-run)  # branch wip/next-gpu-run (prepared while no GPU was lent): the fused row factor (rule E2), the
-               # 16-byte row-quantization kernel, the skinny kernel's two-chain variant c2, each tested then timed
-      bash scripts/gpu/engine.sh tile-norm
-      P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
-      TAILN=6 step rq_tests 200 $P tests/test_row_quant_gpu.py tests/test_prefill_graphs_gpu.py
-      TAILN=6 step dlin_tests 300 $P tests/test_decode_linear_gpu.py -k "ring_variants or every_epilogue or split_k"
-      TAILN=40 step bench_dlin 200 python3 scripts/bench_decode_linear.py --m 1,16,32 --budget-s 120
-      bash scripts/gpu/engine.sh profile-chunk serving ;;
     *) echo "unknown part $part" ;;
   esac
 done
