@@ -206,11 +206,13 @@ def load_chain(path: str):
     return chain
 
 
-# Split-K of coop launches (futx/mainloop.py, `PrefillGemm.exchange_partials`); constants in k-tile times
+# Split-K of coop launches (futx/mainloop.py, `PrefillGemm.exchange_partials`). Costs in k-tile times of a
+# 128x128 tile (~0.3 us, BF16 and E4M3 alike), fitted to docs/results-prefill.md "Split-K":
 MAX_SPLITS = 8
 MIN_SPLIT_K_TILES = 4    # k-tiles per split at least: the ring must fill and drain
-FILL_K_TILES = 3.0       # a unit's fixed cost (ring fill, epilogue) in k-tile times
-PARTIAL_K_TILES = 2.0    # writing or reading one 64 KiB-per-CTA partial tile, in k-tile times
+FILL_K_TILES = 11.0      # a launch's fixed cost (first loads, epilogue): 3.4 us
+EXCHANGE_K_TILES = 14.0  # writing, counting and summing two splits' partials
+EXCHANGE_PER_SPLIT = 3.0  # each further split the reducing CTA reads
 
 
 def k_tiles(k: int, ab: str) -> int:
@@ -228,8 +230,8 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 
     except under one wave, where each CTA holds a single tile and one warpgroup idles: a whole coop
     tile's time (docs/routing.md).
 
-    Split-K (coop only; `kt` = k-tiles): every tile becomes `splits` units of kt / splits k-tiles, each
-    with a fixed cost, and the unit that reduces writes and reads the partials.
+    Split-K (coop only; `kt` = k-tiles): every tile becomes `splits` units of kt / splits k-tiles plus the
+    exchange of partials (~5 us measured: it pays only where it fills idle SMs over a long K).
     """
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
     slots = max(1, num_sms // v.cluster_m)
@@ -238,7 +240,8 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 
         cost *= 2  # one tile per CTA: its second warpgroup has no tile to alternate with
     if splits == 1:
         return math.ceil(clusters / slots) * cost
-    unit = (kt / splits + FILL_K_TILES + PARTIAL_K_TILES * (splits + 1)) / (kt + FILL_K_TILES)
+    exchange = EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
+    unit = (kt / splits + FILL_K_TILES + exchange) / (kt + FILL_K_TILES)
     return math.ceil(clusters * splits / slots) * cost * unit
 
 
