@@ -209,6 +209,7 @@ def load_chain(path: str):
 # Split-K of coop launches (futx/mainloop.py, `PrefillGemm.exchange_partials`). Costs in k-tile times of a
 # 128x128 tile (~0.3 us, BF16 and E4M3 alike), fitted to docs/results-prefill.md "Split-K":
 MAX_SPLITS = 8
+EMPTY_CTA_COST = 2.2     # coop tile cost when M leaves a cluster's second CTA without rows (M <= 128)
 MIN_SPLIT_K_TILES = 4    # k-tiles per split at least: the ring must fill and drain
 FILL_K_TILES = 11.0      # a launch's fixed cost (first loads, epilogue): 3.4 us
 EXCHANGE_K_TILES = 14.0  # writing, counting and summing two splits' partials
@@ -238,6 +239,8 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 
     cost = (1.0 if v.tile_n == 256 else 0.55) * (0.5 if v.schedule == "pingpong" else 1.0)
     if v.schedule == "pingpong" and clusters <= slots:
         cost *= 2  # one tile per CTA: its second warpgroup has no tile to alternate with
+    if v.schedule != "pingpong" and m <= v.tile_m * (v.cluster_m - 1):
+        cost *= EMPTY_CTA_COST  # a cluster's second CTA has no rows: measured 1.9-2.4x a full coop tile's time
     if splits == 1:
         return math.ceil(clusters / slots) * cost
     exchange = EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
