@@ -144,6 +144,21 @@ def ldg_cg_f32x2(addr: Int64, *, loc=None, ip=None) -> tuple:
     return _unpack(res, 2, T.f32(), Float32, loc, ip)
 
 
+@dsl_user_op
+def stg_cg_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """16 bytes of a split-K partial, kept in L2 (.cg) for the CTA that reduces them."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+         "st.global.cg.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", True, loc, ip)
+
+
+@dsl_user_op
+def ldg_cg_f32x4(addr: Int64, *, loc=None, ip=None) -> tuple:
+    """16 bytes of split-K partials written by other CTAs during this launch: L2 only (L1 is not coherent)."""
+    res = _asm(_struct(4, "f32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
+               "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", True, loc, ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
 # ---- shared memory --------------------------------------------------------------------------------------
 @dsl_user_op
 def smem_addr(ptr, *, loc=None, ip=None) -> Int32:

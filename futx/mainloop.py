@@ -69,11 +69,12 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 
+from decode import ptx
 from epilogues.base import Chain, Frag, Tile, resolve
 from futx.hardware import SMEM_PER_CTA
 
@@ -109,6 +110,11 @@ class TileConfig:
     @property
     def pingpong(self) -> bool:
         return self.schedule == "pingpong"
+
+    @property
+    def split_k(self) -> bool:
+        """coop kernels take a runtime split count (see `PrefillGemm.exchange_partials`)."""
+        return self.schedule == "coop"
 
     @property
     def per_wg_policy_smem(self) -> bool:
@@ -165,6 +171,7 @@ class PrefillGemm:
         self.consumer_regs = 232
         self.half_n = cfg.tile_n // 2        # B is loaded as two half tiles (see `producer`)
         self.split = epilogue.pair is not None and epilogue.pair.layout == "split"
+        self.split_k = cfg.split_k
         self.out_tile_n = cfg.tile_n // epilogue.n_ratio
         self.epi_n = self.epi_subtile_n()    # output subtile: 64 rows x epi_n columns per warpgroup
         self.n_sub = self.out_tile_n // self.epi_n
@@ -194,8 +201,11 @@ class PrefillGemm:
     # ---------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, *rest):
-        """rest = (*epilogue tensors in chain order, num_sms: Int32, stream)."""
-        epi_args, num_sms, stream = rest[:-2], rest[-2], rest[-1]
+        """rest = (*epilogue tensors in chain order, [workspace, counters, splits: Int32,] num_sms: Int32,
+        stream); the bracketed split-K arguments only for coop kernels (`TileConfig.split_k`)."""
+        n_split_args = 3 if const_expr(self.split_k) else 0
+        epi_args, num_sms, stream = rest[:-2 - n_split_args], rest[-2], rest[-1]
+        split_args = rest[-2 - n_split_args:-2]
         cfg = self.cfg
         if const_expr(mA.element_type != self.ab_dtype or mB.element_type != self.ab_dtype):
             raise TypeError(f"A/B must be {self.ab_dtype}, got {mA.element_type}/{mB.element_type}")
@@ -231,6 +241,7 @@ class PrefillGemm:
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_staged)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_staged)], 1024]
             ab_mbar: cute.struct.MemRange[cutlass.Int64, cfg.stages * 2]
+            split_flag: cute.struct.MemRange[Int32, 4]   # split-K: "this CTA reduces the tile", per unit
             epi_f32: cute.struct.Align[cute.struct.MemRange[Float32, epi_floats], 16]
 
         if const_expr(SharedStorage.size_in_bytes() > SMEM_BYTES):
@@ -240,9 +251,13 @@ class PrefillGemm:
 
         # Persistent grid: at most one CTA per SM, in clusters of cluster_m along M.
         n_cluster_m, n_tile_n = self.tile_counts(mA.shape[0], mB.shape[0])
-        num_clusters = cutlass.min(n_cluster_m * n_tile_n, num_sms // cfg.cluster_m)
+        units = n_cluster_m * n_tile_n
+        if const_expr(self.split_k):
+            units = units * split_args[2]
+        num_clusters = cutlass.min(units, num_sms // cfg.cluster_m)
         self.kernel(
-            tma_a, gA_tma, tma_b, gB_tma, tma_d, gD_tma, tuple(epi_args), a_staged, b_staged, bh_staged, d_staged,
+            tma_a, gA_tma, tma_b, gB_tma, tma_d, gD_tma, tuple(epi_args), tuple(split_args),
+            a_staged, b_staged, bh_staged, d_staged,
         ).launch(
             grid=(cfg.cluster_m, 1, num_clusters),
             block=(self.threads, 1, 1),
@@ -269,6 +284,16 @@ class PrefillGemm:
     # ---------------------------------------------------------------------------------------------
     # device side
     # ---------------------------------------------------------------------------------------------
+    def unit(self, work: Int32, splits, k_tiles):
+        """Work unit -> (cluster-tile work index, split index, first k-tile, k-tiles). The splits of a tile
+        are adjacent units, so they run on neighbouring clusters at the same time."""
+        if not self.split_k:
+            return work, Int32(0), Int32(0), k_tiles
+        tile_work = work // splits
+        s = work - tile_work * splits
+        k0 = s * k_tiles // splits
+        return tile_work, s, k0, (s + 1) * k_tiles // splits - k0
+
     @cute.jit
     def tile_coords(self, work: Int32, n_cluster_m: Int32, n_tile_n: Int32):
         """Linear cluster-work index -> (cluster row, tile column), grouped raster (see module doc)."""
@@ -287,6 +312,7 @@ class PrefillGemm:
         tma_b: cute.CopyAtom, gB_tma: cute.Tensor,
         tma_d: cute.CopyAtom, gD_tma: cute.Tensor,
         epi_args: tuple,
+        split_args: tuple,
         a_staged: cute.ComposedLayout, b_staged: cute.ComposedLayout, bh_staged: cute.ComposedLayout,
         d_staged: cute.ComposedLayout,
     ):
@@ -328,7 +354,10 @@ class PrefillGemm:
         gBh = cute.local_tile(gB_tma, (self.half_n, cfg.tile_k), (None, None))  # (bn/2, bk, n halves, k tiles)
         k_tiles = cute.size(gA, mode=[3])
         n_cluster_m, n_tile_n = self.tile_counts(m, n)
-        num_work = n_cluster_m * n_tile_n
+        splits = 1
+        if const_expr(self.split_k):
+            splits = cutlass.max(cutlass.min(split_args[2], k_tiles), 1)   # every split gets >= 1 k-tile
+        num_work = n_cluster_m * n_tile_n * splits
         _, _, first_work = cute.arch.block_idx()
         _, _, work_stride = cute.arch.grid_dim()
 
@@ -338,7 +367,7 @@ class PrefillGemm:
             # ======================= producer warpgroup =======================
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.producer(ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, cta_rank,
+                self.producer(ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, cta_rank,
                               n_cluster_m, n_tile_n, num_work, first_work, work_stride, n)
         else:
             # ======================= consumer warpgroups =======================
@@ -384,7 +413,8 @@ class PrefillGemm:
                 else:
                     mma_turn.arrive()
             while work < num_work:
-                cm, tn = self.tile_coords(work, n_cluster_m, n_tile_n)
+                tile_work, split_i, k0, kn = self.unit(work, splits, k_tiles)
+                cm, tn = self.tile_coords(tile_work, n_cluster_m, n_tile_n)
                 tm = cm * cfg.cluster_m + cta_rank
                 slab = tm * self.slabs_per_tile + (0 if const_expr(self.pingpong) else cwg)
                 WarpgroupEpilogue.prefetch(epi, slab, tn, parity)
@@ -400,7 +430,7 @@ class PrefillGemm:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 read.advance()
-                for kt in cutlass.range(1, k_tiles, unroll=1):
+                for kt in cutlass.range(1, kn, unroll=1):
                     ab_pipe.consumer_wait(read)
                     warpgroup.fence()
                     for kb in cutlass.range_constexpr(k_blocks):
@@ -424,7 +454,16 @@ class PrefillGemm:
                 ab_pipe.consumer_release(release)
                 release.advance()
 
-                WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
+                if const_expr(self.split_k):
+                    reduces = Int32(1)
+                    if splits > 1:
+                        flag = storage.split_flag.get_tensor(cute.make_layout(4))
+                        reduces = self.exchange_partials(acc, split_args, flag, epi, tm * n_tile_n + tn, split_i,
+                                                         splits, cwg, wg_tid)
+                    if reduces != 0:
+                        WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
+                else:
+                    WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
                 parity = 1 - parity
                 work += my_stride
                 if const_expr(self.pingpong):     # skip the other warpgroup's tile in the ring
@@ -433,7 +472,59 @@ class PrefillGemm:
             WarpgroupEpilogue.finish(epi)
 
     @cute.jit
-    def producer(self, ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, cta_rank,
+    def exchange_partials(self, acc, split_args, flag, epi, tile_id, split_i, splits, cwg, wg_tid):
+        """Split-K, after a unit's mainloop: write this CTA's partial tile to the float32 workspace; the
+        last of the tile's `splits` CTAs to arrive (a self-resetting counter per CTA tile) sums every
+        partial in split order, its own included, so the result does not depend on arrival order.
+        Returns 1 in the CTA that then runs the tile's epilogue (uniform over its 256 consumer threads).
+
+        Workspace: [CTA tile][split][warpgroup][R / 4][128 threads] float4, R accumulators per thread, so
+        each store and load instruction of a warp covers 512 contiguous bytes."""
+        ws, counters = split_args[0], split_args[1]
+        regs = cute.size(acc)
+        wg_floats = regs * THREADS_PER_WG
+        base = ws.iterator.toint() + (Int64(tile_id) * splits * 2 + cwg) * wg_floats * 4 + wg_tid * 16
+        split_stride = 2 * wg_floats * 4
+        mine = base + Int64(split_i) * split_stride
+        for v in cutlass.range_constexpr(regs // 4):
+            ptx.stg_cg_f32x4(mine + v * THREADS_PER_WG * 16, acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3])
+        cute.arch.fence_acq_rel_gpu()
+        epi.tile_barrier.arrive_and_wait()          # both warpgroups' partials are written and fenced
+        if cwg + wg_tid == 0:
+            cptr = counters.iterator + tile_id
+            arrived = cute.arch.atomic_add(cptr, Int32(1), sem="acq_rel", scope="gpu")
+            last = Int32(0)
+            if arrived == splits - 1:
+                last = Int32(1)
+                cute.arch.atomic_exch(cptr, Int32(0), sem="relaxed", scope="gpu")   # ready for the next call
+            flag[0] = last
+        epi.tile_barrier.arrive_and_wait()
+        # one slot is enough: its next write is after the next unit's first barrier, which every thread
+        # reaches only after reading it here
+        reduces = flag[0]
+        if reduces != 0:
+            cute.arch.fence_acq_rel_gpu()
+            if splits == 2:
+                # a + b == b + a bit for bit: add the other partial to our own, whichever CTA reduces
+                # (saves reading our own partial back: ~1 of the ~5 us the exchange costs)
+                src = base + Int64(1 - split_i) * split_stride
+                for v in cutlass.range_constexpr(regs // 4):
+                    p = ptx.ldg_cg_f32x4(src + v * THREADS_PER_WG * 16)
+                    for e in cutlass.range_constexpr(4):
+                        acc[4 * v + e] = acc[4 * v + e] + p[e]
+            else:
+                for v in cutlass.range_constexpr(regs):
+                    acc[v] = Float32(0.0)
+                for sp in cutlass.range(splits, unroll=1):
+                    src = base + Int64(sp) * split_stride
+                    for v in cutlass.range_constexpr(regs // 4):
+                        p = ptx.ldg_cg_f32x4(src + v * THREADS_PER_WG * 16)
+                        for e in cutlass.range_constexpr(4):
+                            acc[4 * v + e] = acc[4 * v + e] + p[e]
+        return reduces
+
+    @cute.jit
+    def producer(self, ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, cta_rank,
                  n_cluster_m, n_tile_n, num_work, first_work, work_stride, n):
         """One warp: for every tile of this cluster, stream its k-tiles of A and B into the ring.
 
@@ -456,9 +547,10 @@ class PrefillGemm:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         work = first_work
         while work < num_work:
-            cm, tn = self.tile_coords(work, n_cluster_m, n_tile_n)
+            tile_work, _, k0, kn = self.unit(work, splits, k_tiles)
+            cm, tn = self.tile_coords(tile_work, n_cluster_m, n_tile_n)
             tAgA_t = tAgA[(None, cm * cfg.cluster_m + cta_rank, None)]
-            for kt in cutlass.range(k_tiles, unroll=1):
+            for kt in cutlass.range(k0, k0 + kn, unroll=1):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
@@ -758,5 +850,10 @@ def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cl
     fake_a = cute.runtime.make_fake_compact_tensor(dt, (m, k), stride_order=(1, 0), assumed_align=16)
     fake_b = cute.runtime.make_fake_compact_tensor(dt, (n, k), stride_order=(1, 0), assumed_align=16)
     fake_epi = chain.fake_tensors(m, n, cute.sym_int(divisibility=16))
+    split_args = ()
+    if cfg.split_k:
+        from decode.signature import fake_split_args
+
+        split_args = (*fake_split_args(), Int32(1))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return gemm, (fake_a, fake_b, *fake_epi, Int32(132), stream)
+    return gemm, (fake_a, fake_b, *fake_epi, *split_args, Int32(132), stream)

@@ -7,7 +7,9 @@ paper's layer presets (futx.config: layer-1b/8b/70b/405b) for several M.
 
 futx FP8 runs the `scale_bf16` policy (per-row x per-column scale restore, BF16 out: the same work as
 row-wise `_scaled_mm`); every variant (tile width, coop/pingpong/stagger schedule, cluster; catalog
-VARIANTS + TUNING) is timed; the table reports the one `choose_variant` picks and the best.
+VARIANTS + TUNING, or --variants) is timed; the table reports the one the rule picks (`choose_plan`: variant
+and split-K count) and the best. --splits 1,2,4 also times every coop variant at those split-K counts
+("n128/s2").
 At the QKV shapes the QKV epilogue (scales + RoPE + K/V straight into a KV cache, `prefill.qkv`) is
 timed too, against the plain `scale_bf16` GEMM of the same shape and variant (its cost over a plain
 store) and against the plain GEMM at the variant the rule picks.
@@ -57,9 +59,15 @@ def qkv_candidates(cfg, a8, w8, sa, names):
     sb = torch.ones(w8.shape[0], device="cuda")
     q = torch.empty(m, cfg.num_attention_heads * hd, device="cuda", dtype=torch.bfloat16)
     pol = f"scale_rho_qkv{hd}_bf16"
-    return {f"futxqkv_fp8_{v}": (lambda v=v: prefill.qkv(a8, w8, kc, vc, slot, pos, freq, rho=rho, a_scale=sa.view(-1),
-                                                          b_scale=sb, out=q, variant=v))
-            for v in names.get(pol, ())}
+    return {f"futxqkv_fp8_{name}": (lambda v=_variant_splits(name): prefill.qkv(
+        a8, w8, kc, vc, slot, pos, freq, rho=rho, a_scale=sa.view(-1), b_scale=sb, out=q, variant=v[0], splits=v[1]))
+        for name in names.get(pol, ())}
+
+
+def _variant_splits(name):
+    """"n128" -> ("n128", None: the rule's split count); "n128/s3" -> ("n128", 3)."""
+    v, _, sp = name.partition("/s")
+    return v, int(sp) if sp else None
 
 
 def candidates(m, n, k, names, qkv_cfg=None):
@@ -75,17 +83,19 @@ def candidates(m, n, k, names, qkv_cfg=None):
     out8 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     out16 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     c = {}
-    for v in names["fp8"]:
-        c[f"futx_fp8_{v}"] = (lambda v=v: prefill.gemm(a8, w8, "scale_bf16", out=out8, variant=v,
-                                                       a_scale=sa.view(-1), b_scale=sb.view(-1)))
+    for name in names["fp8"]:
+        v, sp = _variant_splits(name)
+        c[f"futx_fp8_{name}"] = (lambda v=v, sp=sp: prefill.gemm(a8, w8, "scale_bf16", out=out8, variant=v, splits=sp,
+                                                                 a_scale=sa.view(-1), b_scale=sb.view(-1)))
     for fast in (True, False):
         sfx = "_fast" if fast else ""
         c[f"cublas_fp8_row{sfx}"] = (lambda fast=fast: torch._scaled_mm(
             a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast))
         c[f"cublas_fp8_tensor{sfx}"] = (lambda fast=fast: torch._scaled_mm(
             a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast))
-    for v in names["bf16"]:
-        c[f"futx_bf16_{v}"] = (lambda v=v: prefill.gemm(a, w, "bf16", out=out16, variant=v))
+    for name in names["bf16"]:
+        v, sp = _variant_splits(name)
+        c[f"futx_bf16_{name}"] = (lambda v=v, sp=sp: prefill.gemm(a, w, "bf16", out=out16, variant=v, splits=sp))
     c["torch_bf16"] = lambda: torch.matmul(a, w.t())
     if qkv_cfg is not None:
         c.update(qkv_candidates(qkv_cfg, a8, w8, sa, names))
@@ -98,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="layer-1b,layer-8b,layer-70b,layer-405b")
     ap.add_argument("--quick", action="store_true", help="8192^3 and the 8B shapes at M=2048 only")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", default=None, help="variants timed (default: shipped + tuning space)")
+    ap.add_argument("--splits", default="", help="also time the coop variants at these split-K counts, e.g. 1,2,4")
     ap.add_argument("--out", default=None, help="directory for json/md (default $OUT)")
     ap.add_argument("--render", default=None, metavar="JSON", help="print the markdown table of a saved run and exit")
     args = ap.parse_args(argv)
@@ -110,13 +122,16 @@ def main(argv=None) -> int:
 
     import futx.ops  # noqa: F401
     from futx.hardware import sm_count
-    from futx.runtime.catalog.prefill import SHIPPED, TUNING, VARIANTS, choose_variant
+    from futx.runtime.catalog.prefill import SHIPPED, TUNING, VARIANTS, Variant, choose_plan
 
     ms = [int(x) for x in args.m.split(",")]
     presets = [p for p in args.presets.split(",") if p]
     todo = shapes([2048], ["layer-8b"]) if args.quick else shapes(ms, presets)
-    every = VARIANTS + TUNING   # the shipped variants and the tuning space (compiled on demand if not built)
-    names = {"fp8": every, "bf16": every}
+    # the shipped variants and the tuning space (compiled on demand if not built)
+    every = tuple(args.variants.split(",")) if args.variants else VARIANTS + TUNING
+    forced = tuple(f"{v}/s{int(sp)}" for v in every if Variant.parse(v).schedule == "coop"
+                   for sp in args.splits.split(",") if sp)
+    names = {"fp8": every + forced, "bf16": every + forced}
     for hd in (64, 128):
         if f"scale_rho_qkv{hd}_bf16" in SHIPPED["e4m3"]:
             names[f"scale_rho_qkv{hd}_bf16"] = every
@@ -129,8 +144,10 @@ def main(argv=None) -> int:
         flops = 2.0 * m * n * k
         res = bc.time_candidates(candidates(m, n, k, names, qkv_cfg), flops=flops, rounds=args.rounds)
         torch.cuda.empty_cache()
-        pick = {"fp8": choose_variant(m, n, sms), "bf16": choose_variant(m, n, sms)}
-        row = {"shape": name, "m": m, "n": n, "k": k, "results": res, "pick": pick}
+        plans = {"fp8": choose_plan(m, n, k, "e4m3", sms), "bf16": choose_plan(m, n, k, "bf16", sms)}
+        pick = {ab: v for ab, (v, _) in plans.items()}   # the candidate without "/s": the rule's split count
+        row = {"shape": name, "m": m, "n": n, "k": k, "results": res, "pick": pick,
+               "splits": {ab: sp for ab, (_, sp) in plans.items()}}
         rows.append(row)
         f8 = res.get(f"futx_fp8_{pick['fp8']}", {})
         cb = res.get("cublas_fp8_row_fast", {})

@@ -82,6 +82,28 @@ def test_tile_rule():
                for m in range(64, 9000, 192) for n in range(256, 30000, 1792))
 
 
+def test_split_k_rule():
+    # split-K only where a coop launch leaves SMs idle: 1B O at M = 512 (32 clusters of 128x128 on 66
+    # slots) runs 2 splits; launches of a wave or more, and pingpong, never split
+    assert cat.choose_plan(512, 2048, 2048, "bf16", 132) == ("n128", 2)
+    assert cat.choose_plan(512, 2048, 8192, "e4m3", 132) == ("n128", 2)
+    assert cat.choose_plan(8192, 8192, 8192, "e4m3", 132) == ("n256.pp", 1)
+    assert cat.choose_plan(2048, 4096, 4096, "bf16", 132) == ("n256.pp", 1)
+    assert list(cat.split_options("n256.pp", 8192, "e4m3")) == [1]
+    # at least MIN_SPLIT_K_TILES k-tiles per split, at most MAX_SPLITS
+    assert list(cat.split_options("n128", 1024, "e4m3")) == [1, 2]          # 8 k-tiles
+    assert max(cat.split_options("n128", 65536, "bf16")) == cat.MAX_SPLITS
+    assert cat.choose_splits("n128", 64, 256, 256, "bf16", 132) == 1       # 4 k-tiles: nothing to split
+    # M <= 128 leaves the second CTA of a coop cluster without rows: pingpong (measured 1.03-1.32x faster at
+    # 1B QKV, 8B QKV/O, 70B O/down), unless split-K fills the machine over a long K (1B and 8B down)
+    assert cat.choose_plan(128, 8192, 28672, "e4m3", 132) == ("n256.pp", 1)
+    assert cat.choose_plan(128, 6144, 4096, "e4m3", 132) == ("n256.pp", 1)
+    assert cat.choose_plan(128, 4096, 14336, "e4m3", 132) == ("n128", 2)
+    # without K the rule is the one without split-K (choose_variant's callers that do not know K)
+    assert all(cat.choose_variant(m, n, 132) == cat.choose_plan(m, n, 1, "e4m3", 132)[0]
+               for m in (1, 512, 4096) for n in (256, 2048, 28672))
+
+
 def test_chains_are_the_single_declaration():
     """What the op validates and the kernel key come from the chain: no table restates a policy."""
     from epilogues import catalog as chains

@@ -381,6 +381,77 @@ def test_cuda_graph_replay(prefill):
     assert_bf16_close(out, ref, "graph replay", acc_err)
 
 
+# split-K (coop kernels): every epilogue kind at 128x128, and the coop 128x256 tuning variant
+SPLIT = [("bf16", "bf16", "n128"), ("e4m3", "scale_bf16", "n128"), ("e4m3", "scale_rho_swiglu_fp8", "n128"),
+         ("e4m3", "scale_rho_swiglu_split_fp8", "n128"), ("bf16", "swiglu_split_bf16", "n128"),
+         ("e4m3", "scale_res_rms_bf16", "n128"), ("bf16", "res_bf16", "n128"), ("e4m3", "scale_fp8", "n128"),
+         ("e4m3", "scale_bf16", "n256")]
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("m", [1, 300, 1100])
+@pytest.mark.parametrize("ab,pol,variant", SPLIT, ids=[_ids(v) for v in SPLIT])
+def test_split_k_matches_reference_and_repeats_bitwise(prefill, ab, pol, variant, m, splits):
+    """K = 1040: 9 E4M3 / 17 BF16 k-tiles with a 16-wide tail, split unevenly (5 splits of 9: 1-2 k-tiles
+    each). M = 1100: more units than CTAs, so CTAs walk several units and reduce some of them. A second call
+    must be bitwise equal (the reduction sums the partials in split order) and leave the counters at zero."""
+    from futx.ops import split_counters
+
+    info = chain_of(pol)
+    n, k = _n_for(pol), 1040
+    tile_n = Variant.parse(variant).tile_n
+    a, w, tensors = make_inputs(ab, pol, m, n, k, seed=m + splits, tile_n=tile_n)
+    ref, acc_err = reference(a, w, pol, tensors, n // info.n_ratio)
+    if info.out == "e4m3":
+        tensors["scale"].fill_(float(ref.abs().max()) / 300.0)
+    outs = []
+    for _ in range(2):
+        for name in ("amax", "saturated"):
+            if name in tensors:
+                tensors[name].zero_()
+        if "sumsq" in tensors:
+            tensors["sumsq"].fill_(float("nan"))
+        out = torch.empty(m, n // info.n_ratio, device="cuda",
+                          dtype=torch.float8_e4m3fn if info.out == "e4m3" else torch.bfloat16)
+        poison(out)
+        prefill.gemm(a, w, pol, out=out, variant=variant, splits=splits, **tensors)
+        torch.cuda.synchronize()
+        outs.append(out)
+    check_result(outs[1], ref, acc_err, pol, tensors, tile_n, f"{ab}.{pol}.{variant} M={m} splits={splits}")
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8)), "split-K result changed between calls"
+    assert int(split_counters.counters(a.device).abs().sum()) == 0, "arrival counters not reset"
+
+
+def test_split_k_in_a_cuda_graph(prefill):
+    """Replays reuse the workspace and the self-resetting counters: bitwise equal to the eager call."""
+    a, w, tensors = make_inputs("bf16", "bf16", 300, 1024, 2048, seed=19)
+    eager = prefill.gemm(a, w, "bf16", variant="n128", splits=4)
+    out = torch.empty_like(eager)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        prefill.gemm(a, w, "bf16", out=out, variant="n128", splits=4)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_split_k_rejects_bad_counts(prefill):
+    a = torch.randn(64, 512, device="cuda").bfloat16()
+    w = torch.randn(256, 512, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="coop kernels only"):
+        prefill.gemm(a, w, "bf16", variant="n256.pp", splits=2)
+    with pytest.raises(ValueError, match="splits"):
+        prefill.gemm(a, w, "bf16", variant="n128", splits=0)
+    with pytest.raises(ValueError, match="splits"):
+        prefill.gemm(a, w, "bf16", variant="n128", splits=99)
+
+
 def test_composed_chain_from_readme(prefill):
     """epilogues/README.md's worked example (BiasAdd), composed at call time: compiled on first use, or
     loaded from `futx build --chain prefill_user_policy:scale_bias_bf16` (what scripts/gpu/stage.sh builds)."""
@@ -439,12 +510,22 @@ def _qkv_reference(cfg, batch, a, w, t):
 
 @pytest.mark.parametrize("ab,variant,layer", QKV, ids=[f"{ab}.{v}.{layer}" for ab, v, layer in QKV])
 def test_qkv_rope_and_cache_placement(prefill, ab, variant, layer):
+    _check_qkv(prefill, ab, variant, layer)
+
+
+@pytest.mark.parametrize("ab,layer,splits", [("e4m3", "layer-8b", 3), ("bf16", "layer-1b", 2)])
+def test_qkv_with_split_k(prefill, ab, layer, splits):
+    """RoPE and the cache writes run once per tile, in the CTA that reduces the split partials."""
+    _check_qkv(prefill, ab, "n128", layer, splits)
+
+
+def _check_qkv(prefill, ab, variant, layer, splits=None):
     from futx.rope import inv_freq
 
     cfg, batch, a, w, t, cache = _qkv_problem(ab, layer=layer)
     scales = dict(a_scale=t["a_scale"], b_scale=t["b_scale"]) if ab == "e4m3" else {}
     q = prefill.qkv(a, w, cache.k[0], cache.v[0], batch.row_slot.int(), batch.row_position.int(),
-                    inv_freq(cfg).float().cuda(), rho=t["rho"], variant=variant, **scales)
+                    inv_freq(cfg).float().cuda(), rho=t["rho"], variant=variant, splits=splits, **scales)
     torch.cuda.synchronize()
     q_ref, k_ref, v_ref = _qkv_reference(cfg, batch, a, w, t)
     m, hd = a.shape[0], cfg.head_dim

@@ -66,7 +66,7 @@ from futx.ops.prefill import rms_rho
 from futx.ops.prefill_attention import MAX_GROUP as ATTN_MAX_GROUP
 from futx.rope import apply_rope
 from futx.rope import inv_freq as rope_inv_freq
-from futx.runtime.catalog.prefill import Variant, choose_variant
+from futx.runtime.catalog.prefill import Variant, choose_plan
 from futx.runtime.catalog.prefill_attention import HEAD_DIMS as ATTN_HEAD_DIMS
 
 from .cache import EngineCache
@@ -368,10 +368,10 @@ def make_prefill_ops(backend: str):
     raise ValueError(f"unknown prefill backend {backend!r}: 'kernels' or 'emulated'")
 
 
-def _rms_partials(m: int, h: int, device: torch.device) -> tuple:
+def _rms_partials(m: int, h: int, k: int, ab: str, device: torch.device) -> tuple:
     """(variant, sumsq [output tiles, M]) of a residual projection writing RMS partials: the variant the op
     would choose, named explicitly because the tile count follows it."""
-    var = choose_variant(m, h, sm_count(device) if device.type == "cuda" else 132)
+    var = choose_plan(m, h, k, ab, sm_count(device) if device.type == "cuda" else 132)[0]
     return var, torch.empty(-(-h // Variant.parse(var).tile_n), m, dtype=torch.float32, device=device)
 
 
@@ -569,12 +569,12 @@ class PrefillModel:
         # ---- O projection: residual add (+ RMS partials) ----
         if fp8:
             a8, a_s = self.quantize(attn)
-            var, sumsq = _rms_partials(m, h, dev)
+            var, sumsq = _rms_partials(m, h, a8.shape[1], "e4m3", dev)
             x = ops.gemm(a8, w.o.data, "scale_res_rms_bf16", variant=var, a_scale=a_s, b_scale=w.o.scale,
                          residual=x, sumsq=sumsq)
             rho = rms_rho(sumsq, h, eps)
         else:
-            var, sumsq = _rms_partials(m, h, dev)
+            var, sumsq = _rms_partials(m, h, attn.shape[1], "bf16", dev)
             x = ops.gemm(attn, w.o, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
             rho = rms_rho(sumsq, h, eps)
         # ---- gate/up + SwiGLU ----
@@ -594,13 +594,13 @@ class PrefillModel:
             z = ops.gemm(x, w.gateup, "rho_swiglu_bf16", rho=rho)
         # ---- down projection: residual add (+ RMS partials for the next block) ----
         if fp8:
-            var, sumsq = _rms_partials(m, h, dev)
+            var, sumsq = _rms_partials(m, h, z.shape[1], "e4m3", dev)
             x = ops.gemm(z, w.down.data, "scalet_res_rms_bf16", variant=var, a_scale=st.scale[i],
                          b_scale=w.down.scale, residual=x, sumsq=sumsq)
             st.next_scale(i)
             rho = rms_rho(sumsq, h, eps)
         else:
-            var, sumsq = _rms_partials(m, h, dev)
+            var, sumsq = _rms_partials(m, h, z.shape[1], "bf16", dev)
             x = ops.gemm(z, w.down, "res_rms_bf16", variant=var, residual=x, sumsq=sumsq)
             rho = rms_rho(sumsq, h, eps)
         return x, rho

@@ -29,22 +29,10 @@ import torch
 
 from decode import plan
 from futx.hardware import sm_count
-from futx.ops import checks
+from futx.ops import checks, split_counters
 from futx.ops.registration import futx_op
 from futx.quant import layouts
 from futx.runtime import get_kernel
-
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-_COUNTER_SLOTS = 1 << 14  # split-K arrival counters: one per n-tile (N up to 2M channels)
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Per (device, stream) arrival counters; the kernel leaves them at zero after every call."""
-    key = (device.index, torch.cuda.current_stream(device).stream_id)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
 
 def _check_common(x: torch.Tensor, n: int, k_w: int, epilogue: str, residual: Optional[torch.Tensor]) -> None:
     checks.cuda("x", x)
@@ -111,7 +99,7 @@ def _launch(planned, epilogue: str, x, w, s, residual, n: int, out: Optional[tor
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     elif workspace.numel() < need or workspace.dtype != torch.float32:
         raise ValueError(f"workspace must hold {need} float32 values")
-    fn(x, w, s, residual, out, workspace, _counters(x.device), choice.split)
+    fn(x, w, s, residual, out, workspace, split_counters.counters(x.device), choice.split)
     return out
 
 

@@ -13,8 +13,11 @@ tiles / free names), its output dtype and column ratio; every tensor is validate
 A composed chain compiles at first use (JIT, cached on disk under a key that holds its fingerprint, so an
 edited policy recompiles) unless `futx build --chain module:factory` built it ahead of time.
 Alignment rules (TMA): K and N multiples of 16, D's width (N, or N/2 after SwiGLU) a multiple of 16.
-M is free (any value >= 0; M = 0 launches nothing). The variant follows `choose_variant` unless
-`variant=` names one (the benchmarks' tuning space, e.g. "n256" coop or "n256.pp.g16", compiles on demand).
+M is free (any value >= 0; M = 0 launches nothing). The variant and split-K count follow `choose_plan`
+unless `variant=` names one (the benchmarks' tuning space, e.g. "n256" coop or "n256.pp.g16", compiles on
+demand) or `splits=` sets the count (coop variants: K is cut into `splits` ranges whose partial tiles the
+last CTA to finish sums in split order, futx/mainloop.py; it needs a float32 workspace of
+splits x M x N rounded up to tiles, allocated per call).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from typing import List, Optional
 import torch
 
 from futx.hardware import sm_count
-from futx.ops import checks
+from futx.ops import checks, split_counters
 from futx.ops.registration import futx_op
 from futx.runtime import get_kernel
-from futx.runtime.catalog.prefill import SHIPPED, Variant, chain_of, choose_variant, spec_for
+from futx.runtime.catalog.prefill import (MAX_SPLITS, SHIPPED, Variant, chain_of, choose_plan, choose_splits,
+                                          k_tiles, spec_for)
 
 _TORCH = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "f32": torch.float32, "i32": torch.int32,
           "f64": torch.float64}
@@ -93,28 +97,59 @@ def _params(key: str) -> tuple:
     return get_spec(key).params
 
 
+def _split_args(a: torch.Tensor, w: torch.Tensor, key: str, splits: int) -> tuple:
+    """(workspace, counters, splits) of a coop kernel (`TileConfig.split_k`); () for the other schedules."""
+    p = dict(_params(key))
+    if p["schedule"] != "coop":
+        if splits != 1:
+            raise ValueError(f"split-K runs on coop kernels only; {key} is {p['schedule']} (pass splits=1)")
+        return ()
+    m, k = a.shape
+    splits = min(splits, k_tiles(k, p["ab"]))
+    if splits == 1:
+        return _NO_WORKSPACE.setdefault(a.device, torch.empty(4, dtype=torch.float32, device=a.device)), \
+            split_counters.counters(a.device), 1
+    tile_m, tile_n, cluster_m = 128, p["tile_n"], p.get("cluster_m", 2)
+    chain = chain_of(p["policy"])
+    n = w.shape[0]
+    cols = -(-(n // 2) // (tile_n // 2)) if chain.pair is not None and chain.pair.layout == "split" else -(-n // tile_n)
+    tiles = -(-m // (tile_m * cluster_m)) * cluster_m * cols
+    if tiles > split_counters.SLOTS:
+        raise ValueError(f"split-K over {tiles} output tiles (> {split_counters.SLOTS} arrival counters): "
+                         "split only launches with fewer tiles than SMs")
+    ws = torch.empty(tiles * splits * tile_m * tile_n, dtype=torch.float32, device=a.device)
+    return ws, split_counters.counters(a.device), splits
+
+
+_NO_WORKSPACE: dict = {}
+
+
 @futx_op("prefill_gemm", mutates_args=("out", "args"))
-def prefill_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, key: str, args: List[torch.Tensor]) -> None:
+def prefill_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, key: str, args: List[torch.Tensor],
+                 splits: int = 1) -> None:
     """out = chain(a @ w.T) for the kernel `key` (a prefill.gemm.* registry entry); `args` = the chain's
-    tensors in declaration order (some are written)."""
+    tensors in declaration order (some are written); `splits`: split-K count (coop kernels only)."""
     _check(a, w, out, key, args)
+    checks.in_range("splits", splits, 1, MAX_SPLITS)
+    extra = _split_args(a, w, key, splits)
     if a.shape[0] == 0:
         return
-    get_kernel(key)(a, w, out, *args, sm_count(a.device))
+    get_kernel(key)(a, w, out, *args, *extra, sm_count(a.device))
 
 
 @prefill_gemm.register_fake
-def _(a, w, out, key, args):
+def _(a, w, out, key, args, splits=1):
     return None
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, policy: str = "bf16", *, chain=None, out: Optional[torch.Tensor] = None,
-         variant: Optional[str] = None, **tensors: torch.Tensor) -> torch.Tensor:
-    """Allocate D if needed, pick the variant (`choose_variant`) and run `futx::prefill_gemm`.
+         variant: Optional[str] = None, splits: Optional[int] = None, **tensors: torch.Tensor) -> torch.Tensor:
+    """Allocate D if needed, pick the variant and split-K count (`choose_plan`) and run `futx::prefill_gemm`.
 
     policy: a shipped chain's name (epilogues/catalog.py); chain: an epilogues.base.Chain instead.
     tensors: the chain's tensors by name (its Args), e.g. a_scale=, b_scale=, rho=.
     variant: e.g. "n256.pp" or "n128" (what the rule picks from), or a tuning-space one such as "n256".
+    splits: split-K count of a coop variant (default: the rule's for that variant; 1 = no split).
     """
     if not isinstance(a, torch.Tensor) or not isinstance(w, torch.Tensor) or a.dim() != 2 or w.dim() != 2:
         raise ValueError("a and w must be 2-D tensors ([M, K] and [N, K])")
@@ -135,24 +170,28 @@ def gemm(a: torch.Tensor, w: torch.Tensor, policy: str = "bf16", *, chain=None, 
     missing = [x for x in decl if tensors.get(x.name) is None]
     if missing:
         raise ValueError(f"{chain!r} needs " + ", ".join(f"{x.name!r} ({x.dtype}{list(x.shape)})" for x in missing))
+    sms = sm_count(a.device) if a.is_cuda else 132
+    m, k = a.shape
     if variant is None:
-        sms = sm_count(a.device) if a.is_cuda else 132
-        variant = choose_variant(a.shape[0], w.shape[0], sms)
-    Variant.parse(variant)
+        variant, rule_splits = choose_plan(m, w.shape[0], k, ab, sms)
+    else:
+        Variant.parse(variant)
+        rule_splits = choose_splits(variant, m, w.shape[0], k, ab, sms)
+    splits = rule_splits if splits is None else splits
     key = spec_for(ab, target, variant).key
     if out is None:
         if not all(isinstance(tensors[nm], torch.Tensor) for nm in names):
             raise TypeError("the chain's tensors must be torch.Tensors")
         width = chain.out_width(w.shape[0], tensors)
         out = torch.empty(a.shape[0], max(width, 0), dtype=_TORCH[chain.out], device=a.device)
-    torch.ops.futx.prefill_gemm(a, w, out, key, [tensors[nm] for nm in names])
+    torch.ops.futx.prefill_gemm(a, w, out, key, [tensors[nm] for nm in names], splits)
     return out
 
 
 def qkv(a: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slot: torch.Tensor,
         row_pos: torch.Tensor, inv_freq: torch.Tensor, *, rho: torch.Tensor, a_scale: Optional[torch.Tensor] = None,
         b_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-        variant: Optional[str] = None) -> torch.Tensor:
+        variant: Optional[str] = None, splits: Optional[int] = None) -> torch.Tensor:
     """The QKV projection of a packed batch, with RoPE and direct KV-cache placement (paper 3.2.1).
 
     w: [(Hq + 2 Hkv) * hd, K], rows [Q heads | K heads | V heads] (RMSNorm gain folded in);
@@ -178,7 +217,7 @@ def qkv(a: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     tensors = dict(rho=rho, inv_freq=inv_freq, row_slot=row_slot, row_pos=row_pos, k_cache=k_cache, v_cache=v_cache)
     if fp8:
         tensors.update(a_scale=a_scale, b_scale=b_scale)
-    out = gemm(a, w, policy, out=out, variant=variant, **tensors)
+    out = gemm(a, w, policy, out=out, variant=variant, splits=splits, **tensors)
     return out.view(a.shape[0], out.shape[1] // hd, hd)
 
 

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from futx.runtime.registry import KernelSpec, get_spec, register
 
-SOURCES = ("futx/mainloop.py", "epilogues/")
+SOURCES = ("futx/mainloop.py", "epilogues/", "decode/ptx.py")
 AB = ("e4m3", "bf16")
 
 # What the rule can pick: pingpong 64x256 (never estimated slower than coop 128x256, measured faster at
@@ -206,7 +206,22 @@ def load_chain(path: str):
     return chain
 
 
-def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
+# Split-K of coop launches (futx/mainloop.py, `PrefillGemm.exchange_partials`). Costs in k-tile times of a
+# 128x128 tile (~0.3 us, BF16 and E4M3 alike), fitted to docs/results-prefill.md "Split-K":
+MAX_SPLITS = 8
+EMPTY_CTA_COST = 2.2     # coop tile cost when M leaves a cluster's second CTA without rows (M <= 128)
+MIN_SPLIT_K_TILES = 4    # k-tiles per split at least: the ring must fill and drain
+FILL_K_TILES = 11.0      # a launch's fixed cost (first loads, epilogue): 3.4 us
+EXCHANGE_K_TILES = 14.0  # writing, counting and summing two splits' partials
+EXCHANGE_PER_SPLIT = 3.0  # each further split the reducing CTA reads
+
+
+def k_tiles(k: int, ab: str) -> int:
+    """k-tiles of the mainloop: 128 bytes of a row per stage (futx/mainloop.py `tile_config`)."""
+    return -(-k // (128 if ab == "e4m3" else 64))
+
+
+def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 1) -> float:
     """Estimated time of a persistent launch in units of one 128x256 coop tile: tile-waves x tile cost.
 
     Work items are clusters of `cluster_m` CTA tiles over one weight tile, dealt round-robin to the
@@ -215,23 +230,55 @@ def _waves(v: Variant, m: int, n: int, num_sms: int) -> float:
     half a coop tile: the same rate per SM, at half the granularity (fewer idle SMs in the last wave),
     except under one wave, where each CTA holds a single tile and one warpgroup idles: a whole coop
     tile's time (docs/routing.md).
+
+    Split-K (coop only; `kt` = k-tiles): every tile becomes `splits` units of kt / splits k-tiles plus the
+    exchange of partials (~5 us measured: it pays only where it fills idle SMs over a long K).
     """
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
     slots = max(1, num_sms // v.cluster_m)
     cost = (1.0 if v.tile_n == 256 else 0.55) * (0.5 if v.schedule == "pingpong" else 1.0)
     if v.schedule == "pingpong" and clusters <= slots:
         cost *= 2  # one tile per CTA: its second warpgroup has no tile to alternate with
-    return math.ceil(clusters / slots) * cost
+    if v.schedule != "pingpong" and m <= v.tile_m * (v.cluster_m - 1):
+        cost *= EMPTY_CTA_COST  # a cluster's second CTA has no rows: measured 1.9-2.4x a full coop tile's time
+    if splits == 1:
+        return math.ceil(clusters / slots) * cost
+    exchange = EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
+    unit = (kt / splits + FILL_K_TILES + exchange) / (kt + FILL_K_TILES)
+    return math.ceil(clusters * splits / slots) * cost * unit
 
 
-def choose_variant(m: int, n: int, num_sms: int, names: tuple = VARIANTS) -> str:
-    """The variant rule: fewest estimated tile-waves (`_waves`) among `names`, ties to the first."""
-    best, best_t = names[0], math.inf
+def split_options(variant: str, k: int, ab: str) -> range:
+    """Split counts a variant can run: coop schedules only, at least MIN_SPLIT_K_TILES k-tiles each."""
+    if Variant.parse(variant).schedule != "coop":
+        return range(1, 2)
+    return range(1, max(1, min(MAX_SPLITS, k_tiles(k, ab) // MIN_SPLIT_K_TILES)) + 1)
+
+
+def choose_plan(m: int, n: int, k: int, ab: str, num_sms: int, names: tuple = VARIANTS) -> tuple:
+    """The variant rule: (variant, splits) of fewest estimated tile-waves (`_waves`), ties to the first
+    variant and the fewest splits."""
+    best, best_t = (names[0], 1), math.inf
+    kt = k_tiles(k, ab)
     for name in names:
-        t = _waves(Variant.parse(name), m, n, num_sms)
-        if t < best_t - 1e-9:
-            best, best_t = name, t
+        v = Variant.parse(name)
+        for s in split_options(name, k, ab):
+            t = _waves(v, m, n, num_sms, kt, s)
+            if t < best_t - 1e-9:
+                best, best_t = (name, s), t
     return best
+
+
+def choose_splits(variant: str, m: int, n: int, k: int, ab: str, num_sms: int) -> int:
+    """The split count the rule gives `variant` (used when a caller names the variant)."""
+    return choose_plan(m, n, k, ab, num_sms, (variant,))[1]
+
+
+def choose_variant(m: int, n: int, num_sms: int, names: tuple = VARIANTS, k: int = 0, ab: str = "e4m3") -> str:
+    """The variant `choose_plan` picks (without K: the rule without split-K)."""
+    if k <= 0:
+        return choose_plan(m, n, 1, ab, num_sms, names)[0]
+    return choose_plan(m, n, k, ab, num_sms, names)[0]
 
 
 def tuning_specs() -> list:
