@@ -284,15 +284,20 @@ class PrefillGemm:
     # ---------------------------------------------------------------------------------------------
     # device side
     # ---------------------------------------------------------------------------------------------
-    def unit(self, work: Int32, splits, k_tiles):
-        """Work unit -> (cluster-tile work index, split index, first k-tile, k-tiles). The splits of a tile
-        are adjacent units, so they run on neighbouring clusters at the same time."""
+    def unit(self, work: Int32, splits, k_tiles, whole):
+        """Work unit -> (cluster-tile work index, split index, first k-tile, k-tiles, the tile's splits, its
+        index among the split tiles). Units [0, whole) are whole tiles (full waves); the tiles after them come
+        `splits` units each. The splits of a tile are adjacent units, so they run on neighbouring clusters at
+        the same time."""
         if not self.split_k:
-            return work, Int32(0), Int32(0), k_tiles
-        tile_work = work // splits
-        s = work - tile_work * splits
-        k0 = s * k_tiles // splits
-        return tile_work, s, k0, (s + 1) * k_tiles // splits - k0
+            return work, Int32(0), Int32(0), k_tiles, 1, Int32(0)
+        split_tile = work >= whole
+        v = cutlass.max(work - whole, 0)
+        tail = v // splits
+        ts = cutlass.select_(split_tile, splits, 1)
+        s = cutlass.select_(split_tile, v - tail * splits, 0)
+        k0 = s * k_tiles // ts
+        return (cutlass.select_(split_tile, whole + tail, work), s, k0, (s + 1) * k_tiles // ts - k0, ts, tail)
 
     @cute.jit
     def tile_coords(self, work: Int32, n_cluster_m: Int32, n_tile_n: Int32):
@@ -354,12 +359,16 @@ class PrefillGemm:
         gBh = cute.local_tile(gB_tma, (self.half_n, cfg.tile_k), (None, None))  # (bn/2, bk, n halves, k tiles)
         k_tiles = cute.size(gA, mode=[3])
         n_cluster_m, n_tile_n = self.tile_counts(m, n)
-        splits = 1
-        if const_expr(self.split_k):
-            splits = cutlass.max(cutlass.min(split_args[2], k_tiles), 1)   # every split gets >= 1 k-tile
-        num_work = n_cluster_m * n_tile_n * splits
         _, _, first_work = cute.arch.block_idx()
         _, _, work_stride = cute.arch.grid_dim()
+        splits = 1
+        tiles = n_cluster_m * n_tile_n
+        whole = tiles
+        if const_expr(self.split_k):
+            splits = cutlass.max(cutlass.min(split_args[2], k_tiles), 1)   # every split gets >= 1 k-tile
+            # the full waves of tiles run whole; only the last, partial wave is split (none if there is none)
+            whole = tiles // work_stride * work_stride
+        num_work = whole + (tiles - whole) * splits
 
         pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, 1))
 
@@ -367,7 +376,7 @@ class PrefillGemm:
             # ======================= producer warpgroup =======================
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.producer(ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, cta_rank,
+                self.producer(ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, whole, cta_rank,
                               n_cluster_m, n_tile_n, num_work, first_work, work_stride, n)
         else:
             # ======================= consumer warpgroups =======================
@@ -413,7 +422,7 @@ class PrefillGemm:
                 else:
                     mma_turn.arrive()
             while work < num_work:
-                tile_work, split_i, k0, kn = self.unit(work, splits, k_tiles)
+                tile_work, split_i, k0, kn, tile_splits, split_tile = self.unit(work, splits, k_tiles, whole)
                 cm, tn = self.tile_coords(tile_work, n_cluster_m, n_tile_n)
                 tm = cm * cfg.cluster_m + cta_rank
                 slab = tm * self.slabs_per_tile + (0 if const_expr(self.pingpong) else cwg)
@@ -456,10 +465,10 @@ class PrefillGemm:
 
                 if const_expr(self.split_k):
                     reduces = Int32(1)
-                    if splits > 1:
+                    if tile_splits > 1:
                         flag = storage.split_flag.get_tensor(cute.make_layout(4))
-                        reduces = self.exchange_partials(acc, split_args, flag, epi, tm * n_tile_n + tn, split_i,
-                                                         splits, cwg, wg_tid)
+                        reduces = self.exchange_partials(acc, split_args, flag, epi, split_tile * cfg.cluster_m + cta_rank,
+                                                         split_i, tile_splits, cwg, wg_tid)
                     if reduces != 0:
                         WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
                 else:
@@ -478,8 +487,8 @@ class PrefillGemm:
         partial in split order, its own included, so the result does not depend on arrival order.
         Returns 1 in the CTA that then runs the tile's epilogue (uniform over its 256 consumer threads).
 
-        Workspace: [CTA tile][split][warpgroup][R / 4][128 threads] float4, R accumulators per thread, so
-        each store and load instruction of a warp covers 512 contiguous bytes."""
+        `tile_id`: the CTA tile among the split tiles. Workspace: [tile_id][split][warpgroup][R / 4][128
+        threads] float4, R accumulators per thread, so each warp instruction covers 512 contiguous bytes."""
         ws, counters = split_args[0], split_args[1]
         regs = cute.size(acc)
         wg_floats = regs * THREADS_PER_WG
@@ -524,7 +533,7 @@ class PrefillGemm:
         return reduces
 
     @cute.jit
-    def producer(self, ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, cta_rank,
+    def producer(self, ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, whole, cta_rank,
                  n_cluster_m, n_tile_n, num_work, first_work, work_stride, n):
         """One warp: for every tile of this cluster, stream its k-tiles of A and B into the ring.
 
@@ -547,7 +556,7 @@ class PrefillGemm:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         work = first_work
         while work < num_work:
-            tile_work, _, k0, kn = self.unit(work, splits, k_tiles)
+            tile_work, _, k0, kn, _, _ = self.unit(work, splits, k_tiles, whole)
             cm, tn = self.tile_coords(tile_work, n_cluster_m, n_tile_n)
             tAgA_t = tAgA[(None, cm * cfg.cluster_m + cta_rank, None)]
             for kt in cutlass.range(k0, k0 + kn, unroll=1):

@@ -94,6 +94,11 @@ def test_split_k_rule():
     assert list(cat.split_options("n128", 1024, "e4m3")) == [1, 2]          # 8 k-tiles
     assert max(cat.split_options("n128", 65536, "bf16")) == cat.MAX_SPLITS
     assert cat.choose_splits("n128", 64, 256, 256, "bf16", 132) == 1       # 4 k-tiles: nothing to split
+    # a partial last wave: 8B QKV BF16 at M = 512 is 96 clusters of 128x128 on 66 slots: one whole wave, the
+    # other 30 tiles in two splits (1.76 waves instead of 2)
+    assert cat.choose_plan(512, 6144, 4096, "bf16", 132) == ("n128", 2)
+    n128 = cat.Variant.parse("n128")
+    assert cat._waves(n128, 512, 6144, 132, 64, 2) < cat._waves(n128, 512, 6144, 132, 64, 1)
     # M <= 128 leaves the second CTA of a coop cluster without rows: pingpong (measured 1.03-1.32x faster at
     # 1B QKV, 8B QKV/O, 70B O/down), unless split-K fills the machine over a long K (1B and 8B down)
     assert cat.choose_plan(128, 8192, 28672, "e4m3", 132) == ("n256.pp", 1)

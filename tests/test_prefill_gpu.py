@@ -422,6 +422,33 @@ def test_split_k_matches_reference_and_repeats_bitwise(prefill, ab, pol, variant
     assert int(split_counters.counters(a.device).abs().sum()) == 0, "arrival counters not reset"
 
 
+@pytest.mark.parametrize("ab,pol", [("bf16", "bf16"), ("e4m3", "scale_res_rms_bf16"), ("e4m3", "scale_rho_swiglu_fp8")])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_k_on_the_last_partial_wave(prefill, ab, pol, splits):
+    """More cluster tiles than clusters (M = 1100: 5 cluster rows x 17+ columns of 128 > 66 clusters on an
+    H200): the full wave runs whole tiles, the remaining tiles are split (futx/mainloop.py `unit`)."""
+    from futx.ops import split_counters
+
+    info = chain_of(pol)
+    m, n, k = 1100, 2048 + 32 * info.n_ratio, 1040
+    a, w, tensors = make_inputs(ab, pol, m, n, k, seed=splits, tile_n=128)
+    ref, acc_err = reference(a, w, pol, tensors, n // info.n_ratio)
+    if info.out == "e4m3":
+        tensors["scale"].fill_(float(ref.abs().max()) / 300.0)
+    outs = []
+    for _ in range(2):
+        for name in ("amax", "saturated"):
+            if name in tensors:
+                tensors[name].zero_()
+        if "sumsq" in tensors:
+            tensors["sumsq"].fill_(float("nan"))
+        outs.append(prefill.gemm(a, w, pol, variant="n128", splits=splits, **tensors))
+        torch.cuda.synchronize()
+    check_result(outs[1], ref, acc_err, pol, tensors, 128, f"{ab}.{pol} last-wave split {splits}")
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+    assert int(split_counters.counters(a.device).abs().sum()) == 0
+
+
 def test_split_k_in_a_cuda_graph(prefill):
     """Replays reuse the workspace and the self-resetting counters: bitwise equal to the eager call."""
     a, w, tensors = make_inputs("bf16", "bf16", 300, 1024, 2048, seed=19)

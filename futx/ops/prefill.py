@@ -109,15 +109,17 @@ def _split_args(a: torch.Tensor, w: torch.Tensor, key: str, splits: int) -> tupl
     if splits == 1:
         return _NO_WORKSPACE.setdefault(a.device, torch.empty(4, dtype=torch.float32, device=a.device)), \
             split_counters.counters(a.device), 1
-    tile_m, tile_n, cluster_m = 128, p["tile_n"], p.get("cluster_m", 2)
+    tile_m, tile_n, cluster_m = 128, p["tile_n"], p["cluster_m"]
     chain = chain_of(p["policy"])
     n = w.shape[0]
     cols = -(-(n // 2) // (tile_n // 2)) if chain.pair is not None and chain.pair.layout == "split" else -(-n // tile_n)
-    tiles = -(-m // (tile_m * cluster_m)) * cluster_m * cols
-    if tiles > split_counters.SLOTS:
-        raise ValueError(f"split-K over {tiles} output tiles (> {split_counters.SLOTS} arrival counters): "
-                         "split only launches with fewer tiles than SMs")
-    ws = torch.empty(tiles * splits * tile_m * tile_n, dtype=torch.float32, device=a.device)
+    # as the kernel does (futx/mainloop.py): the full waves of cluster tiles run whole, the rest is split
+    tiles = -(-m // (tile_m * cluster_m)) * cols
+    grid = max(1, min(tiles * splits, sm_count(a.device) // cluster_m))
+    split_tiles = (tiles - tiles // grid * grid) * cluster_m
+    if split_tiles > split_counters.SLOTS:
+        raise ValueError(f"split-K over {split_tiles} output tiles (> {split_counters.SLOTS} arrival counters)")
+    ws = torch.empty(max(1, split_tiles * splits * tile_m * tile_n), dtype=torch.float32, device=a.device)
     return ws, split_counters.counters(a.device), splits
 
 

@@ -231,8 +231,9 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 
     except under one wave, where each CTA holds a single tile and one warpgroup idles: a whole coop
     tile's time (docs/routing.md).
 
-    Split-K (coop only; `kt` = k-tiles): every tile becomes `splits` units of kt / splits k-tiles plus the
-    exchange of partials (~5 us measured: it pays only where it fills idle SMs over a long K).
+    Split-K (coop only; `kt` = k-tiles): the full waves of tiles run whole; each tile of the last, partial
+    wave becomes `splits` units of kt / splits k-tiles plus the exchange of partials (~5 us measured: it
+    pays only where it fills idle SMs over a long K).
     """
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
     slots = max(1, num_sms // v.cluster_m)
@@ -243,9 +244,12 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 
         cost *= EMPTY_CTA_COST  # a cluster's second CTA has no rows: measured 1.9-2.4x a full coop tile's time
     if splits == 1:
         return math.ceil(clusters / slots) * cost
+    # the full waves run whole tiles; the tiles of the last, partial wave are split (futx/mainloop.py)
+    grid = min(clusters * splits, slots)
+    whole = clusters // grid * grid
     exchange = EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
     unit = (kt / splits + FILL_K_TILES + exchange) / (kt + FILL_K_TILES)
-    return math.ceil(clusters * splits / slots) * cost * unit
+    return (whole // slots + math.ceil((clusters - whole) * splits / slots) * unit) * cost
 
 
 def split_options(variant: str, k: int, ab: str) -> range:
