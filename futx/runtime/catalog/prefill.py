@@ -212,7 +212,7 @@ MAX_SPLITS = 8
 EMPTY_CTA_COST = 2.2     # coop tile cost when M leaves a cluster's second CTA without rows (M <= 128)
 MIN_SPLIT_K_TILES = 4    # k-tiles per split at least: the ring must fill and drain
 FILL_K_TILES = 11.0      # a launch's fixed cost (first loads, epilogue): 3.4 us
-EXCHANGE_K_TILES = 14.0  # writing, counting and summing two splits' partials
+EXCHANGE_K_TILES = 10.0  # writing, counting and summing two splits' partials
 EXCHANGE_PER_SPLIT = 3.0  # each further split the reducing CTA reads
 
 
