@@ -40,6 +40,13 @@ with stride gridDim.z. Tiles are ordered in groups of `group_m` cluster-rows: in
 walk goes down M first and then along N, so the A rows of a group stay in L2 while every weight tile
 is read by the whole group at about the same time.
 
+Split-K (coop schedule, runtime `splits`): the full waves of cluster tiles run whole; each tile of the last,
+partial wave (every tile when the launch is under one wave) becomes `splits` units with one K range each,
+adjacent in the work order. After its mainloop a unit writes its float32 accumulators to a workspace and counts
+itself on the tile's arrival counter; the last to arrive sums the partials in split order and runs the epilogue
+(`exchange_partials`), so no CTA ever waits for another. The exchange costs ~5 us; when it pays is the rule's
+call (futx/runtime/catalog/prefill.py `choose_plan`).
+
 Cluster 2x1 along M: the two CTAs compute vertically adjacent tiles that use the same weight tile, so
 each loads half of B and multicasts it to both (halves the L2->SM traffic for B).
 
@@ -839,7 +846,8 @@ def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cl
     """Factory for the futx runtime: (jit_callable, fake_args) of one variant.
 
     M, N, K are symbolic (K, N multiples of 16 elements for TMA); the caller passes
-    (A, B, D, *policy tensors, num_sms) and the stream comes from the TVM-FFI environment.
+    (A, B, D, *policy tensors, [workspace, counters, splits: coop only,] num_sms) and the stream comes from
+    the TVM-FFI environment.
     `policy` names a shipped chain, or "chain-<fingerprint>" for the composed chain passed as `extra`.
     """
     if policy.startswith("chain-"):

@@ -15,9 +15,9 @@ edited policy recompiles) unless `futx build --chain module:factory` built it ah
 Alignment rules (TMA): K and N multiples of 16, D's width (N, or N/2 after SwiGLU) a multiple of 16.
 M is free (any value >= 0; M = 0 launches nothing). The variant and split-K count follow `choose_plan`
 unless `variant=` names one (the benchmarks' tuning space, e.g. "n256" coop or "n256.pp.g16", compiles on
-demand) or `splits=` sets the count (coop variants: K is cut into `splits` ranges whose partial tiles the
-last CTA to finish sums in split order, futx/mainloop.py; it needs a float32 workspace of
-splits x M x N rounded up to tiles, allocated per call).
+demand) or `splits=` sets the count (coop variants: the tiles of the last, partial wave have K cut into
+`splits` ranges whose partial tiles the last CTA to finish sums in split order, futx/mainloop.py; a float32
+workspace of splits x those tiles is allocated per call).
 """
 
 from __future__ import annotations
