@@ -145,7 +145,7 @@ def test_every_epilogue(fmt, epilogue):
 
 @pytest.mark.parametrize("split", [1, 2, 3, 7, 32])
 def test_split_k_is_exact_and_leaves_counters_zero(split):
-    from futx.ops import decode_linear as dl
+    from futx.ops import split_counters
 
     n, k = 2048, 4096
     stored, w_ref = _weights("int4", n, k, 128, 11)
@@ -155,7 +155,7 @@ def test_split_k_is_exact_and_leaves_counters_zero(split):
     torch.cuda.synchronize()
     _check(y, _reference(x, w_ref, "store", r), f"split={split}")
     assert torch.equal(y, y2), "split-K result is not deterministic"
-    assert int(dl._counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+    assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
 
 
 # GEMV geometry: a short last CTA (N/16 = 131 blocks), K shorter than the 16 warps (units < warps: fewer
@@ -254,7 +254,7 @@ def test_skinny_wgmma(n, k, group, epilogue, variant):
 @pytest.mark.parametrize("variant", ["wg", "wgo"])
 @pytest.mark.parametrize("split", [1, 2, 3, 7, 32])
 def test_skinny_wgmma_split_k(split, variant):
-    from futx.ops import decode_linear as dl
+    from futx.ops import split_counters
 
     n, k = 2048, 4096
     stored, w_ref = _weights("int4", n, k, 128, 11)
@@ -264,7 +264,7 @@ def test_skinny_wgmma_split_k(split, variant):
     torch.cuda.synchronize()
     _check(y, _reference(x, w_ref, "store", r), f"{variant} split={split}")
     assert torch.equal(y, y2), "split-K result is not deterministic"
-    assert int(dl._counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+    assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
 
 
 # the fused-RMSNorm tile GEMV (M = 1): the 8B QKV and gate/up, the 70B QKV (K = 8192), one n-block with one unit,
