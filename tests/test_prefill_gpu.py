@@ -395,12 +395,17 @@ def test_split_k_matches_reference_and_repeats_bitwise(prefill, ab, pol, variant
     """K = 1040: 9 E4M3 / 17 BF16 k-tiles with a 16-wide tail, split unevenly (5 splits of 9: 1-2 k-tiles
     each). M = 1100: more units than CTAs, so CTAs walk several units and reduce some of them. A second call
     must be bitwise equal (the reduction sums the partials in split order) and leave the counters at zero."""
+    tile_n = Variant.parse(variant).tile_n
+    _split_twice_and_check(prefill, ab, pol, variant, m, _n_for(pol), splits, seed=m + splits, tile_n=tile_n)
+
+
+def _split_twice_and_check(prefill, ab, pol, variant, m, n, splits, seed, tile_n):
+    """Two calls with `splits` at K = 1040: the second against the float64 reference, bitwise equal to the
+    first (the partials are summed in split order), and the arrival counters back at zero."""
     from futx.ops import split_counters
 
     info = chain_of(pol)
-    n, k = _n_for(pol), 1040
-    tile_n = Variant.parse(variant).tile_n
-    a, w, tensors = make_inputs(ab, pol, m, n, k, seed=m + splits, tile_n=tile_n)
+    a, w, tensors = make_inputs(ab, pol, m, n, 1040, seed=seed, tile_n=tile_n)
     ref, acc_err = reference(a, w, pol, tensors, n // info.n_ratio)
     if info.out == "e4m3":
         tensors["scale"].fill_(float(ref.abs().max()) / 300.0)
@@ -427,26 +432,8 @@ def test_split_k_matches_reference_and_repeats_bitwise(prefill, ab, pol, variant
 def test_split_k_on_the_last_partial_wave(prefill, ab, pol, splits):
     """More cluster tiles than clusters (M = 1100: 5 cluster rows x 17+ columns of 128 > 66 clusters on an
     H200): the full wave runs whole tiles, the remaining tiles are split (futx/mainloop.py `unit`)."""
-    from futx.ops import split_counters
-
-    info = chain_of(pol)
-    m, n, k = 1100, 2048 + 32 * info.n_ratio, 1040
-    a, w, tensors = make_inputs(ab, pol, m, n, k, seed=splits, tile_n=128)
-    ref, acc_err = reference(a, w, pol, tensors, n // info.n_ratio)
-    if info.out == "e4m3":
-        tensors["scale"].fill_(float(ref.abs().max()) / 300.0)
-    outs = []
-    for _ in range(2):
-        for name in ("amax", "saturated"):
-            if name in tensors:
-                tensors[name].zero_()
-        if "sumsq" in tensors:
-            tensors["sumsq"].fill_(float("nan"))
-        outs.append(prefill.gemm(a, w, pol, variant="n128", splits=splits, **tensors))
-        torch.cuda.synchronize()
-    check_result(outs[1], ref, acc_err, pol, tensors, 128, f"{ab}.{pol} last-wave split {splits}")
-    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
-    assert int(split_counters.counters(a.device).abs().sum()) == 0
+    n = 2048 + 32 * chain_of(pol).n_ratio
+    _split_twice_and_check(prefill, ab, pol, "n128", 1100, n, splits, seed=splits, tile_n=128)
 
 
 def test_split_k_in_a_cuda_graph(prefill):
