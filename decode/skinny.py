@@ -20,7 +20,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import epilogue as epi
-from . import ptx, stream
+from . import ptx, split_arrival, stream
 from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
 from .plan import SKINNY_NB_PER_WARP as NB_PER_WARP
 from .plan import SKINNY_WARPS as WARPS
@@ -215,13 +215,7 @@ class Skinny:
         cute.arch.sync_threads()
         flag = xs + self.stages * self.stage_bytes
         if tid == 0:
-            cptr = counters.iterator + tile
-            arrived = cute.arch.atomic_add(cptr, Int32(1), sem="acq_rel", scope="gpu")
-            is_last = Float32(0.0)
-            if arrived == split - 1:
-                is_last = Float32(1.0)
-                cute.arch.atomic_exch(cptr, Int32(0), sem="relaxed", scope="gpu")  # ready for the next call
-            ptx.sts_f32(flag, is_last)
+            ptx.sts_f32(flag, Float32(split_arrival.arrive(counters.iterator + tile, split)))
         cute.arch.sync_threads()
         if ptx.lds_f32(flag) != Float32(0.0):
             cute.arch.fence_acq_rel_gpu()

@@ -81,7 +81,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 
-from decode import ptx
+from decode import ptx, split_arrival
 from epilogues.base import Chain, Frag, Tile, resolve
 from futx.hardware import SMEM_PER_CTA
 
@@ -507,13 +507,7 @@ class PrefillGemm:
         cute.arch.fence_acq_rel_gpu()
         epi.tile_barrier.arrive_and_wait()          # both warpgroups' partials are written and fenced
         if cwg + wg_tid == 0:
-            cptr = counters.iterator + tile_id
-            arrived = cute.arch.atomic_add(cptr, Int32(1), sem="acq_rel", scope="gpu")
-            last = Int32(0)
-            if arrived == splits - 1:
-                last = Int32(1)
-                cute.arch.atomic_exch(cptr, Int32(0), sem="relaxed", scope="gpu")   # ready for the next call
-            flag[0] = last
+            flag[0] = split_arrival.arrive(counters.iterator + tile_id, splits)
         epi.tile_barrier.arrive_and_wait()
         # one slot is enough: its next write is after the next unit's first barrier, which every thread
         # reaches only after reading it here

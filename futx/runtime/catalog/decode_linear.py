@@ -12,7 +12,7 @@ from futx.runtime.registry import KernelSpec
 
 _SOURCES = tuple(f"decode/{f}.py" for f in ("__init__", "plan", "gemv_layout", "ptx", "dequant", "stream",
                                              "epilogue", "signature", "gemv", "gemv_tile", "skinny",
-                                             "skinny_wgmma")) + (
+                                             "skinny_wgmma", "split_arrival")) + (
     "futx/quant/layouts.py",)
 # weight formats (format, INT4 group size) with compiled variants
 FORMATS = (("int4", 128), ("int4", 64), ("e4m3", 128), ("bf16", 128))

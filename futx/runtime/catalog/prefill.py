@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from futx.runtime.registry import KernelSpec, get_spec, register
 
-SOURCES = ("futx/mainloop.py", "epilogues/", "decode/ptx.py")
+SOURCES = ("futx/mainloop.py", "epilogues/", "decode/ptx.py", "decode/split_arrival.py")
 AB = ("e4m3", "bf16")
 
 # What the rule can pick: pingpong 64x256 (never estimated slower than coop 128x256, measured faster at
