@@ -174,8 +174,7 @@ def decode_norm_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch
     """y = bf16(x * rsqrt(mean(x^2) + eps)) @ W^T (+ "store" or "swiglu"): the decode step's RMSNorm row factor
     and the projection that reads it, in one launch where decode.plan.fuses_norm (the tile GEMV at M = 1), else
     the row-factor kernel then decode_linear_int4."""
-    if epilogue not in plan.NORM_EPILOGUES:
-        raise ValueError(f"epilogue must be one of {plan.NORM_EPILOGUES} with the RMSNorm row factor, got {epilogue!r}")
+    _check_norm_epilogue(epilogue)
     if not (eps >= 0.0 and math.isfinite(eps)):
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     n, *planned = _prepared("int4", group_size, epilogue, x, packed, scales, None,
@@ -189,6 +188,11 @@ def decode_norm_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch
 def _(x, packed, scales, group_size, epilogue="store", eps=1e-5):
     n = packed.shape[0] * layouts.INT4_WEIGHT.block_n
     return x.new_empty(x.shape[0], n // 2 if epilogue == "swiglu" else n)
+
+
+def _check_norm_epilogue(epilogue: str) -> None:
+    if epilogue not in plan.NORM_EPILOGUES:
+        raise ValueError(f"epilogue must be one of {plan.NORM_EPILOGUES} with the RMSNorm row factor, got {epilogue!r}")
 
 
 def _rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -280,8 +284,7 @@ def decode_norm_linear(x: torch.Tensor, weight, epilogue: str, eps: float) -> to
 
     if isinstance(weight, Int4Weight):
         return decode_norm_linear_int4(x, weight.packed, weight.scales, weight.group_size, epilogue, eps)
-    if epilogue not in plan.NORM_EPILOGUES:
-        raise ValueError(f"epilogue must be one of {plan.NORM_EPILOGUES} with the RMSNorm row factor, got {epilogue!r}")
+    _check_norm_epilogue(epilogue)
     return decode_linear(_rms_rows(x, eps), weight, epilogue)
 
 
