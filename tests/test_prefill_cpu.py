@@ -104,6 +104,9 @@ def test_split_k_rule():
     assert cat.choose_plan(128, 8192, 28672, "e4m3", 132) == ("n256.pp", 1)
     assert cat.choose_plan(128, 6144, 4096, "e4m3", 132) == ("n256.pp", 1)
     assert cat.choose_plan(128, 4096, 14336, "e4m3", 132) == ("n128", 2)
+    # M = 0 launches nothing; choosing for it must not fail (a split of zero tiles)
+    assert cat.choose_plan(0, 4096, 4096, "bf16", 132) == ("n256.pp", 1)
+    assert cat.whole_tiles(0, 2, 66) == 0 and cat.whole_tiles(96, 2, 66) == 66 and cat.whole_tiles(32, 2, 66) == 0
     # without K the rule is the one without split-K (choose_variant's callers that do not know K)
     assert all(cat.choose_variant(m, n, 132) == cat.choose_plan(m, n, 1, "e4m3", 132)[0]
                for m in (1, 512, 4096) for n in (256, 2048, 28672))

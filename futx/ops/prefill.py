@@ -32,7 +32,7 @@ from futx.ops import checks, split_counters
 from futx.ops.registration import futx_op
 from futx.runtime import get_kernel
 from futx.runtime.catalog.prefill import (MAX_SPLITS, SHIPPED, Variant, chain_of, choose_plan, choose_splits,
-                                          k_tiles, spec_for)
+                                          k_tiles, spec_for, whole_tiles)
 
 _TORCH = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "f32": torch.float32, "i32": torch.int32,
           "f64": torch.float64}
@@ -115,8 +115,7 @@ def _split_args(a: torch.Tensor, w: torch.Tensor, key: str, splits: int) -> tupl
     cols = -(-(n // 2) // (tile_n // 2)) if chain.pair is not None and chain.pair.layout == "split" else -(-n // tile_n)
     # as the kernel does (futx/mainloop.py): the full waves of cluster tiles run whole, the rest is split
     tiles = -(-m // (tile_m * cluster_m)) * cols
-    grid = max(1, min(tiles * splits, sm_count(a.device) // cluster_m))
-    split_tiles = (tiles - tiles // grid * grid) * cluster_m
+    split_tiles = (tiles - whole_tiles(tiles, splits, sm_count(a.device) // cluster_m)) * cluster_m
     if split_tiles > split_counters.SLOTS:
         raise ValueError(f"split-K over {split_tiles} output tiles (> {split_counters.SLOTS} arrival counters)")
     ws = torch.empty(max(1, split_tiles * splits * tile_m * tile_n), dtype=torch.float32, device=a.device)

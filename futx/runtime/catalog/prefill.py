@@ -221,6 +221,13 @@ def k_tiles(k: int, ab: str) -> int:
     return -(-k // (128 if ab == "e4m3" else 64))
 
 
+def whole_tiles(tiles: int, splits: int, slots: int) -> int:
+    """Cluster tiles of a split-K launch that run whole, as the kernel derives them (futx/mainloop.py): the full
+    waves of the persistent grid (min(tiles x splits, slots) clusters); the rest are split."""
+    grid = max(1, min(tiles * splits, slots))
+    return tiles // grid * grid
+
+
 def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 1) -> float:
     """Estimated time of a persistent launch in units of one 128x256 coop tile: tile-waves x tile cost.
 
@@ -245,8 +252,7 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 
     if splits == 1:
         return math.ceil(clusters / slots) * cost
     # the full waves run whole tiles; the tiles of the last, partial wave are split (futx/mainloop.py)
-    grid = min(clusters * splits, slots)
-    whole = clusters // grid * grid
+    whole = whole_tiles(clusters, splits, slots)
     exchange = EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
     unit = (kt / splits + FILL_K_TILES + exchange) / (kt + FILL_K_TILES)
     return (whole // slots + math.ceil((clusters - whole) * splits / slots) * unit) * cost
