@@ -175,10 +175,11 @@ def gemm(a: torch.Tensor, w: torch.Tensor, policy: str = "bf16", *, chain=None, 
     m, k = a.shape
     if variant is None:
         variant, rule_splits = choose_plan(m, w.shape[0], k, ab, sms)
+        splits = rule_splits if splits is None else splits
     else:
         Variant.parse(variant)
-        rule_splits = choose_splits(variant, m, w.shape[0], k, ab, sms)
-    splits = rule_splits if splits is None else splits
+        if splits is None:
+            splits = choose_splits(variant, m, w.shape[0], k, ab, sms)
     key = spec_for(ab, target, variant).key
     if out is None:
         if not all(isinstance(tensors[nm], torch.Tensor) for nm in names):
