@@ -43,3 +43,36 @@ class GemvSmem:
             at = at + size
         out["total"] = at
         return out
+
+
+# ---- the M = 1 tile GEMV (decode/gemv_tile.py) ------------------------------------------------------------
+UNIT_BYTES = 1024        # one INT4 g128 unit of a 16-channel n-block: 16 x 128 nibbles
+UNIT_SCALE_BYTES = 32    # its 16 float16 group scales
+
+
+def tile_share_units(k: int, warps: int) -> int:
+    """The most units (128 k each) one warp's K share holds."""
+    return (k // 128 + warps - 1) // warps
+
+
+def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False) -> dict:
+    """Byte offset of each shared-memory region of the tile GEMV and "total"; `ring` = units per warp of the
+    "ring" pipeline (0: the register pipelines, no ring). Regions in order (all multiples of 16 bytes):
+
+    x       [k] bf16                     the activation row
+    red     [warps][16] f32              the warps' partial sums
+    ss      [warps] f32 (+ pad)          their sums of squares (`norm`)
+    scales  [warps][share units][16] f16 each warp's share of the group scales (ring only)
+    ring    [warps][ring][1 KB]          each warp's weight ring (ring only)
+    sums    [k / 128] f32 (+ pad)        each unit's sum of activations (`fold`)
+    """
+    ss = -(-warps * 4 // 16) * 16 if norm else 0
+    sizes = (("x", k * 2), ("red", warps * CHANNELS * 4), ("ss", ss),
+             ("scales", warps * tile_share_units(k, warps) * UNIT_SCALE_BYTES if ring else 0),
+             ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0))
+    out, at = {}, 0
+    for name, size in sizes:
+        out[name] = at
+        at = at + size
+    out["total"] = at
+    return out

@@ -23,6 +23,13 @@ their partial sums through shared memory; the fused epilogue writes the 16 outpu
 * "rolling" (tuning space, measured slower, P2): a `2 * prefetch`-unit rolling register prefetch, step i
   consumes position i and refills its registers with position i + depth, group scales kept as float16 bits
   until used: no load is waited for in the block that issues it.
+* "ring" (tuning space, measured slower, P10): each warp streams its share through a shared-memory ring of
+  `prefetch` units with cp.async (the share's group scales copied once), so the bytes in flight are not
+  bounded by registers and the whole ring is requested before the PDL wait; a lane reads back only the bytes
+  it copied, so its own `cp.async.wait_group` orders them.
+`fold` (tuning space, measured slower, P10): the A operands keep 128 + nibble and each unit's partial is
+corrected by -136 x the unit's activation sum (computed once per CTA from the staged row), instead of one
+bf16x2 FMA per weight register.
 PDL: launched as a programmatic dependent; the first batch of weights (and scales) is requested before
 `griddepcontrol.wait`, the activation row and the residual are read after it, so the weight stream can start
 while the previous kernel (the RMSNorm row factor, which signals at its start) runs. It signals its own
@@ -40,33 +47,36 @@ from cutlass import Float32, Int32, Int64
 from . import epilogue as epi
 from . import ptx, stream
 from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
+from .gemv_layout import UNIT_BYTES, UNIT_SCALE_BYTES, tile_share_units, tile_smem
 from futx.quant import layouts
 
 WARP = layouts.WARP
-PIPELINES = ("batch", "rolling")
+PIPELINES = ("batch", "rolling", "ring")
 FORMAT = ("int4", 128)   # the one format with a tile GEMV (decode.plan.TILE_FORMATS)
 DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 
 
-def smem_bytes(k: int, warps: int, norm: bool = False) -> int:
-    """The activation row + the warps' partials (+ their sums of squares with `norm`); host and kernel share
-    this formula."""
-    return k * 2 + warps * BLOCK_N * 4 + (warps * 4 if norm else 0)
+def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False) -> int:
+    """Dynamic shared memory of a launch (decode.gemv_layout.tile_smem, which the host's planner shares)."""
+    return tile_smem(k, warps, norm, ring, fold)["total"]
 
 
 class GemvTile:
     norm = False   # GemvTileNorm: the RMSNorm row factor in the prologue
 
-    def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch"):
+    def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch",
+                 fold: bool = False):
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
-        self.fmt = make_format(*FORMAT)
+        self.fmt = make_format(*FORMAT, fold=fold)
         self.epi = epi.make(epilogue)
         self.warps, self.pipeline = warps, pipeline
         self.raw = pipeline == "rolling"
         self.bpu, self.unit_k = stream.units_of(self.fmt)
         self.prefetch = prefetch or DEFAULT_PREFETCH
-        self.depth = self.prefetch if pipeline == "batch" else 2 * self.prefetch
+        self.depth = 2 * self.prefetch if pipeline == "rolling" else self.prefetch
+        self.ring = self.prefetch if pipeline == "ring" else 0
+        assert not self.ring or self.bpu * layouts.INT4_WEIGHT.block_bytes == UNIT_BYTES
 
     # ---- host side ---------------------------------------------------------------------------
     @cute.jit
@@ -78,7 +88,8 @@ class GemvTile:
 
     def _shape(self, x, y):
         """(CTAs, dynamic shared-memory bytes) of a launch."""
-        return self.epi.weight_rows(y.shape[1]) // BLOCK_N, smem_bytes(x.shape[1], self.warps, self.norm)
+        return (self.epi.weight_rows(y.shape[1]) // BLOCK_N,
+                smem_bytes(x.shape[1], self.warps, self.norm, self.ring, self.fmt.fold))
 
     # ---- device side -------------------------------------------------------------------------
     def _load(self, u, where) -> tuple:
@@ -86,16 +97,47 @@ class GemvTile:
         return stream.load_unit(self.fmt, self.bpu, lane_base, u, Int32(u < ub), offsets, k, s_base, nb, n_units, g,
                                 self.raw)
 
+    def _ring_copy(self, slot: Int32, lane_base: Int64, u, valid, k) -> None:
+        """Issue this lane's 16-byte pieces of unit u (one per block) into its ring slot."""
+        for b in range(self.bpu):
+            ptx.cp_async_stream_16(slot + b * (WARP * LANE_BYTES),
+                                   lane_base + Int64(u * self.bpu + b) * self.fmt.block_stride(k), valid)
+
+    def _ring_read(self, slot: Int32, sc_unit: Int32, g) -> tuple:
+        """A unit's registers as `_load` returns them: the lane's words of each block, then the float32 scales of
+        channels g and g + 8."""
+        words = sum((ptx.lds_v4(slot + b * (WARP * LANE_BYTES)) for b in range(self.bpu)), ())
+        return words + (ptx.lds_f16_to_f32(sc_unit + g * 2), ptx.lds_f16_to_f32(sc_unit + (g + layouts.MMA_N) * 2))
+
     def _x_frags(self, xs_lane: Int32, kb) -> list:
         """(b0, b1) per k16 step of block kb, from the staged activation row."""
         addr = xs_lane + kb * (BLOCK_K * 2)
         return self.fmt.b_operands(sum((ptx.ldsm_x4(addr + off) for off in self.fmt.X_LOAD_OFFSETS), ()))
 
-    def _unit(self, acc, cur, u, valid, xs_lane, last, consts):
+    def _unit(self, acc, cur, u, valid, xs_lane, last, consts, x_sums=None):
         uc = cutlass.min(u, last)
         b_ops = [[self._x_frags(xs_lane, uc * self.bpu + b)] for b in range(self.bpu)]
-        (acc,) = stream.mma_unit(self.fmt, self.bpu, cur, b_ops, [acc], valid, consts, None, self.raw, chains=1)
+        sums = None
+        if cutlass.const_expr(self.fmt.fold):
+            s_u = ptx.lds_f32(x_sums + uc * 4)
+            sums = [(s_u, s_u)]  # every B column holds the one activation row
+        (acc,) = stream.mma_unit(self.fmt, self.bpu, cur, b_ops, [acc], valid, consts, sums, self.raw, chains=1)
         return acc
+
+    @cute.jit
+    def _unit_sums(self, xs, x_sums, ua, ub, lane):
+        """fold: each unit of this warp's share -> the sum of its (staged, normalized) activations, in float32."""
+        per_lane = self.unit_k // WARP  # bf16 values per lane (4)
+        for u in cutlass.range(ua, ub, unroll=1):
+            lo, hi = ptx.lds64(xs + (u * self.unit_k + lane * per_lane) * 2)
+            a0, a1 = ptx.bf16x2_to_f32(lo)
+            a2, a3 = ptx.bf16x2_to_f32(hi)
+            v = (a0 + a1) + (a2 + a3)
+            for off in (16, 8, 4, 2, 1):
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+            if lane == 0:
+                ptx.sts_f32(x_sums + u * 4, v)
+        cute.arch.sync_warp()
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
@@ -124,23 +166,45 @@ class GemvTile:
 
         where = (ub, lane_base, offsets, k, s_base, nb, n_units, g)
         D = self.depth
+        xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
+        regions = tile_smem(k, W, self.norm, self.ring, self.fmt.fold)
+        x_sums = xs + regions["sums"]
+        if cutlass.const_expr(self.ring > 0):
+            share = tile_share_units(k, W)
+            ring_lane = xs + regions["ring"] + warp * (D * UNIT_BYTES) + lane * LANE_BYTES
+            sc_warp = xs + regions["scales"] + warp * (share * UNIT_SCALE_BYTES)
 
         # 1. weights first: they come from HBM, everything else from L2; they never depend on the previous
         #    kernel, so they are requested before waiting on it (PDL)
-        bufs = tuple(self._load(ua + i, where) for i in range(D))
+        if cutlass.const_expr(self.ring > 0):
+            # the share's group scales (contiguous, 32 bytes per unit) travel in the first unit's group
+            sc_src = s_base + (Int64(nb) * n_units + ua) * UNIT_SCALE_BYTES
+            for c in cutlass.range(lane, (ub - ua) * (UNIT_SCALE_BYTES // LANE_BYTES), WARP, unroll=1):
+                ptx.cp_async_stream_16(sc_warp + c * LANE_BYTES, sc_src + Int64(c) * LANE_BYTES, Int32(1))
+            for i in cutlass.range_constexpr(D):
+                self._ring_copy(ring_lane + i * UNIT_BYTES, lane_base, ua + i, Int32(ua + i < ub), k)
+                cute.arch.cp_async_commit_group()
+        else:
+            bufs = tuple(self._load(ua + i, where) for i in range(D))
         cute.arch.griddepcontrol_wait()
 
         # 2. this warp's slice of the activation row -> shared memory
-        xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
         x_base = x.iterator.toint()
         c_end = ub * (self.unit_k * 2 // LANE_BYTES)
-        for c in cutlass.range(ua * (self.unit_k * 2 // LANE_BYTES) + lane, c_end, WARP, unroll=1):
-            ptx.cp_async_16(xs + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.ring > 0):
+            # plain loads: a cp.async group here would make waiting for the row wait for the whole ring
+            for c in cutlass.range(ua * (self.unit_k * 2 // LANE_BYTES) + lane, c_end, WARP, unroll=1):
+                ptx.sts128(xs + c * LANE_BYTES, *ptx.ldg_v4(x_base + Int64(c) * LANE_BYTES))
+        else:
+            for c in cutlass.range(ua * (self.unit_k * 2 // LANE_BYTES) + lane, c_end, WARP, unroll=1):
+                ptx.cp_async_16(xs + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
         if cutlass.const_expr(self.norm):
-            self._normalize(xs, xs + k * 2 + W * BLOCK_N * 4, ua, ub, warp, lane, k, eps)
+            self._normalize(xs, xs + regions["ss"], ua, ub, warp, lane, k, eps)
+        if cutlass.const_expr(self.fmt.fold):
+            self._unit_sums(xs, x_sums, ua, ub, lane)
 
         # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
         # the one activation row, so every B column holds x)
@@ -155,21 +219,37 @@ class GemvTile:
                 u0 = ua + it * P
                 nxt = tuple(self._load(u0 + P + i, where) for i in range(P))
                 for i in cutlass.range_constexpr(P):
-                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts)
+                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts, x_sums)
                 bufs = nxt
-        else:
+        elif cutlass.const_expr(self.pipeline == "rolling"):
             # rolling: step i consumes position i and refills its registers with position i + D
             for it in cutlass.range(n_iter, unroll=1):
                 u0 = ua + it * D
                 nxt = list(bufs)
                 for i in cutlass.range_constexpr(D):
-                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts)
+                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts, x_sums)
                     nxt[i] = self._load(u0 + i + D, where)
                 bufs = tuple(nxt)
+        else:
+            # ring: slot i holds units ua + i, ua + i + D, ...; a lane reads back only the bytes it copied, so
+            # its own cp.async wait orders them (the scales, copied by a few lanes, are published by one
+            # warp barrier once the first group has landed)
+            cute.arch.cp_async_wait_group(D - 1)
+            cute.arch.sync_warp()
+            for it in cutlass.range(n_iter, unroll=1):
+                u0 = ua + it * D
+                for i in cutlass.range_constexpr(D):
+                    u = u0 + i
+                    slot = ring_lane + i * UNIT_BYTES
+                    cute.arch.cp_async_wait_group(D - 1)
+                    cur = self._ring_read(slot, sc_warp + (cutlass.min(u, ub - 1) - ua) * UNIT_SCALE_BYTES, g)
+                    acc = self._unit(acc, cur, u, Int32(u < ub), xs_lane, last, consts, x_sums)
+                    self._ring_copy(slot, lane_base, u + D, Int32(u + D < ub), k)
+                    cute.arch.cp_async_commit_group()
 
         cute.arch.griddepcontrol_launch_dependents()
         # 4. combine the warps' partials (every B column holds x, so any lane with t = 0 has them)
-        red = xs + k * 2
+        red = xs + regions["red"]
         if lane % 4 == 0:
             ptx.sts_f32(red + (warp * BLOCK_N + g) * 4, acc[0])
             ptx.sts_f32(red + (warp * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
@@ -243,16 +323,17 @@ class GemvTileNorm(GemvTile):
 
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
-                   prefetch: int = 0, pipeline: str = "batch", norm: bool = False):
+                   prefetch: int = 0, pipeline: str = "batch", norm: bool = False, fold: bool = False):
     """Registry factory. `fmt` and `group_size` are registry parameters (decode.plan.tile_params) with the one
-    value FORMAT. `norm`: the fused-RMSNorm variant, which takes eps (float32) before the stream."""
+    value FORMAT. `norm`: the fused-RMSNorm variant, which takes eps (float32) before the stream. `fold`: the
+    nibble bias as one correction per unit from the unit's activation sum."""
     from .signature import fake_args
 
     if (fmt, group_size) != FORMAT:
         raise ValueError(f"the tile GEMV serves {FORMAT} weights only, got {(fmt, group_size)}")
     args = fake_args(fmt, epilogue, m=1)
     if not norm:
-        return GemvTile(epilogue, warps, prefetch, pipeline), args
+        return GemvTile(epilogue, warps, prefetch, pipeline, fold), args
     if epi.make(epilogue).residual:
         raise ValueError("the fused-norm tile GEMV has no residual epilogue (it serves QKV and gate/up)")
-    return GemvTileNorm(epilogue, warps, prefetch, pipeline), (*args[:-1], Float32(1e-5), args[-1])
+    return GemvTileNorm(epilogue, warps, prefetch, pipeline, fold), (*args[:-1], Float32(1e-5), args[-1])

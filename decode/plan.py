@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from .gemv_layout import SMEM_LIMIT, GemvSmem
+from .gemv_layout import SMEM_LIMIT, GemvSmem, tile_smem
 
 FORMATS = ("int4", "e4m3", "bf16")
 GROUP_SIZES = (64, 128)           # INT4 group sizes with compiled variants
@@ -48,9 +48,14 @@ TILE_FORMATS = (("int4", 128),)
 TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
 TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
 NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
-# tuning space: a rolling prefetch (6 units deep); batches of 1, 3 or 4 units instead of 2 (INT4 g128)
+# tuning space: a rolling prefetch (6 units deep); batches of 1, 3 or 4 units instead of 2 (INT4 g128);
+# "ring<u>": each warp streams its weights through a shared-memory ring of u units (cp.async), so the bytes in
+# flight are not bounded by registers, and the first u units are requested before the PDL wait;
+# "fold": the nibble bias folded into one correction per unit (no bf16x2 FMA per weight register)
 TILE_VARIANTS = {"": {"pipeline": "batch"}, "rolling": {"pipeline": "rolling", "prefetch": 3},
-                 **{f"p{u}": {"pipeline": "batch", "prefetch": u} for u in (1, 3, 4)}}
+                 **{f"p{u}": {"pipeline": "batch", "prefetch": u} for u in (1, 3, 4)},
+                 **{f"ring{u}": {"pipeline": "ring", "prefetch": u} for u in (4, 8)},
+                 "fold": {"pipeline": "batch", "fold": True}}
 SKINNY_WARPS, SKINNY_NB_PER_WARP = 4, 2
 TILE_N = SKINNY_WARPS * SKINNY_NB_PER_WARP * 16
 CTAS_PER_SM = 2
@@ -64,6 +69,9 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
                    "wgo": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True},
                    "c2": {"chains": 2}}
 MIN_UNITS = 4
+# the tile GEMV variant the router picks (route_tile_variant lets a benchmark time a tuning variant in the decode
+# step as the router would launch it)
+TILE_ROUTED = ""
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -142,6 +150,16 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
 
 
 # ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
+def route_tile_variant(variant: str) -> None:
+    """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on (benchmarks
+    only: a tuning variant must be registered, scripts/tuning_space.py; "" restores the shipped rule)."""
+    global TILE_ROUTED
+    if variant not in TILE_VARIANTS:
+        raise ValueError(f"unknown tile GEMV variant {variant!r}; known: {sorted(TILE_VARIANTS)}")
+    TILE_ROUTED = variant
+    choose.cache_clear()
+
+
 def tile_warps(k: int) -> int:
     return TILE_WARPS_LARGE_K if k > TILE_LARGE_K else TILE_WARPS_SMALL_K
 
@@ -163,23 +181,26 @@ def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str 
     return f"decode.gemv.{fmt_tag(fmt, group_size)}.m1.{epilogue}{suffix}"
 
 
-def tile_fits(k: int, warps: int, norm: bool = False) -> bool:
-    """The activation row and the warps' partials in shared memory (decode.gemv_tile.smem_bytes)."""
-    return k * 2 + warps * 16 * 4 + (warps * 4 if norm else 0) <= SMEM_LIMIT
+def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "") -> bool:
+    """The tile GEMV's shared memory (the activation row, the warps' partials, a weight ring) fits."""
+    v = TILE_VARIANTS[variant]
+    ring = v["prefetch"] if v["pipeline"] == "ring" else 0
+    return tile_smem(k, warps, norm, ring, v.get("fold", False))["total"] <= SMEM_LIMIT
 
 
 def fuses_norm(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132) -> bool:
     """Whether the routed kernel of this projection has a fused-RMSNorm variant (the tile GEMV at M = 1 for
     QKV and gate/up, docs/routing.md E2); elsewhere the row factor stays its own kernel."""
     return (epilogue in NORM_EPILOGUES and default_kernel(fmt, group_size, m, n, k, sms, epilogue) == "tile"
-            and tile_fits(k, tile_warps(k), norm=True))
+            and tile_fits(k, tile_warps(k), True, TILE_ROUTED))
 
 
 def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int = 132,
                    epilogue: str = "residual") -> str:
     """The measured-fastest kernel for this format and M (the rules in the module docstring and
     docs/routing.md)."""
-    if m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS and tile_fits(k, tile_warps(k)):
+    if (m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS
+            and tile_fits(k, tile_warps(k), False, TILE_ROUTED)):
         return "tile"
     if fmt == "int4" and m > INT4_GEMV_MAX_M:
         return "skinny"
@@ -209,15 +230,16 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if kernel == "auto":
         kernel = default_kernel(fmt, group_size, m, n, k, sms, epilogue)
+        variant = variant or (TILE_ROUTED if kernel == "tile" else "")
     if norm and kernel != "tile":
         raise ValueError(f"no fused-norm kernel for this projection (M = {m}, {kernel}): use the row-factor kernel")
     if kernel == "tile":
         wp = warps or tile_warps(k)
         if m != 1:
             raise ValueError(f"the tile GEMV serves M = 1, got M = {m}")
-        if not tile_fits(k, wp, norm):
-            raise ValueError(f"the tile GEMV cannot serve K = {k} (activation row exceeds shared memory)")
         tile_params(fmt, group_size, epilogue, wp, variant, norm)  # validates format, variant and epilogue
+        if not tile_fits(k, wp, norm, variant):
+            raise ValueError(f"the tile GEMV cannot serve K = {k} (activation row exceeds shared memory)")
         return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm), "tile")
     if kernel == "gemv":
         params = gemv_params(fmt, group_size, epilogue, m, variant)

@@ -174,6 +174,15 @@ def cp_async_16(saddr: Int32, gaddr: Int64, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def cp_async_stream_16(saddr: Int32, gaddr: Int64, pred, *, loc=None, ip=None) -> None:
+    """16 bytes of streamed weights global -> shared (L1 bypassed, 256-byte L2 sector fetch), skipped when
+    `pred` is 0 (the shared bytes then keep what they held)."""
+    _asm(None, [_i32(saddr, loc, ip), Int64(gaddr).ir_value(loc=loc, ip=ip), _i32(pred, loc, ip)],
+         "{.reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.cg.shared.global.L2::256B [$0], [$1], 16;}",
+         "r,l,r", True, loc, ip)
+
+
+@dsl_user_op
 def lds_v4(saddr: Int32, *, loc=None, ip=None) -> tuple:
     # Side effects on: the read must stay after the barrier that publishes the data.
     res = _asm(_struct(4), [_i32(saddr, loc, ip)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",

@@ -9,6 +9,8 @@ Floor = bytes one step must read (projections, LM head, the cache rows attended)
 
   python scripts/bench_engine.py --points 1x1024,8x1024,32x4096 --out bench.json --md bench.md --plot bench.png
   python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4   (all 80 layers fit in INT4)
+  python scripts/bench_engine.py --weights int4 --cache int4 --tile-variants ring4,ring8
+      (also the int4/int4 step with the router's M = 1 tile GEMV switched to tuning variants, captured alongside)
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
                                                            "('' for none)")
     p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
                    "and the unfused chain (RMSNorm/RoPE as torch ops)")
+    p.add_argument("--tile-variants", default="", help="comma-separated decode.plan.TILE_VARIANTS: also the int4/int4 "
+                   "step (and its breakdown) with the router's M = 1 tile GEMV switched to each")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="Markdown table")
@@ -150,6 +154,12 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("futx bench decode needs a CUDA GPU")
+    tile_variants = [v for v in a.tile_variants.split(",") if v]
+    if tile_variants:
+        from decode import plan
+        from scripts import tuning_space
+
+        tuning_space.register()
     cfg = config_for(a.shape, a.layers)
     points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
     wfs, cfs = a.weights.split(","), a.cache.split(",")
@@ -185,6 +195,17 @@ def main(argv=None) -> int:
                 g = GraphSteps(m, buckets=[batch])
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 cands[name] = lambda g=g: g.replay(batch)
+        variant_models = {}
+        for v in tile_variants:
+            plan.route_tile_variant(v)
+            try:
+                m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"])
+                g = GraphSteps(m, buckets=[batch])
+                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+            finally:
+                plan.route_tile_variant("")
+            variant_models[v] = m
+            cands[f"int4/int4 tile {v}"] = lambda g=g: g.replay(batch)
         peers = {}
         if a.peers:
             from scripts.decode_peers import make_peer
@@ -214,8 +235,17 @@ def main(argv=None) -> int:
             bd["layer in the step"] = (t[a.breakdown]["ms"] * 1e3 - bd["head"]) / cfg.num_hidden_layers
             point["breakdown"] = {"format": a.breakdown, "us": bd}
             print("  per layer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in bd.items()), flush=True)
+        for v, m in variant_models.items():
+            plan.route_tile_variant(v)
+            try:
+                bd = breakdown(m, batch, timer, stream)
+            finally:
+                plan.route_tile_variant("")
+            bd["layer in the step"] = (t[f"int4/int4 tile {v}"]["ms"] * 1e3 - bd["head"]) / cfg.num_hidden_layers
+            point.setdefault("breakdown_tile_variants", {})[v] = bd
+            print(f"  per layer, tile {v} (us): " + ", ".join(f"{k} {x:.1f}" for k, x in bd.items()), flush=True)
         results["points"].append(point)
-        del models, cands, caches, peers
+        del models, cands, caches, peers, variant_models
         torch.cuda.empty_cache()
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))

@@ -113,7 +113,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 52 and len(tuning) == 78
+    assert len(registry) == 52 and len(tuning) == 108
 
 
 def test_fused_norm_routes_only_the_m1_tile_gemv():
@@ -145,6 +145,9 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
         for w in (4, 8):
             for v in plan.TILE_VARIANTS:
                 forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, variant=v).key)
+                if e in plan.NORM_EPILOGUES:
+                    forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, variant=v,
+                                           norm=True).key)
         for v in plan.GEMV_VARIANTS:
             forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="gemv", variant=v).key)
         for group in plan.GROUP_SIZES:
@@ -304,3 +307,39 @@ def test_variant_sass(tmp_path, key, expect):
     for want in expect:
         assert any(op.startswith(want) for op in ops), f"{key}: no {want} in SASS"
     assert not any(op.startswith(("LDL", "STL")) for op in ops), f"{key}: local-memory spills"
+
+
+def test_tile_smem_regions_are_aligned_and_the_ring_is_budgeted():
+    """The tile GEMV's shared-memory map (one formula for the host's planner and the kernel): every region
+    16-byte aligned, the ring's units 1 KB apart, and the planner refuses a ring that does not fit."""
+    from decode.gemv_layout import SMEM_LIMIT, UNIT_BYTES, tile_share_units, tile_smem
+
+    for k in (128, 2176, 4096, 8192, 14336, 28672):
+        for warps in (4, 8):
+            for norm in (False, True):
+                for ring in (0, 4, 8):
+                    r = tile_smem(k, warps, norm, ring)
+                    assert all(v % 16 == 0 for v in r.values()), (k, warps, norm, ring, r)
+                    assert r["total"] - r["ring"] == warps * ring * UNIT_BYTES
+                    assert r["ring"] - r["scales"] == (warps * tile_share_units(k, warps) * 32 if ring else 0)
+                    assert tile_share_units(k, warps) * warps >= k // 128
+    assert plan.tile_fits(28672, 8, False, "ring8") == (tile_smem(28672, 8, False, 8)["total"] <= SMEM_LIMIT)
+    assert not plan.tile_fits(96 * 1024, 4, False, "ring8")
+
+
+def test_routing_the_tile_gemv_to_a_tuning_variant_and_back():
+    """route_tile_variant steers choose(kernel="auto") at M = 1 only (the engine benchmark's hook), forced
+    choices keep their variant, and "" restores the shipped rule."""
+    n, k = 6144, 4096
+    shipped = plan.choose("int4", 128, "store", 1, n, k, norm=True).key
+    try:
+        plan.route_tile_variant("ring8")
+        assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == shipped + ".ring8"
+        assert plan.choose("int4", 128, "residual", 1, 4096, 14336).key == "decode.gemv.int4.m1.residual.w8.ring8"
+        assert plan.choose("int4", 128, "store", 1, n, k, kernel="tile").key == "decode.gemv.int4.m1.store"
+        assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
+        with pytest.raises(ValueError, match="unknown tile GEMV variant"):
+            plan.route_tile_variant("ring3")
+    finally:
+        plan.route_tile_variant("")
+    assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == shipped

@@ -181,18 +181,22 @@ def test_gemv_geometry(fmt, n, k, group, tiles):
 TILE_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336)]
 
 
-@pytest.mark.parametrize("variant", ["", "rolling", "p1", "p3", "p4"])
+@pytest.mark.parametrize("variant", ["", "rolling", "p1", "p3", "p4", "ring4", "ring8", "fold"])
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("n,k", TILE_CASES, ids=[f"{c[0]}x{c[1]}" for c in TILE_CASES])
 def test_tile_gemv(n, k, warps, variant):
     """The one-tile-per-CTA M = 1 GEMV (the plan's INT4 M = 1 default) in both warp counts, as measured
-    (batch prefetch) and with the tuning-space rolling prefetch, every epilogue."""
+    (batch prefetch) and with the tuning-space pipelines, every epilogue. The shared-memory ring feeds the
+    same MMAs in the same order as the batch pipeline, so its output is bitwise the batch pipeline's."""
     stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
     x, r = _inputs(1, k, n, 7)
     for epilogue in ("store", "residual", "swiglu"):
         y = _run("int4", stored, x, 128, epilogue, r, kernel="tile", variant=variant, warps=warps)
         torch.cuda.synchronize()
         _check(y, _reference(x, w_ref, epilogue, r), f"tile w{warps} {variant or 'batch'} {n}x{k} {epilogue}")
+        if variant.startswith("ring"):
+            base = _run("int4", stored, x, 128, epilogue, r, kernel="tile", warps=warps)
+            assert torch.equal(y, base), f"ring {variant} w{warps} {n}x{k} {epilogue} != batch pipeline"
 
 
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
@@ -296,6 +300,52 @@ def test_norm_linear_matches_row_factor_then_projection(n, k, epilogue):
             assert (y.float() - two.float()).abs().max().item() <= 1e-2 * scale, "fused norm != row factor + GEMV"
         else:
             assert torch.equal(y, two), "M > 1 must run the row-factor kernel and the routed projection"
+
+
+@pytest.mark.parametrize("variant", ["ring4", "ring8", "fold"])
+def test_routed_tile_variant_in_the_fused_norm_and_a_pdl_chain(variant):
+    """With the router pointed at a tile GEMV tuning variant (decode.plan.route_tile_variant, how the engine
+    benchmark times it): the fused-norm projection equals the shipped kernel's bits (ring: same MMAs in the same
+    order) or its values (fold: one bias correction per unit instead of one per weight), and a chain of
+    back-to-back launches into NaN-poisoned buffers (weights requested before the PDL wait) reads finished
+    inputs."""
+    from decode import plan
+    from futx.ops.decode_linear import decode_linear_int4, decode_norm_linear_int4, run_variant
+
+    eps = 1e-5
+    cases = [(n, k, e) for n, k, e in NORM_CASES] + [(4096, 14336, "residual")]
+    want = {}
+    for routed in ("", variant):
+        plan.route_tile_variant(routed)
+        try:
+            for n, k, epilogue in cases:
+                stored, _ = _weights("int4", n, k, 128, n + k)
+                x, r = _inputs(1, k, n, 3)
+                y = (decode_linear_int4(x, *stored, 128, epilogue, r) if epilogue == "residual"
+                     else decode_norm_linear_int4((x.float() * 3.0).bfloat16(), *stored, 128, epilogue, eps))
+                torch.cuda.synchronize()
+                if routed and variant.startswith("ring"):
+                    assert torch.equal(y, want[(n, k, epilogue)]), f"routed {variant} {n}x{k} {epilogue}"
+                elif routed:
+                    ref = want[(n, k, epilogue)].float()
+                    err = (y.float() - ref).abs().max().item()
+                    assert err <= 1e-2 * ref.abs().max().item(), f"routed {variant} {n}x{k} {epilogue}: {err:.3g}"
+                want[(n, k, epilogue)] = y
+            if routed:
+                k = 4096
+                stored, w_ref = _weights("int4", k, k, 128, 11)
+                y = torch.randn(1, k, device="cuda").bfloat16()
+                want_chain = y.float()
+                for _ in range(6):
+                    o = torch.full((1, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    y = run_variant("int4", y, stored[0], stored[1], 128, out=o)
+                    want_chain = (want_chain @ w_ref.T).bfloat16().float()
+                torch.cuda.synchronize()
+                assert not torch.isnan(y).any()
+                err = (y.float() - want_chain).abs().max().item()
+                assert err <= 5e-2 * want_chain.abs().max().item(), f"chained ring projections off by {err:.3g}"
+        finally:
+            plan.route_tile_variant("")
 
 
 def test_norm_linear_rejects_bad_inputs():
