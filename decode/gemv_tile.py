@@ -32,7 +32,7 @@ corrected by -136 x the unit's activation sum (computed once per CTA from the st
 bf16x2 FMA per weight register.
 PDL: launched as a programmatic dependent; the first batch of weights (and scales) is requested before
 `griddepcontrol.wait`, the activation row and the residual are read after it, so the weight stream can start
-while the previous kernel (the RMSNorm row factor, which signals at its start) runs. It signals its own
+while the previous kernel runs. It signals its own
 dependents after its K loop: signalling at the start measured slower (docs/routing.md E1).
 """
 
@@ -114,29 +114,48 @@ class GemvTile:
         addr = xs_lane + kb * (BLOCK_K * 2)
         return self.fmt.b_operands(sum((ptx.ldsm_x4(addr + off) for off in self.fmt.X_LOAD_OFFSETS), ()))
 
-    def _unit(self, acc, cur, u, valid, xs_lane, last, consts, x_sums=None):
+    def _unit(self, acc, cur, u, valid, xs_lane, last, consts, s_u=None):
         uc = cutlass.min(u, last)
         b_ops = [[self._x_frags(xs_lane, uc * self.bpu + b)] for b in range(self.bpu)]
-        sums = None
-        if cutlass.const_expr(self.fmt.fold):
-            s_u = ptx.lds_f32(x_sums + uc * 4)
-            sums = [(s_u, s_u)]  # every B column holds the one activation row
+        sums = [(s_u, s_u)] if cutlass.const_expr(self.fmt.fold) else None  # every B column holds the row
         (acc,) = stream.mma_unit(self.fmt, self.bpu, cur, b_ops, [acc], valid, consts, sums, self.raw, chains=1)
         return acc
 
+    def _sums_of(self, x_sums, u0, count: int, last) -> list:
+        """fold: the activation sums of units u0 .. u0 + count - 1 (clamped), read where a batch starts so the
+        shared loads are not waited for next to the MMAs that use them."""
+        if cutlass.const_expr(not self.fmt.fold):
+            return [None] * count
+        return [ptx.lds_f32(x_sums + cutlass.min(u0 + i, last) * 4) for i in range(count)]
+
     @cute.jit
-    def _unit_sums(self, xs, x_sums, ua, ub, lane):
-        """fold: each unit of this warp's share -> the sum of its (staged, normalized) activations, in float32."""
-        per_lane = self.unit_k // WARP  # bf16 values per lane (4)
-        for u in cutlass.range(ua, ub, unroll=1):
-            lo, hi = ptx.lds64(xs + (u * self.unit_k + lane * per_lane) * 2)
-            a0, a1 = ptx.bf16x2_to_f32(lo)
-            a2, a3 = ptx.bf16x2_to_f32(hi)
-            v = (a0 + a1) + (a2 + a3)
+    def _row_stats(self, xs, ua, ub, warp, lane, ss_out, x_sums):
+        """One pass over this warp's staged slice of the row: its sum of squares -> ss_out[warp] (`norm`) and
+        each unit's activation sum -> x_sums[unit] (fold). Lanes 0-15 read unit ua + 2j, lanes 16-31
+        unit ua + 2j + 1 (16 chunks of 8 values each); a unit past the share reads zeros."""
+        chunks = self.unit_k * 2 // LANE_BYTES  # per unit (16)
+        ss = Float32(0.0)
+        for j in cutlass.range((ub - ua + 1) // 2, unroll=1):
+            u = ua + 2 * j + lane // chunks
+            words = ptx.lds_v4(xs + (u * chunks + lane % chunks) * LANE_BYTES)
+            s = Float32(0.0)
+            for word in words:
+                lo, hi = ptx.bf16x2_to_f32(word)
+                lo = cutlass.select_(u < ub, lo, Float32(0.0))
+                hi = cutlass.select_(u < ub, hi, Float32(0.0))
+                s = s + lo + hi
+                ss = ss + lo * lo + hi * hi
+            if cutlass.const_expr(self.fmt.fold):
+                for off in (8, 4, 2, 1):
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=off)
+                if lane % chunks == 0:
+                    if u < ub:
+                        ptx.sts_f32(x_sums + u * 4, s)
+        if cutlass.const_expr(self.norm):
             for off in (16, 8, 4, 2, 1):
-                v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=off)
             if lane == 0:
-                ptx.sts_f32(x_sums + u * 4, v)
+                ptx.sts_f32(ss_out + warp * 4, ss)
         cute.arch.sync_warp()
 
     @cute.kernel
@@ -201,10 +220,8 @@ class GemvTile:
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
-        if cutlass.const_expr(self.norm):
-            self._normalize(xs, xs + regions["ss"], ua, ub, warp, lane, k, eps)
-        if cutlass.const_expr(self.fmt.fold):
-            self._unit_sums(xs, x_sums, ua, ub, lane)
+        if cutlass.const_expr(self.norm or self.fmt.fold):
+            self._row_stats(xs, ua, ub, warp, lane, xs + regions["ss"], x_sums)
 
         # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
         # the one activation row, so every B column holds x)
@@ -217,17 +234,19 @@ class GemvTile:
             # batches of P units, batch b + 1 requested before batch b is consumed
             for it in cutlass.range(n_iter, unroll=1):
                 u0 = ua + it * P
+                sums = self._sums_of(x_sums, u0, P, last)
                 nxt = tuple(self._load(u0 + P + i, where) for i in range(P))
                 for i in cutlass.range_constexpr(P):
-                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts, x_sums)
+                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts, sums[i])
                 bufs = nxt
         elif cutlass.const_expr(self.pipeline == "rolling"):
             # rolling: step i consumes position i and refills its registers with position i + D
             for it in cutlass.range(n_iter, unroll=1):
                 u0 = ua + it * D
+                sums = self._sums_of(x_sums, u0, D, last)
                 nxt = list(bufs)
                 for i in cutlass.range_constexpr(D):
-                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts, x_sums)
+                    acc = self._unit(acc, bufs[i], u0 + i, Int32(u0 + i < ub), xs_lane, last, consts, sums[i])
                     nxt[i] = self._load(u0 + i + D, where)
                 bufs = tuple(nxt)
         else:
@@ -243,7 +262,8 @@ class GemvTile:
                     slot = ring_lane + i * UNIT_BYTES
                     cute.arch.cp_async_wait_group(D - 1)
                     cur = self._ring_read(slot, sc_warp + (cutlass.min(u, ub - 1) - ua) * UNIT_SCALE_BYTES, g)
-                    acc = self._unit(acc, cur, u, Int32(u < ub), xs_lane, last, consts, x_sums)
+                    acc = self._unit(acc, cur, u, Int32(u < ub), xs_lane, last, consts,
+                                     self._sums_of(x_sums, u, 1, last)[0])
                     self._ring_copy(slot, lane_base, u + D, Int32(u + D < ub), k)
                     cute.arch.cp_async_commit_group()
 
@@ -254,34 +274,13 @@ class GemvTile:
             ptx.sts_f32(red + (warp * BLOCK_N + g) * 4, acc[0])
             ptx.sts_f32(red + (warp * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
         cute.arch.sync_threads()
-        self._epilogue(tid, nb, red, r, y)
-
-    @cute.jit
-    def _normalize(self, xs, part, ua, ub, warp, lane, k, eps):
-        """The RMSNorm row factor (decode/rms_rows.py's definition) from every warp's staged slice of the row,
-        then each warp rewrites its own slice in place as bf16(x * rsqrt(mean(x^2) + eps))."""
-        chunks = (ua * (self.unit_k * 2 // LANE_BYTES) + lane, ub * (self.unit_k * 2 // LANE_BYTES))
-        ss = Float32(0.0)
-        for c in cutlass.range(chunks[0], chunks[1], WARP, unroll=1):
-            for word in ptx.lds_v4(xs + c * LANE_BYTES):
-                lo, hi = ptx.bf16x2_to_f32(word)
-                ss = ss + lo * lo + hi * hi
-        for off in (16, 8, 4, 2, 1):
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=off)
-        if lane == 0:
-            ptx.sts_f32(part + warp * 4, ss)
-        cute.arch.sync_threads()
-        total = ptx.lds_f32(part)
-        for wi in cutlass.range_constexpr(1, self.warps):
-            total = total + ptx.lds_f32(part + wi * 4)
-        factor = cute.math.rsqrt(total / Float32(k) + eps)
-        for c in cutlass.range(chunks[0], chunks[1], WARP, unroll=1):
-            out = []
-            for word in ptx.lds_v4(xs + c * LANE_BYTES):
-                lo, hi = ptx.bf16x2_to_f32(word)
-                out.append(ptx.pack_bf16x2(lo * factor, hi * factor))
-            ptx.sts128(xs + c * LANE_BYTES, *out)
-        cute.arch.sync_warp()
+        factor = None
+        if cutlass.const_expr(self.norm):
+            total = ptx.lds_f32(xs + regions["ss"])
+            for wi in cutlass.range_constexpr(1, W):
+                total = total + ptx.lds_f32(xs + regions["ss"] + wi * 4)
+            factor = cute.math.rsqrt(total / Float32(k) + eps)
+        self._epilogue(tid, nb, red, r, y, factor)
 
     def _row_sum(self, red: Int32, row) -> Float32:
         v = ptx.lds_f32(red + row * 4)
@@ -290,22 +289,28 @@ class GemvTile:
         return v
 
     @cute.jit
-    def _epilogue(self, tid, nb, red, r, y):
-        """Thread tid < the tile's output columns finishes output column tid."""
+    def _epilogue(self, tid, nb, red, r, y, factor=None):
+        """Thread tid < the tile's output columns finishes output column tid (`norm`: the row sums times the
+        RMSNorm row factor first)."""
         y_base = y.iterator.toint()
         cols = BLOCK_N // self.epi.rows_per_output
         if tid < cols:
-            v = self.epi.finish(tuple(self._row_sum(red, row) for row in self.epi.rows(tid)),
+            sums = tuple(self._row_sum(red, row) for row in self.epi.rows(tid))
+            if cutlass.const_expr(self.norm):
+                sums = tuple(v * factor for v in sums)
+            v = self.epi.finish(sums,
                                 lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + (Int64(nb) * cols + tid) * 2))
             ptx.stg_bf16(y_base + (Int64(nb) * cols + tid) * 2, v)
 
 
 class GemvTileNorm(GemvTile):
-    """y = bf16(x * rsqrt(mean(x^2) + eps)) @ W^T (+ epilogue): the decode step's RMSNorm row factor folded
-    into the M = 1 projection that reads it (QKV, gate/up; the norm's gain is folded into W), so the step
-    launches no row-factor kernel. Every CTA computes the factor from the row it stages anyway (one extra
-    CTA barrier, while its first weight batch is in flight); the result equals the row-factor kernel followed by
-    the tile GEMV up to the float32 summation order of the sum of squares."""
+    """y = rsqrt(mean(x^2) + eps) * (x @ W^T) (+ epilogue): the decode step's RMSNorm row factor folded into
+    the M = 1 projection that reads it (QKV, gate/up; the norm's gain is folded into W), so the step launches
+    no row-factor kernel. Every warp sums the squares of the slice of the row it stages anyway; the factor
+    scales the 16 outputs before the epilogue (routing rule E2). Scaling the outputs rather than the staged row
+    needs no CTA barrier and no rewrite of the row before the K loop (measured: docs/routing.md E2); it
+    differs from the row-factor kernel followed by the tile GEMV only in that the normalized row is not
+    rounded to bf16 (the float32 product is the more exact one)."""
 
     norm = True
 

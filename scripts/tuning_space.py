@@ -57,7 +57,7 @@ def linear_specs() -> list[KernelSpec]:
     specs += [linear_catalog.tile_spec(f, g, e, w, v) for f, g in plan.TILE_FORMATS
               for v in plan.TILE_VARIANTS if v for e in plan.EPILOGUES for w in linear_catalog.TILE_WARPS]
     specs += [linear_catalog.tile_spec(f, g, e, w, v, norm=True) for f, g in plan.TILE_FORMATS
-              for v in plan.TILE_VARIANTS if plan.TILE_VARIANTS[v]["pipeline"] == "ring" or v == "fold"
+              for v in plan.TILE_VARIANTS if v
               for e in plan.NORM_EPILOGUES for w in linear_catalog.TILE_WARPS]
     specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for v in plan.SKINNY_VARIANTS if v
               for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]

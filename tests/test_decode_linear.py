@@ -113,7 +113,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 52 and len(tuning) == 108
+    assert len(registry) == 52 and len(tuning) == 124
 
 
 def test_fused_norm_routes_only_the_m1_tile_gemv():

@@ -102,22 +102,26 @@ def test_fused_glue_equals_the_unfused_chain(weights, cf):
     assert _rel(a, b) < (1e-3 if cf == "bf16" else 1e-2)
 
 
+@pytest.mark.parametrize("glue", ["fused", "norm-kernel"])
 @pytest.mark.parametrize("cf", FORMATS)
-def test_row_factor_inside_the_projections_equals_its_own_kernel(weights, cf):
+def test_row_factor_inside_the_projections_equals_its_emulated_step(weights, cf, glue):
     """At B = 1 the QKV and gate/up tile GEMVs compute the RMSNorm row factor themselves (glue "fused") where
-    decode.plan.fuses_norm; glue "norm-kernel" runs the row-factor kernel before them. Same step up to the
-    float32 order of the sum of squares (a rare 1-ulp normalized value)."""
+    decode.plan.fuses_norm and scale their float32 outputs by it; glue "norm-kernel" runs the row-factor kernel,
+    which stores a normalized bf16 row, before them. The two differ by that rounding, which the layers and a
+    quantized cache amplify (measured 1-3% relative for bf16/e4m3 caches, 11% for INT4 over 12 steps), so each
+    glue is held to its own emulated step, with the tolerance of test_kernel_step_equals_the_emulated_step."""
     from decode import plan
 
     cfg = tiny_config(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=weights.config.head_dim, num_hidden_layers=3, vocab_size=512)  # every K % 128 == 0
     w = random_weights(cfg, seed=8, std=0.05).to(device="cuda")
     n_qkv, k_qkv = cfg.projection_shapes()["qkv"]
-    assert plan.fuses_norm("int4", 128, "store", 1, n_qkv, k_qkv)  # the fused path is what this test runs
+    assert plan.fuses_norm("int4", 128, "store", 1, n_qkv, k_qkv)  # the fused path is what "fused" runs
     toks = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(3))
-    a = _steps(_model(w, "int4", cf, batch=1, glue="fused"), toks, [4])
-    b = _steps(_model(w, "int4", cf, batch=1, glue="norm-kernel"), toks, [4])
-    assert _rel(a, b) < (1e-3 if cf == "bf16" else 1e-2)
+    got = _steps(_model(w, "int4", cf, batch=1, glue=glue), toks, [4])
+    ref = _steps(_model(w, "int4", cf, "emulated", batch=1, glue=glue), toks, [4])
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < (1.5e-2 if cf == "bf16" else 5e-2)
 
 
 def test_rms_rows_kernel(seeded):

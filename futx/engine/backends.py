@@ -53,10 +53,30 @@ def rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x.float() * rms_row_factor(x, eps)[..., None]).to(torch.bfloat16)
 
 
+GLUES = ("fused", "norm-kernel", "torch")
+
+
+def fused_norm(x: torch.Tensor, w: Weight, epilogue: str) -> bool:
+    """Whether the kernel path runs this norm + projection as one fused kernel (decode.plan.fuses_norm)."""
+    from decode import plan
+    from futx.quant.int4 import Int4Weight
+
+    if not isinstance(w, Int4Weight):
+        return False
+    n, k = w.shape
+    return plan.fuses_norm("int4", w.group_size, epilogue, x.shape[0], n, k)
+
+
 class EmulatedOps:
+    """glue "fused" (default): the row factor scales the outputs where the kernel path fuses it (as KernelOps
+    does); "norm-kernel" / "torch": a normalized bf16 row first, everywhere."""
+
     name = "emulated"
 
-    def __init__(self):
+    def __init__(self, glue: str = "fused"):
+        if glue not in GLUES:
+            raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
+        self.glue = glue
         self._dequant: dict[int, torch.Tensor] = {}
 
     def _w(self, w: Weight) -> torch.Tensor:
@@ -69,7 +89,12 @@ class EmulatedOps:
         return rms_rows(x, eps)
 
     def norm_linear(self, x: torch.Tensor, w: Weight, epilogue: str, eps: float) -> torch.Tensor:
-        """The projection of x's RMSNorm row (gain folded into w): QKV and gate/up."""
+        """The projection of x's RMSNorm row (gain folded into w): QKV and gate/up. Where the kernel path fuses
+        the row factor into the projection (decode.plan.fuses_norm) it scales the float32 outputs, so no
+        normalized bf16 row is stored; elsewhere the row-factor kernel stores one."""
+        if self.glue == "fused" and fused_norm(x, w, epilogue):
+            y = (x.float() @ self._w(w).T) * rms_row_factor(x, eps)[:, None]
+            return self._finish(y, epilogue)
         return self.linear(self.rms_rows(x, eps), w, epilogue)
 
     def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
@@ -77,7 +102,10 @@ class EmulatedOps:
         return h @ lm_head.T
 
     def linear(self, x: torch.Tensor, w: Weight, epilogue: str = "store", residual=None) -> torch.Tensor:
-        y = x.float() @ self._w(w).T
+        return self._finish(x.float() @ self._w(w).T, epilogue, residual)
+
+    @staticmethod
+    def _finish(y: torch.Tensor, epilogue: str, residual=None) -> torch.Tensor:
         if epilogue == "swiglu":
             y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
         elif epilogue == "residual":
@@ -108,8 +136,6 @@ class EmulatedOps:
 
 GEMV_HEAD_ROWS = 16
 
-
-GLUES = ("fused", "norm-kernel", "torch")
 
 
 class KernelOps:
@@ -181,5 +207,5 @@ def make_ops(backend: str, glue: str = "fused"):
     if backend == "kernels":
         return KernelOps(glue)
     if backend == "emulated":
-        return EmulatedOps()
+        return EmulatedOps(glue)
     raise ValueError(f"unknown engine backend {backend!r}: 'kernels' or 'emulated'")
