@@ -4,7 +4,7 @@ y[1, N] = x[1, K] @ W[N, K]^T.
 The router sends every INT4 g128 projection at M = 1 here where the activation row fits in shared memory
 (docs/routing.md P1: faster than the persistent GEMV at M = 1 on the 8B and 70B layers; numbers in
 docs/results-decode-linear.md). Its format is fixed
-(decode.plan.TILE_FORMATS); `warps` is 8 for K > 8192 and 4 otherwise (P3).
+(decode.plan.TILE_FORMATS); `warps` is 8 for K > 8192 or a grid of at most 3 CTAs per SM, 4 otherwise (P3).
 
 One CTA of `warps` warps per 16-channel n-block (grid = N / 16; several CTAs share an SM); its warps split
 K into equal shares. Each warp streams its share of the packed weights straight into registers, expands

@@ -5,7 +5,8 @@ The default routing (`kernel="auto"`, `default_kernel`), per format and M; each 
 docs/routing.md:
 
 * INT4 group 128, M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, batches of 2 units), 8 warps when
-  K > TILE_LARGE_K, else 4 (where the activation row fits in shared memory). QKV and gate/up there have a
+  K > TILE_LARGE_K or the grid has at most TILE_SMALL_GRID_CTAS CTAs per SM, else 4 (where the activation row
+  fits in shared memory). QKV and gate/up there have a
   fused-RMSNorm variant (`norm=True`, `fuses_norm`) that the decode step uses instead of the row-factor kernel.
 * INT4, M <= INT4_GEMV_MAX_M -> the persistent GEMV (`gemv.py`, one 8-token group, folded nibble bias)
   where the activation rows fit in shared memory, else the skinny kernel.
@@ -47,6 +48,7 @@ GEMV_VARIANTS = {"": {}, "nofold": {"fold": False}, "r2": {"raw_scales": False}}
 TILE_FORMATS = (("int4", 128),)
 TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
 TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
+TILE_SMALL_GRID_CTAS = 3          # and where the grid has at most this many CTAs per SM (8B QKV and O, P3)
 NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
 # tuning space: a rolling prefetch (6 units deep); batches of 1, 3 or 4 units instead of 2 (INT4 g128);
 # "ring<u>": each warp streams its weights through a shared-memory ring of u units (cp.async), so the bytes in
@@ -69,9 +71,10 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
                    "wgo": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True},
                    "c2": {"chains": 2}}
 MIN_UNITS = 4
-# the tile GEMV variant the router picks (route_tile_variant lets a benchmark time a tuning variant in the decode
-# step as the router would launch it)
+# the tile GEMV variant and small-grid rule the router applies (route_tile_variant lets a benchmark time a tuning
+# variant or another threshold in the decode step as the router would launch it)
 TILE_ROUTED = ""
+TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -150,18 +153,29 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
 
 
 # ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
-def route_tile_variant(variant: str) -> None:
-    """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on (benchmarks
-    only: a tuning variant must be registered, scripts/tuning_space.py; "" restores the shipped rule)."""
-    global TILE_ROUTED
+def route_tile_variant(variant: str, small_grid: Optional[float] = None) -> None:
+    """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on, and 8 warps up to
+    `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS). Benchmarks only: a tuning variant must be
+    registered (scripts/tuning_space.py); ("", None) restores the shipped rule."""
+    global TILE_ROUTED, TILE_SMALL_GRID
     if variant not in TILE_VARIANTS:
         raise ValueError(f"unknown tile GEMV variant {variant!r}; known: {sorted(TILE_VARIANTS)}")
     TILE_ROUTED = variant
+    TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS if small_grid is None else small_grid
     choose.cache_clear()
 
 
-def tile_warps(k: int) -> int:
-    return TILE_WARPS_LARGE_K if k > TILE_LARGE_K else TILE_WARPS_SMALL_K
+def tile_route() -> tuple:
+    """The routing state route_tile_variant sets (part of the ops' per-signature launch cache key)."""
+    return TILE_ROUTED, TILE_SMALL_GRID
+
+
+def tile_warps(k: int, n: Optional[int] = None, sms: int = 132) -> int:
+    """8 warps for the long-K down projections, and where the grid of n / 16 CTAs leaves the SMs nearly empty
+    (at most TILE_SMALL_GRID per SM: more warps per CTA put more loads in flight); else 4."""
+    if k > TILE_LARGE_K or (n is not None and n // 16 <= TILE_SMALL_GRID * sms):
+        return TILE_WARPS_LARGE_K
+    return TILE_WARPS_SMALL_K
 
 
 def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "",
@@ -192,7 +206,7 @@ def fuses_norm(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int,
     """Whether the routed kernel of this projection has a fused-RMSNorm variant (the tile GEMV at M = 1 for
     QKV and gate/up, docs/routing.md E2); elsewhere the row factor stays its own kernel."""
     return (epilogue in NORM_EPILOGUES and default_kernel(fmt, group_size, m, n, k, sms, epilogue) == "tile"
-            and tile_fits(k, tile_warps(k), True, TILE_ROUTED))
+            and tile_fits(k, tile_warps(k, n, sms), True, TILE_ROUTED))
 
 
 def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int = 132,
@@ -200,7 +214,7 @@ def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int =
     """The measured-fastest kernel for this format and M (the rules in the module docstring and
     docs/routing.md)."""
     if (m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS
-            and tile_fits(k, tile_warps(k), False, TILE_ROUTED)):
+            and tile_fits(k, tile_warps(k, n, sms), False, TILE_ROUTED)):
         return "tile"
     if fmt == "int4" and m > INT4_GEMV_MAX_M:
         return "skinny"
@@ -234,7 +248,7 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
     if norm and kernel != "tile":
         raise ValueError(f"no fused-norm kernel for this projection (M = {m}, {kernel}): use the row-factor kernel")
     if kernel == "tile":
-        wp = warps or tile_warps(k)
+        wp = warps or tile_warps(k, n, sms)
         if m != 1:
             raise ValueError(f"the tile GEMV serves M = 1, got M = {m}")
         tile_params(fmt, group_size, epilogue, wp, variant, norm)  # validates format, variant and epilogue

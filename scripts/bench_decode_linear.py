@@ -63,7 +63,7 @@ def _int4_designs(n, k, m, proj) -> dict:
     choice = plan.choose("int4", GROUP, epi, m, n, k)
     out = {}
     if m == 1:
-        w = plan.tile_warps(k)
+        w = plan.tile_warps(k, n)
         out["futx-int4-tile"] = dict(kernel="tile")
         out["futx-int4-tile-xw"] = dict(kernel="tile", warps=plan.TILE_WARPS_SMALL_K + plan.TILE_WARPS_LARGE_K - w)
         for v in plan.TILE_VARIANTS:
@@ -119,7 +119,7 @@ def plan_note(n, k, m, proj, fmt="int4") -> str:
     """Which kernel and launch shape the ops pick (reported with the timings)."""
     c = plan.choose(fmt, GROUP, EPILOGUE[proj], m, n, k)
     if c.kind == "tile":
-        return f"tile w{plan.tile_warps(k)}"
+        return f"tile w{plan.tile_warps(k, n)}"
     return f"gemv tiles={c.tiles}" if c.kind == "gemv" else f"skinny split={c.split}"
 
 

@@ -9,8 +9,9 @@ Floor = bytes one step must read (projections, LM head, the cache rows attended)
 
   python scripts/bench_engine.py --points 1x1024,8x1024,32x4096 --out bench.json --md bench.md --plot bench.png
   python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4   (all 80 layers fit in INT4)
-  python scripts/bench_engine.py --weights int4 --cache int4 --tile-variants ring4,ring8
-      (also the int4/int4 step with the router's M = 1 tile GEMV switched to tuning variants, captured alongside)
+  python scripts/bench_engine.py --weights int4 --cache int4 --tile-variants ring4,ring8,@0
+      (also the int4/int4 step with the router's M = 1 tile GEMV switched to tuning variants, captured alongside;
+      "VARIANT@G": with 8 warps up to G CTAs per SM instead of decode.plan.TILE_SMALL_GRID_CTAS)
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ def main(argv=None) -> int:
                                                            "('' for none)")
     p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
                    "and the unfused chain (RMSNorm/RoPE as torch ops)")
-    p.add_argument("--tile-variants", default="", help="comma-separated decode.plan.TILE_VARIANTS: also the int4/int4 "
-                   "step (and its breakdown) with the router's M = 1 tile GEMV switched to each")
+    p.add_argument("--tile-variants", default="", help="comma-separated decode.plan.TILE_VARIANTS, each optionally "
+                   "with @G (8 warps up to G CTAs per SM): also the int4/int4 step (and its breakdown) with the "
+                   "router's M = 1 tile GEMV switched to each")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="Markdown table")
@@ -160,6 +162,10 @@ def main(argv=None) -> int:
         from scripts import tuning_space
 
         tuning_space.register()
+
+        def route(spec: str) -> None:
+            name, _, grid = spec.partition("@")
+            plan.route_tile_variant(name, float(grid) if grid else None)
     cfg = config_for(a.shape, a.layers)
     points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
     wfs, cfs = a.weights.split(","), a.cache.split(",")
@@ -197,7 +203,7 @@ def main(argv=None) -> int:
                 cands[name] = lambda g=g: g.replay(batch)
         variant_models = {}
         for v in tile_variants:
-            plan.route_tile_variant(v)
+            route(v)
             try:
                 m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"])
                 g = GraphSteps(m, buckets=[batch])
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
             point["breakdown"] = {"format": a.breakdown, "us": bd}
             print("  per layer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in bd.items()), flush=True)
         for v, m in variant_models.items():
-            plan.route_tile_variant(v)
+            route(v)
             try:
                 bd = breakdown(m, batch, timer, stream)
             finally:

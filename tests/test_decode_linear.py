@@ -47,11 +47,14 @@ def test_m1_gemv_has_balanced_tiles():
 
 
 def test_routing_rule_follows_the_measurements():
-    """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192),
-    INT4 2..8 -> persistent GEMV, INT4 9..32 -> skinny; BF16/E4M3 up to 16 -> persistent GEMV where the rows
-    fit."""
+    """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192 and for
+    grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV, INT4 9..32
+    -> skinny; BF16/E4M3 up to 16 -> persistent GEMV where the rows fit."""
+    for layer, want in (("layer-70b", {"qkv": False, "o": False, "gate_up": False, "down": True}),):
+        for proj, (n, k) in preset(layer).projection_shapes().items():
+            assert plan.choose("int4", 128, "store", 1, n, k).key.endswith(".w8") == want[proj], (layer, proj)
     shapes = preset("layer-8b").projection_shapes()
-    want_w8 = {"qkv": False, "o": False, "gate_up": False, "down": True}
+    want_w8 = {"qkv": True, "o": True, "gate_up": False, "down": True}
     for proj, (n, k) in shapes.items():
         c = plan.choose("int4", 128, "store", 1, n, k)
         assert c.kind == "tile" and c.key.endswith(".w8") == want_w8[proj], c
@@ -329,14 +332,16 @@ def test_tile_smem_regions_are_aligned_and_the_ring_is_budgeted():
 
 def test_routing_the_tile_gemv_to_a_tuning_variant_and_back():
     """route_tile_variant steers choose(kernel="auto") at M = 1 only (the engine benchmark's hook), forced
-    choices keep their variant, and "" restores the shipped rule."""
+    choices keep their variant, small_grid moves the 8-warp threshold, and "" restores the shipped rule."""
     n, k = 6144, 4096
     shipped = plan.choose("int4", 128, "store", 1, n, k, norm=True).key
     try:
         plan.route_tile_variant("ring8")
         assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == shipped + ".ring8"
         assert plan.choose("int4", 128, "residual", 1, 4096, 14336).key == "decode.gemv.int4.m1.residual.w8.ring8"
-        assert plan.choose("int4", 128, "store", 1, n, k, kernel="tile").key == "decode.gemv.int4.m1.store"
+        assert plan.choose("int4", 128, "store", 1, 28672, k, kernel="tile").key == "decode.gemv.int4.m1.store"
+        plan.route_tile_variant("", small_grid=0)
+        assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == "decode.gemv.int4.m1.store.norm"
         assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
         with pytest.raises(ValueError, match="unknown tile GEMV variant"):
             plan.route_tile_variant("ring3")

@@ -119,7 +119,7 @@ def _prepared(fmt: str, group: int, epilogue: str, x, w, s, residual, check, nor
     misaligned pointer on later ones)."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         check()  # raises the TypeError
-    sig = (fmt, group, epilogue, norm, _meta(x), _meta(w), _meta(s), _meta(residual), plan.TILE_ROUTED)
+    sig = (fmt, group, epilogue, norm, _meta(x), _meta(w), _meta(s), _meta(residual), plan.tile_route())
     ready = _READY.get(sig)
     ptrs = x.data_ptr() | w.data_ptr() | (s.data_ptr() if s is not None else 0) | \
         (residual.data_ptr() if residual is not None else 0)
