@@ -32,17 +32,21 @@ class GemvSmem:
 
     def offsets(self, m, units, tiles) -> dict:
         """Byte offset of every region and "total"."""
-        sizes = (("slots", 2 * self.slot_bytes),
-                 ("x", m * self.x_row(units)),
-                 ("sums", units * self.m_pad * 4 if self.fold else 0),
-                 ("res", m * tiles * CHANNELS * 2 if self.residual else 0),
-                 ("csc", tiles * CHANNELS * 4 if self.channel_scale else 0))
-        out, at = {}, 0
-        for name, size in sizes:
-            out[name] = at
-            at = at + size
-        out["total"] = at
-        return out
+        return regions((("slots", 2 * self.slot_bytes),
+                        ("x", m * self.x_row(units)),
+                        ("sums", units * self.m_pad * 4 if self.fold else 0),
+                        ("res", m * tiles * CHANNELS * 2 if self.residual else 0),
+                        ("csc", tiles * CHANNELS * 4 if self.channel_scale else 0)))
+
+
+def regions(sizes) -> dict:
+    """(name, bytes) regions laid out in order -> byte offset of each and "total"."""
+    out, at = {}, 0
+    for name, size in sizes:
+        out[name] = at
+        at = at + size
+    out["total"] = at
+    return out
 
 
 # ---- the M = 1 tile GEMV (decode/gemv_tile.py) ------------------------------------------------------------
@@ -67,12 +71,6 @@ def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool 
     sums    [k / 128] f32 (+ pad)        each unit's sum of activations (`fold`)
     """
     ss = -(-warps * 4 // 16) * 16 if norm else 0
-    sizes = (("x", k * 2), ("red", warps * CHANNELS * 4), ("ss", ss),
-             ("scales", warps * tile_share_units(k, warps) * UNIT_SCALE_BYTES if ring else 0),
-             ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0))
-    out, at = {}, 0
-    for name, size in sizes:
-        out[name] = at
-        at = at + size
-    out["total"] = at
-    return out
+    return regions((("x", k * 2), ("red", warps * CHANNELS * 4), ("ss", ss),
+                    ("scales", warps * tile_share_units(k, warps) * UNIT_SCALE_BYTES if ring else 0),
+                    ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0)))
