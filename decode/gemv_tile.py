@@ -209,14 +209,14 @@ class GemvTile:
 
         # 2. this warp's slice of the activation row -> shared memory
         x_base = x.iterator.toint()
-        c_end = ub * (self.unit_k * 2 // LANE_BYTES)
-        if cutlass.const_expr(self.ring > 0):
-            # plain loads: a cp.async group here would make waiting for the row wait for the whole ring
-            for c in cutlass.range(ua * (self.unit_k * 2 // LANE_BYTES) + lane, c_end, WARP, unroll=1):
+        chunks = self.unit_k * 2 // LANE_BYTES
+        for c in cutlass.range(ua * chunks + lane, ub * chunks, WARP, unroll=1):
+            if cutlass.const_expr(self.ring > 0):
+                # plain loads: a cp.async group here would make waiting for the row wait for the whole ring
                 ptx.sts128(xs + c * LANE_BYTES, *ptx.ldg_v4(x_base + Int64(c) * LANE_BYTES))
-        else:
-            for c in cutlass.range(ua * (self.unit_k * 2 // LANE_BYTES) + lane, c_end, WARP, unroll=1):
+            else:
                 ptx.cp_async_16(xs + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
+        if cutlass.const_expr(self.ring == 0):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()

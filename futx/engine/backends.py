@@ -57,14 +57,17 @@ GLUES = ("fused", "norm-kernel", "torch")
 
 
 def fused_norm(x: torch.Tensor, w: Weight, epilogue: str) -> bool:
-    """Whether the kernel path runs this norm + projection as one fused kernel (decode.plan.fuses_norm)."""
+    """Whether the kernel path runs this norm + projection as one fused kernel (decode.plan.fuses_norm, asked with
+    the SM count the ops use on a GPU)."""
     from decode import plan
+    from futx.hardware import sm_count
     from futx.quant.int4 import Int4Weight
 
     if not isinstance(w, Int4Weight):
         return False
     n, k = w.shape
-    return plan.fuses_norm("int4", w.group_size, epilogue, x.shape[0], n, k)
+    sms = sm_count(x.device) if x.is_cuda else 132
+    return plan.fuses_norm("int4", w.group_size, epilogue, x.shape[0], n, k, sms)
 
 
 class EmulatedOps:
@@ -135,7 +138,6 @@ class EmulatedOps:
 
 
 GEMV_HEAD_ROWS = 16
-
 
 
 class KernelOps:

@@ -171,9 +171,10 @@ def _(x, packed, scales, group_size, epilogue="store", residual=None):
 @futx_op("decode_norm_linear_int4")
 def decode_norm_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
                             epilogue: str = "store", eps: float = 1e-5) -> torch.Tensor:
-    """y = bf16(x * rsqrt(mean(x^2) + eps)) @ W^T (+ "store" or "swiglu"): the decode step's RMSNorm row factor
-    and the projection that reads it, in one launch where decode.plan.fuses_norm (the tile GEMV at M = 1), else
-    the row-factor kernel then decode_linear_int4."""
+    """The projection of x's RMSNorm row (+ "store" or "swiglu"): the decode step's RMSNorm row factor and the
+    projection that reads it, in one launch where decode.plan.fuses_norm (the tile GEMV at M = 1, which computes
+    rsqrt(mean(x^2) + eps) * (x @ W^T) in float32), else the row-factor kernel then decode_linear_int4, i.e.
+    bf16(x * rsqrt(mean(x^2) + eps)) @ W^T."""
     _check_norm_epilogue(epilogue)
     if not (eps >= 0.0 and math.isfinite(eps)):
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
@@ -277,8 +278,8 @@ def decode_linear(x: torch.Tensor, weight, epilogue: str = "store",
 
 
 def decode_norm_linear(x: torch.Tensor, weight, epilogue: str, eps: float) -> torch.Tensor:
-    """bf16(x * rsqrt(mean(x^2) + eps)) @ W^T (+ "store" or "swiglu"), dispatching on the weight's type: one
-    launch where a fused-norm kernel serves it (INT4, decode_norm_linear_int4), else the row-factor kernel then
+    """The projection of x's RMSNorm row (+ "store" or "swiglu"), dispatching on the weight's type: one launch
+    where a fused-norm kernel serves it (INT4, decode_norm_linear_int4), else the row-factor kernel then
     decode_linear."""
     from futx.quant.int4 import Int4Weight
 
