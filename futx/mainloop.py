@@ -32,8 +32,8 @@ Two schedules of the consumers (`TileConfig.schedule`):
              the ring depth; it settles where warpgroup 0 stops waiting for data (warpgroup 1 never
              waits: its stages were loaded for warpgroup 0).
 
-Every chain ships as pingpong 64x256 and coop 128x128 tiles (futx/runtime/catalog/prefill.py); the
-variant rule and its measured reasons: docs/routing.md. The other schedules are the benchmarks' tuning space.
+Every chain ships as pingpong 64x256, coop 128x128 and pingpong 64x128 tiles (futx/runtime/catalog/prefill.py);
+the variant rule and its measured reasons: docs/routing.md. The other schedules are the benchmarks' tuning space.
 
 Persistence and L2: the grid is min(#cluster tiles, #SMs / cluster); each cluster walks the tile list
 with stride gridDim.z. Tiles are ordered in groups of `group_m` cluster-rows: inside a group the

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
 
     import futx.ops  # noqa: F401
     from futx.hardware import sm_count
-    from futx.runtime.catalog.prefill import SHIPPED, TUNING, VARIANTS, Variant, choose_plan
+    from futx.runtime.catalog.prefill import SHIPPED, TUNING, VARIANTS, Variant, choose_plan, choose_splits
 
     ms = [int(x) for x in args.m.split(",")]
     presets = [p for p in args.presets.split(",") if p]
@@ -147,7 +147,11 @@ def main(argv=None) -> int:
         plans = {"fp8": choose_plan(m, n, k, "e4m3", sms), "bf16": choose_plan(m, n, k, "bf16", sms)}
         pick = {ab: v for ab, (v, _) in plans.items()}   # the candidate without "/s": the rule's split count
         row = {"shape": name, "m": m, "n": n, "k": k, "results": res, "pick": pick,
-               "splits": {ab: sp for ab, (_, sp) in plans.items()}}
+               "splits": {ab: sp for ab, (_, sp) in plans.items()},
+               # the split-K count each futx candidate ran (scripts/fit_prefill_rule.py reads it)
+               "candidate_splits": {f"futx_{ab}_{c}": _variant_splits(c)[1] or choose_splits(
+                   _variant_splits(c)[0], m, n, k, "e4m3" if ab == "fp8" else "bf16", sms)
+                   for ab in ("fp8", "bf16") for c in names[ab]}}
         rows.append(row)
         f8 = res.get(f"futx_fp8_{pick['fp8']}", {})
         cb = res.get("cublas_fp8_row_fast", {})

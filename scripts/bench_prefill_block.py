@@ -196,6 +196,19 @@ def whole_model(fmt: str, s: int, rounds: int):
     return res
 
 
+def _routed(rule: str, fn):
+    """fn called with the prefill GEMM rule picking from the variants of `rule` (captured that way in a graph)."""
+    from futx.runtime.catalog.prefill import route_variants
+
+    def call():
+        route_variants(tuple(rule.split(",")))
+        try:
+            return fn()
+        finally:
+            route_variants(None)
+    return call
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -203,6 +216,11 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--shape", default="layer-8b", help="layer preset of part 1 (layer-8b, layer-405b)")
     p.add_argument("--parts", default="block,packed,whole", help="comma-separated subset of block,packed,whole")
+    p.add_argument("--rule", action="append", default=[], metavar="V1,V2,...",
+                   help="also time the FP8 and BF16 blocks with the GEMM rule picking from these variants only "
+                        "(repeatable; candidates futx_<fmt>_<glue>@<variants>)")
+    p.add_argument("--no-peer", action="store_true", help="skip the compiled PyTorch block (its compile is slow)")
+    p.add_argument("--glues", default="eager,kernel,compiled", help="FP8 block glues timed (subset)")
     args = p.parse_args()
     from futx.config import preset
 
@@ -220,14 +238,16 @@ def main() -> int:
     arm_watchdog(900)
     cands = {}
     for fmt in (("e4m3", "bf16") if "block" in parts else ()):
-        for glue in (("eager", "kernel", "compiled") if fmt == "e4m3" else ("eager",)):
+        for glue in (tuple(args.glues.split(",")) if fmt == "e4m3" else ("eager",)):
             try:
                 _, fn = block_setup(cfg, fmt, [s], glue=glue)
                 cands[f"futx_{'fp8' if fmt == 'e4m3' else 'bf16'}_{glue}"] = fn
+                for rule in args.rule:
+                    cands[f"futx_{'fp8' if fmt == 'e4m3' else 'bf16'}_{glue}@{rule}"] = _routed(rule, fn)
             except Exception as exc:  # noqa: BLE001
                 results.setdefault("errors", {})[f"futx_{fmt}_{glue}"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(f"futx {fmt} {glue}: {exc}", file=sys.stderr)
-    for gqa in ((True, False) if "block" in parts else ()):   # SDPA's enable_gqa, else K/V repeated per query head
+    for gqa in ((True, False) if "block" in parts and not args.no_peer else ()):   # SDPA's enable_gqa, else K/V repeated per query head
         try:
             cands["torch_fp8_compiled"] = torch_fp8_block(cfg, s, gqa=gqa)
             results["torch_sdpa_gqa"] = gqa

@@ -27,8 +27,9 @@ SOURCES = ("futx/mainloop.py", "epilogues/", "decode/ptx.py", "decode/split_arri
 AB = ("e4m3", "bf16")
 
 # What the rule can pick: pingpong 64x256 (never estimated slower than coop 128x256, measured faster at
-# every benchmarked shape) and coop 128x128 (wins where a pingpong launch is under one wave).
-VARIANTS = ("n256.pp", "n128")
+# every benchmarked shape), coop 128x128 (with split-K: partial waves over a long K) and pingpong 64x128
+# (launches with few tiles: each CTA's share of the work halves).
+VARIANTS = ("n256.pp", "n128", "n128.pp")
 # The tuning space the benchmarks compile on demand (scripts/tuning_space.py).
 TUNING = ("n256", "n256.st", "n256.pp.g16", "n256.pp.c1")
 
@@ -206,14 +207,19 @@ def load_chain(path: str):
     return chain
 
 
-# Split-K of coop launches (futx/mainloop.py, `PrefillGemm.exchange_partials`). Costs in k-tile times of a
-# 128x128 tile (~0.3 us, BF16 and E4M3 alike), fitted to docs/results-prefill.md "Split-K":
+# The rule's cost model, in k-tile times of a 64x256 pingpong (or 128x128 coop) tile (~0.42 us, BF16 and E4M3
+# alike: an E4M3 k-tile is twice as deep at twice the rate), fitted by scripts/fit_prefill_rule.py to the
+# measured sweeps in docs/prefill/ (docs/results-prefill.md "Pingpong 64x128"):
+K_TILE_COST = {("coop", 128): 1.02, ("coop", 256): 2.07,         # coop 128x256: run 2, 1277 vs 1322 TF/s
+               ("pingpong", 256): 1.0, ("pingpong", 128): 0.61}  # 64x128: half the work at 82% of the rate
+TILE_FIXED = {("coop", 128): 2.1, ("coop", 256): 2.1,            # first loads + epilogue, once per coop tile,
+              ("pingpong", 256): 2.9, ("pingpong", 128): 1.5}    # once per pingpong launch (the rest overlaps)
+EMPTY_CTA_COST = 1.2     # coop work when M leaves a cluster's second CTA without rows (M <= 128)
+EXCHANGE_K_TILES = 9.7   # split-K: writing, counting and summing two splits' partials
+EXCHANGE_PER_SPLIT = 3.7  # each further split the reducing CTA reads
 MAX_SPLITS = 8
-EMPTY_CTA_COST = 2.2     # coop tile cost when M leaves a cluster's second CTA without rows (M <= 128)
 MIN_SPLIT_K_TILES = 4    # k-tiles per split at least: the ring must fill and drain
-FILL_K_TILES = 11.0      # a launch's fixed cost (first loads, epilogue): 3.4 us
-EXCHANGE_K_TILES = 10.0  # writing, counting and summing two splits' partials
-EXCHANGE_PER_SPLIT = 3.0  # each further split the reducing CTA reads
+UNKNOWN_K = 4096         # what `choose_variant` assumes when the caller does not know K
 
 
 def k_tiles(k: int, ab: str) -> int:
@@ -228,34 +234,33 @@ def whole_tiles(tiles: int, splits: int, slots: int) -> int:
     return tiles // grid * grid
 
 
-def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 0, splits: int = 1) -> float:
-    """Estimated time of a persistent launch in units of one 128x256 coop tile: tile-waves x tile cost.
+def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 64, splits: int = 1) -> float:
+    """Estimated time of a persistent launch in k-tile times (`K_TILE_COST`); `kt` = k-tiles of the K loop.
 
     Work items are clusters of `cluster_m` CTA tiles over one weight tile, dealt round-robin to the
-    num_sms / cluster_m resident clusters. A 128-wide tile costs ~0.55 of a 256-wide one (~10% less
-    efficient per FLOP). A pingpong CTA's 64-row tiles take turns on the tensor cores, so each costs
-    half a coop tile: the same rate per SM, at half the granularity (fewer idle SMs in the last wave),
-    except under one wave, where each CTA holds a single tile and one warpgroup idles: a whole coop
-    tile's time (docs/routing.md).
+    num_sms / cluster_m resident clusters, so the busiest CTA runs `rounds` tiles. A coop CTA runs its tiles
+    one after another, each with its fixed cost (first loads, epilogue). A pingpong CTA's warpgroups take
+    turns, so one tile's epilogue hides under the other's mainloop and the fixed cost is paid once; a lone
+    warpgroup (one tile per CTA) issues its k-tiles as fast as two taking turns (measured at long K).
 
-    Split-K (coop only; `kt` = k-tiles): the full waves of tiles run whole; each tile of the last, partial
-    wave becomes `splits` units of kt / splits k-tiles plus the exchange of partials (~5 us measured: it
-    pays only where it fills idle SMs over a long K).
+    Split-K (coop only): the full waves of tiles run whole; each tile of the last, partial wave becomes
+    `splits` units of kt / splits k-tiles plus the exchange of partials (~4 us measured: it pays only where
+    it fills idle SMs over a long K).
     """
+    sched = "coop" if v.schedule == "stagger" else v.schedule
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
     slots = max(1, num_sms // v.cluster_m)
-    cost = (1.0 if v.tile_n == 256 else 0.55) * (0.5 if v.schedule == "pingpong" else 1.0)
-    if v.schedule == "pingpong" and clusters <= slots:
-        cost *= 2  # one tile per CTA: its second warpgroup has no tile to alternate with
-    if v.schedule != "pingpong" and m <= v.tile_m * (v.cluster_m - 1):
-        cost *= EMPTY_CTA_COST  # a cluster's second CTA has no rows: measured 1.9-2.4x a full coop tile's time
+    cost, fixed = K_TILE_COST[sched, v.tile_n], TILE_FIXED[sched, v.tile_n]
+    rounds = math.ceil(clusters / slots)
+    if sched == "pingpong":
+        return rounds * kt * cost + fixed
+    empty = EMPTY_CTA_COST if m <= v.tile_m * (v.cluster_m - 1) else 1.0
     if splits == 1:
-        return math.ceil(clusters / slots) * cost
+        return rounds * (kt * cost + fixed) * empty
     # the full waves run whole tiles; the tiles of the last, partial wave are split (futx/mainloop.py)
     whole = whole_tiles(clusters, splits, slots)
-    exchange = EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
-    unit = (kt / splits + FILL_K_TILES + exchange) / (kt + FILL_K_TILES)
-    return (whole // slots + math.ceil((clusters - whole) * splits / slots) * unit) * cost
+    unit = kt / splits * cost + fixed + EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
+    return (whole // slots * (kt * cost + fixed) + math.ceil((clusters - whole) * splits / slots) * unit) * empty
 
 
 def split_options(variant: str, k: int, ab: str) -> range:
@@ -265,9 +270,22 @@ def split_options(variant: str, k: int, ab: str) -> range:
     return range(1, max(1, min(MAX_SPLITS, k_tiles(k, ab) // MIN_SPLIT_K_TILES)) + 1)
 
 
-def choose_plan(m: int, n: int, k: int, ab: str, num_sms: int, names: tuple = VARIANTS) -> tuple:
-    """The variant rule: (variant, splits) of fewest estimated tile-waves (`_waves`), ties to the first
-    variant and the fewest splits."""
+_ROUTED: tuple = VARIANTS   # what choose_plan picks from by default (`route_variants`)
+
+
+def route_variants(names: tuple | None = None) -> None:
+    """Make the rule pick from `names` (a subset or superset of VARIANTS) from now on; None restores VARIANTS.
+    Benchmarks only (e.g. a whole layer with and without a variant): variants outside VARIANTS compile on demand."""
+    global _ROUTED
+    for name in names or ():
+        Variant.parse(name)
+    _ROUTED = tuple(names) if names else VARIANTS
+
+
+def choose_plan(m: int, n: int, k: int, ab: str, num_sms: int, names: tuple | None = None) -> tuple:
+    """The variant rule: (variant, splits) of least estimated time (`_waves`), ties to the first variant and the
+    fewest splits; `names` defaults to the routed variants (VARIANTS unless `route_variants` changed them)."""
+    names = names or _ROUTED
     best, best_t = (names[0], 1), math.inf
     kt = k_tiles(k, ab)
     for name in names:
@@ -284,10 +302,12 @@ def choose_splits(variant: str, m: int, n: int, k: int, ab: str, num_sms: int) -
     return choose_plan(m, n, k, ab, num_sms, (variant,))[1]
 
 
-def choose_variant(m: int, n: int, num_sms: int, names: tuple = VARIANTS, k: int = 0, ab: str = "e4m3") -> str:
-    """The variant `choose_plan` picks (without K: the rule without split-K)."""
+def choose_variant(m: int, n: int, num_sms: int, names: tuple | None = None, k: int = 0, ab: str = "e4m3") -> str:
+    """The variant `choose_plan` picks; without K, the rule without split-K at a K of UNKNOWN_K."""
+    names = names or _ROUTED
     if k <= 0:
-        return choose_plan(m, n, 1, ab, num_sms, names)[0]
+        kt = k_tiles(UNKNOWN_K, ab)
+        return min(names, key=lambda name: _waves(Variant.parse(name), m, n, num_sms, kt) + 1e-9 * names.index(name))
     return choose_plan(m, n, k, ab, num_sms, names)[0]
 
 
