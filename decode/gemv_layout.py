@@ -59,18 +59,21 @@ def tile_share_units(k: int, warps: int) -> int:
     return (k // 128 + warps - 1) // warps
 
 
-def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False) -> dict:
+def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False) -> dict:
     """Byte offset of each shared-memory region of the tile GEMV and "total"; `ring` = units per warp of the
-    "ring" pipeline (0: the register pipelines, no ring). Regions in order (all multiples of 16 bytes):
+    "ring" pipeline (0: the register pipelines, no ring); `split`: the split-K kernel, whose `k` is the slice a
+    CTA stages (decode.plan.tile_slice_k). Regions in order (all multiples of 16 bytes):
 
-    x       [k] bf16                     the activation row
+    x       [k] bf16                     the activation row (split-K: the CTA's slice of it)
     red     [warps][16] f32              the warps' partial sums
     ss      [warps] f32 (+ pad)          their sums of squares (`norm`)
     scales  [warps][share units][16] f16 each warp's share of the group scales (ring only)
     ring    [warps][ring][1 KB]          each warp's weight ring (ring only)
     sums    [k / 128] f32 (+ pad)        each unit's sum of activations (`fold`)
+    xchg    [16] f32 + flag (+ pad)      split-K: the tile's summed partials and the "last CTA" flag
     """
     ss = -(-warps * 4 // 16) * 16 if norm else 0
     return regions((("x", k * 2), ("red", warps * CHANNELS * 4), ("ss", ss),
                     ("scales", warps * tile_share_units(k, warps) * UNIT_SCALE_BYTES if ring else 0),
-                    ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0)))
+                    ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0),
+                    ("xchg", CHANNELS * 4 + 16 if split else 0)))

@@ -30,6 +30,7 @@ their partial sums through shared memory; the fused epilogue writes the 16 outpu
 `fold` (tuning space, measured slower, P10): the A operands keep 128 + nibble and each unit's partial is
 corrected by -136 x the unit's activation sum (computed once per CTA from the staged row), instead of one
 bf16x2 FMA per weight register.
+`GemvTileSplit` (tuning space, measured slower, P11): split-K over the CTAs of a tile, the last one reducing.
 PDL: launched as a programmatic dependent; the first batch of weights (and scales) is requested before
 `griddepcontrol.wait`, the activation row and the residual are read after it, so the weight stream can start
 while the previous kernel runs. It signals its own
@@ -45,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import epilogue as epi
-from . import ptx, stream
+from . import ptx, split_arrival, stream
 from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
 from .gemv_layout import UNIT_BYTES, UNIT_SCALE_BYTES, tile_share_units, tile_smem
 from futx.quant import layouts
@@ -56,13 +57,19 @@ FORMAT = ("int4", 128)   # the one format with a tile GEMV (decode.plan.TILE_FOR
 DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 
 
-def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False) -> int:
+def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False) -> int:
     """Dynamic shared memory of a launch (decode.gemv_layout.tile_smem, which the host's planner shares)."""
-    return tile_smem(k, warps, norm, ring, fold)["total"]
+    return tile_smem(k, warps, norm, ring, fold, split)["total"]
+
+
+def slice_k(k, splits):
+    """K of the activation slice a CTA of a `splits`-way split stages (decode.plan.tile_slice_k, on DSL ints)."""
+    return (k // 128 + splits - 1) // splits * 128
 
 
 class GemvTile:
     norm = False   # GemvTileNorm: the RMSNorm row factor in the prologue
+    split = False  # GemvTileSplit: split-K over the CTAs of a tile
 
     def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch",
                  fold: bool = False):
@@ -165,10 +172,10 @@ class GemvTile:
 
     @cute.jit
     def _body(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
-              y: cute.Tensor, eps):
+              y: cute.Tensor, eps, ws=None, counters=None, splits=None):
         fmt, W, P = self.fmt, self.warps, self.prefetch
         tid, _, _ = cute.arch.thread_idx()
-        nb, _, _ = cute.arch.block_idx()
+        nb, sy, _ = cute.arch.block_idx()
         warp = tid // WARP
         lane = tid % WARP
         g = lane // 4
@@ -177,6 +184,15 @@ class GemvTile:
         ua = warp * n_units // W
         ub = (warp + 1) * n_units // W
         last = n_units - 1  # clamps shared-memory reads of units past the share
+        k_smem = k
+        if cutlass.const_expr(self.split):
+            # this CTA's units [cu0, cu1), the sy-th of `splits` ranges, shared by its warps
+            cu0 = sy * n_units // splits
+            cu1 = (sy + 1) * n_units // splits
+            ua = cu0 + warp * (cu1 - cu0) // W
+            ub = cu0 + (warp + 1) * (cu1 - cu0) // W
+            last = cu1 - 1
+            k_smem = slice_k(k, splits)
 
         s_base = s.iterator.toint()
         lane_base = fmt.lane_base(w.iterator.toint(), nb, lane, k)
@@ -186,7 +202,12 @@ class GemvTile:
         where = (ub, lane_base, offsets, k, s_base, nb, n_units, g)
         D = self.depth
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
-        regions = tile_smem(k, W, self.norm, self.ring, self.fmt.fold)
+        regions = tile_smem(k_smem, W, self.norm, self.ring, self.fmt.fold, self.split)
+        chunks = self.unit_k * 2 // LANE_BYTES
+        # the staged row's origin: unit u of the row sits at xrow + u * unit bytes (a split CTA stages its slice)
+        xrow = xs
+        if cutlass.const_expr(self.split):
+            xrow = xs - cu0 * (chunks * LANE_BYTES)
         x_sums = xs + regions["sums"]
         if cutlass.const_expr(self.ring > 0):
             share = tile_share_units(k, W)
@@ -209,23 +230,22 @@ class GemvTile:
 
         # 2. this warp's slice of the activation row -> shared memory
         x_base = x.iterator.toint()
-        chunks = self.unit_k * 2 // LANE_BYTES
         for c in cutlass.range(ua * chunks + lane, ub * chunks, WARP, unroll=1):
             if cutlass.const_expr(self.ring > 0):
                 # plain loads: a cp.async group here would make waiting for the row wait for the whole ring
-                ptx.sts128(xs + c * LANE_BYTES, *ptx.ldg_v4(x_base + Int64(c) * LANE_BYTES))
+                ptx.sts128(xrow + c * LANE_BYTES, *ptx.ldg_v4(x_base + Int64(c) * LANE_BYTES))
             else:
-                ptx.cp_async_16(xs + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
+                ptx.cp_async_16(xrow + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
         if cutlass.const_expr(self.ring == 0):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
         if cutlass.const_expr(self.norm or self.fmt.fold):
-            self._row_stats(xs, ua, ub, warp, lane, xs + regions["ss"], x_sums)
+            self._row_stats(xrow, ua, ub, warp, lane, xs + regions["ss"], x_sums)
 
         # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
         # the one activation row, so every B column holds x)
-        xs_lane = xs + fmt.x_lane_offset(lane, 0)
+        xs_lane = xrow + fmt.x_lane_offset(lane, 0)
 
         # 3. stream. Units past the share are predicated off (no traffic) and add zero.
         acc = (Float32(0.0),) * 4
@@ -280,7 +300,38 @@ class GemvTile:
             for wi in cutlass.range_constexpr(1, W):
                 total = total + ptx.lds_f32(xs + regions["ss"] + wi * 4)
             factor = cute.math.rsqrt(total / Float32(k) + eps)
-        self._epilogue(tid, nb, red, r, y, factor)
+        if cutlass.const_expr(self.split):
+            self._exchange(tid, nb, sy, red, xs + regions["xchg"], r, y, ws, counters, splits)
+        else:
+            self._epilogue(tid, nb, red, r, y, factor)
+
+    @cute.jit
+    def _exchange(self, tid, nb, sy, red, xchg, r, y, ws, counters, splits):
+        """Split-K: write this CTA's 16 row sums to the workspace ([tile][split][16] float32), count the CTA on the
+        tile's counter; the last to arrive sums the partials in split order (deterministic) and runs the
+        epilogue (decode/split_arrival.py)."""
+        ws_base = ws.iterator.toint()
+        tile = Int64(nb) * splits
+        if tid < BLOCK_N // 2:
+            ptx.stg_f32x2(ws_base + ((tile + sy) * BLOCK_N + 2 * tid) * 4,
+                          self._row_sum(red, 2 * tid), self._row_sum(red, 2 * tid + 1))
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        flag = xchg + BLOCK_N * 4
+        if tid == 0:
+            ptx.sts_f32(flag, Float32(split_arrival.arrive(counters.iterator + nb, splits)))
+        cute.arch.sync_threads()
+        if ptx.lds_f32(flag) != Float32(0.0):
+            cute.arch.fence_acq_rel_gpu()
+            if tid < BLOCK_N // 2:
+                a0, a1 = Float32(0.0), Float32(0.0)
+                for sp in cutlass.range(splits, unroll=1):
+                    v0, v1 = ptx.ldg_cg_f32x2(ws_base + ((tile + sp) * BLOCK_N + 2 * tid) * 4)
+                    a0, a1 = a0 + v0, a1 + v1
+                ptx.sts_f32(xchg + (2 * tid) * 4, a0)
+                ptx.sts_f32(xchg + (2 * tid + 1) * 4, a1)
+            cute.arch.sync_threads()
+            self._epilogue(tid, nb, red, r, y, None, xchg)
 
     def _row_sum(self, red: Int32, row) -> Float32:
         v = ptx.lds_f32(red + row * 4)
@@ -289,13 +340,14 @@ class GemvTile:
         return v
 
     @cute.jit
-    def _epilogue(self, tid, nb, red, r, y, factor=None):
+    def _epilogue(self, tid, nb, red, r, y, factor=None, totals=None):
         """Thread tid < the tile's output columns finishes output column tid (`norm`: the row sums times the
-        RMSNorm row factor first)."""
+        RMSNorm row factor first; `totals`: the split-K sums in shared memory instead of the warps' partials)."""
         y_base = y.iterator.toint()
         cols = BLOCK_N // self.epi.rows_per_output
         if tid < cols:
-            sums = tuple(self._row_sum(red, row) for row in self.epi.rows(tid))
+            sums = tuple(self._row_sum(red, row) if totals is None else ptx.lds_f32(totals + row * 4)
+                         for row in self.epi.rows(tid))
             if cutlass.const_expr(self.norm):
                 sums = tuple(v * factor for v in sums)
             v = self.epi.finish(sums,
@@ -327,16 +379,46 @@ class GemvTileNorm(GemvTile):
         self._body(x, w, s, r, y, eps)
 
 
+class GemvTileSplit(GemvTile):
+    """Split-K (tuning space, docs/routing.md P11): grid (N / 16, splits); the CTAs of a tile stream `splits` K
+    ranges (each stages only its slice of the row), write their 16 row sums to a float32 workspace and count
+    themselves on the tile's arrival counter; the last to arrive sums the partials in split order and runs the
+    epilogue. Meant to fill the CTA slots the last wave of the down projections leaves empty; measured slower in
+    the decode step (the fence / counter / read-back chain costs more than the balance gains)."""
+
+    split = True
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+                 y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, splits: Int32, stream):
+        n_tiles = self.epi.weight_rows(y.shape[1]) // BLOCK_N
+        smem = smem_bytes(slice_k(x.shape[1], splits), self.warps, split=True)
+        self.kernel_split(x, w, s, r, y, ws, counters, splits).launch(
+            grid=(n_tiles, splits, 1), block=(WARP * self.warps, 1, 1), smem=smem, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel_split(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
+                     y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, splits: Int32):
+        self._body(x, w, s, r, y, None, ws, counters, splits)
+
+
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
-                   prefetch: int = 0, pipeline: str = "batch", norm: bool = False, fold: bool = False):
+                   prefetch: int = 0, pipeline: str = "batch", norm: bool = False, fold: bool = False,
+                   split: bool = False):
     """Registry factory. `fmt` and `group_size` are registry parameters (decode.plan.tile_params) with the one
     value FORMAT. `norm`: the fused-RMSNorm variant, which takes eps (float32) before the stream. `fold`: the
-    nibble bias as one correction per unit from the unit's activation sum."""
-    from .signature import fake_args
+    nibble bias as one correction per unit from the unit's activation sum. `split`: split-K, which takes the
+    workspace, the arrival counters and the split count before the stream."""
+    from .signature import fake_args, fake_split_args
 
     if (fmt, group_size) != FORMAT:
         raise ValueError(f"the tile GEMV serves {FORMAT} weights only, got {(fmt, group_size)}")
     args = fake_args(fmt, epilogue, m=1)
+    if split:
+        if norm or fold or pipeline != "batch":
+            raise ValueError("the split-K tile GEMV is the batch pipeline without the fused norm or the fold")
+        return GemvTileSplit(epilogue, warps, prefetch, pipeline, fold), (*args[:-1], *fake_split_args(), Int32(1),
+                                                                         args[-1])
     if not norm:
         return GemvTile(epilogue, warps, prefetch, pipeline, fold), args
     if epi.make(epilogue).residual:

@@ -50,6 +50,10 @@ TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
 TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
 TILE_SMALL_GRID_CTAS = 3          # and where the grid has at most this many CTAs per SM (8B QKV and O, P3)
 NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
+# split-K of the tile GEMV (tuning space, routing rule P11: measured slower in the decode step): the residual
+# projections' CTAs of a tile each stream a K range and the last to arrive sums the 16 row partials
+TILE_SPLIT_EPILOGUES = ("residual",)
+TILE_MAX_SPLITS = 4
 # tuning space: a rolling prefetch (6 units deep); batches of 1, 3 or 4 units instead of 2 (INT4 g128);
 # "ring<u>": each warp streams its weights through a shared-memory ring of u units (cp.async), so the bytes in
 # flight are not bounded by registers, and the first u units are requested before the PDL wait;
@@ -75,6 +79,7 @@ MIN_UNITS = 4
 # variant or another threshold in the decode step as the router would launch it)
 TILE_ROUTED = ""
 TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS
+TILE_SPLIT: Optional[int] = None   # a forced split count of the split-capable projections (None: the rule)
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -153,21 +158,25 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
 
 
 # ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
-def route_tile_variant(variant: str, small_grid: Optional[float] = None) -> None:
-    """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on, and 8 warps up to
-    `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS). Benchmarks only: a tuning variant must be
-    registered (scripts/tuning_space.py); ("", None) restores the shipped rule."""
-    global TILE_ROUTED, TILE_SMALL_GRID
+def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None) -> None:
+    """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on, 8 warps up to
+    `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS) and `split` CTAs per tile of the
+    split-capable projections (None: `tile_splits`). Benchmarks only: a tuning variant must be registered
+    (scripts/tuning_space.py); ("", None, None) restores the shipped rule."""
+    global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT
     if variant not in TILE_VARIANTS:
         raise ValueError(f"unknown tile GEMV variant {variant!r}; known: {sorted(TILE_VARIANTS)}")
+    if split is not None and not 1 <= split <= TILE_MAX_SPLITS:
+        raise ValueError(f"a tile GEMV split is 1..{TILE_MAX_SPLITS}, got {split}")
     TILE_ROUTED = variant
     TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS if small_grid is None else small_grid
+    TILE_SPLIT = split
     choose.cache_clear()
 
 
 def tile_route() -> tuple:
     """The routing state route_tile_variant sets (part of the ops' per-signature launch cache key)."""
-    return TILE_ROUTED, TILE_SMALL_GRID
+    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT
 
 
 def tile_warps(k: int, n: Optional[int] = None, sms: int = 132) -> int:
@@ -179,20 +188,39 @@ def tile_warps(k: int, n: Optional[int] = None, sms: int = 132) -> int:
 
 
 def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "",
-                norm: bool = False) -> dict:
-    """Compile-time parameters of a tile GEMV variant (decode.gemv_tile.compile_target keywords)."""
+                norm: bool = False, split: bool = False) -> dict:
+    """Compile-time parameters of a tile GEMV variant (decode.gemv_tile.compile_target keywords); `split`: the
+    split-K kernel (runtime split count, workspace and arrival counters)."""
     if (fmt, group_size if fmt == "int4" else 128) not in TILE_FORMATS:
         raise ValueError(f"no tile GEMV is compiled for {fmt_tag(fmt, group_size)} weights")
     if norm and epilogue not in NORM_EPILOGUES:
         raise ValueError(f"the fused-norm tile GEMV serves the {NORM_EPILOGUES} epilogues, got {epilogue!r}")
+    if split and (norm or variant or epilogue not in TILE_SPLIT_EPILOGUES):
+        raise ValueError(f"the split-K tile GEMV serves the {TILE_SPLIT_EPILOGUES} epilogues of the routed "
+                         f"variant without the fused norm, got {epilogue!r}, variant {variant!r}, norm={norm}")
     params = dict(fmt=fmt, group_size=group_size, epilogue=epilogue, warps=warps, **TILE_VARIANTS[variant])
-    return {**params, "norm": True} if norm else params
+    return {**params, **({"norm": True} if norm else {}), **({"split": True} if split else {})}
 
 
-def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "", norm: bool = False) -> str:
+def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "", norm: bool = False,
+             split: bool = False) -> str:
     suffix = ((f".w{warps}" if warps != TILE_WARPS_SMALL_K else "") + (".norm" if norm else "")
-              + (f".{variant}" if variant else ""))
+              + (".split" if split else "") + (f".{variant}" if variant else ""))
     return f"decode.gemv.{fmt_tag(fmt, group_size)}.m1.{epilogue}{suffix}"
+
+
+def tile_slice_k(k: int, splits: int) -> int:
+    """K of the activation slice one CTA of a `splits`-way split stages (its unit range rounded up)."""
+    units = k // 128
+    return -(-units // splits) * 128
+
+
+def tile_splits(epilogue: str, k: int) -> int:
+    """CTAs per 16-channel tile of the routed tile GEMV: 1 (split-K measured slower, P11) unless a benchmark
+    forces a count (`route_tile_variant`) for a projection that can split."""
+    if TILE_SPLIT is None or epilogue not in TILE_SPLIT_EPILOGUES or TILE_ROUTED:
+        return 1
+    return TILE_SPLIT if TILE_SPLIT <= k // 128 else 1
 
 
 def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "") -> bool:
@@ -254,7 +282,12 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         tile_params(fmt, group_size, epilogue, wp, variant, norm)  # validates format, variant and epilogue
         if not tile_fits(k, wp, norm, variant):
             raise ValueError(f"the tile GEMV cannot serve K = {k} (activation row exceeds shared memory)")
-        return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm), "tile")
+        sp = split if split is not None else (1 if norm or variant else tile_splits(epilogue, k))
+        if sp > 1:
+            tile_params(fmt, group_size, epilogue, wp, variant, norm, split=True)  # validates what can split
+            if not 1 <= sp <= min(TILE_MAX_SPLITS, k // 128):
+                raise ValueError(f"a tile GEMV split is 1..{min(TILE_MAX_SPLITS, k // 128)} here, got {sp}")
+        return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm, split=sp > 1), "tile", split=sp)
     if kernel == "gemv":
         params = gemv_params(fmt, group_size, epilogue, m, variant)
         t = gemv_tiles(params, m, n, k, sms, tiles)

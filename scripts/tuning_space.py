@@ -6,11 +6,13 @@ measurable, but are not shipped and not built by the default `futx build`:
 
     decode.gemv.int4[g64].m16.*               the INT4 persistent GEMV with two token groups (M bucket 16)
     decode.gemv.int4.m8.*.{nofold,r2}         the persistent GEMV without the fold / scales converted at the load
-    decode.gemv.int4.m1.*[.w8].{p1,p3,p4,rolling}   the tile GEMV with other batch sizes / a rolling prefetch
+    decode.gemv.int4.m1.*[.w8].{p1,p3,p4,rolling,ring4,ring8,fold}   the tile GEMV with other batch sizes / a rolling
+                                              prefetch / a shared-memory ring / the folded nibble bias
+    decode.gemv.int4.m1.residual[.w8].split   the tile GEMV with split-K over the CTAs of a tile
     decode.skinny.int4.m{16,32}.*.{s3,s4,c2}  the skinny kernel with shorter rings (more CTAs per SM), two MMA chains
     decode.skinny.int4[g64].m{16,32}.*.{wg,wgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
-    prefill.gemm.<ab>.<chain>[.n256.st|.n256.pp.g16|.n256.pp.c1]   prefill schedules (catalog prefill.TUNING)
+    prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1]   prefill schedules (catalog prefill.TUNING)
 
 Use from Python (benchmarks, GPU tests), before naming a key:
 
@@ -59,6 +61,8 @@ def linear_specs() -> list[KernelSpec]:
     specs += [linear_catalog.tile_spec(f, g, e, w, v, norm=True) for f, g in plan.TILE_FORMATS
               for v in plan.TILE_VARIANTS if v
               for e in plan.NORM_EPILOGUES for w in linear_catalog.TILE_WARPS]
+    specs += [linear_catalog.tile_spec(f, g, e, w, split=True) for f, g in plan.TILE_FORMATS
+              for e in plan.TILE_SPLIT_EPILOGUES for w in linear_catalog.TILE_WARPS]
     specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for v in plan.SKINNY_VARIANTS if v
               for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]
     specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo") for e in plan.EPILOGUES

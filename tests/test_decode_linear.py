@@ -116,7 +116,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 52 and len(tuning) == 124
+    assert len(registry) == 52 and len(tuning) == 126
 
 
 def test_fused_norm_routes_only_the_m1_tile_gemv():
@@ -140,7 +140,7 @@ def test_fused_norm_routes_only_the_m1_tile_gemv():
 
 
 def test_tuning_space_keys_are_what_the_forced_router_names():
-    """Each tuning variant is reachable with the router's overrides (kernel=, variant=, warps=), so benchmarks
+    """Each tuning variant is reachable with the router's overrides (kernel=, variant=, warps=, split=), so benchmarks
     and GPU tests name them through plan.choose."""
     n, k = 4096, 4096
     forced = set()
@@ -151,6 +151,8 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
                 if e in plan.NORM_EPILOGUES:
                     forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, variant=v,
                                            norm=True).key)
+            if e in plan.TILE_SPLIT_EPILOGUES:
+                forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, split=2).key)
         for v in plan.GEMV_VARIANTS:
             forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="gemv", variant=v).key)
         for group in plan.GROUP_SIZES:
@@ -348,3 +350,30 @@ def test_routing_the_tile_gemv_to_a_tuning_variant_and_back():
     finally:
         plan.route_tile_variant("")
     assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == shipped
+
+
+def test_tile_split_is_tuning_space():
+    """Split-K of the M = 1 tile GEMV (docs/routing.md P11: measured slower in the decode step) is never routed;
+    it can be forced (tests, `route_tile_variant(split=)` for the step benchmark) on the residual projections."""
+    down70 = plan.choose("int4", 128, "residual", 1, 8192, 28672)
+    assert (down70.split, down70.key) == (1, "decode.gemv.int4.m1.residual.w8")
+    forced = plan.choose("int4", 128, "residual", 1, 8192, 28672, kernel="tile", split=3)
+    assert (forced.split, forced.key) == (3, "decode.gemv.int4.m1.residual.w8.split")
+    assert plan.choose("int4", 128, "residual", 1, 2096, 2176, kernel="tile", split=4).split == 4
+    for epilogue, n, k in (("swiglu", 28672, 4096), ("store", 6144, 4096)):
+        with pytest.raises(ValueError, match="split-K"):
+            plan.choose("int4", 128, epilogue, 1, n, k, kernel="tile", split=2)
+    with pytest.raises(ValueError, match="tile GEMV split"):
+        plan.choose("int4", 128, "residual", 1, 16, 128, kernel="tile", split=2)   # one unit
+    assert plan.tile_slice_k(28672, 3) == 75 * 128
+    try:
+        plan.route_tile_variant("", split=2)
+        assert plan.choose("int4", 128, "residual", 1, 8192, 28672).split == 2
+        assert plan.choose("int4", 128, "swiglu", 1, 28672, 4096).split == 1
+        plan.route_tile_variant("ring8", split=2)   # a tuning pipeline has no split kernel
+        assert plan.choose("int4", 128, "residual", 1, 8192, 28672).split == 1
+        with pytest.raises(ValueError, match="split"):
+            plan.route_tile_variant("", split=9)
+    finally:
+        plan.route_tile_variant("")
+    assert plan.choose("int4", 128, "residual", 1, 8192, 28672) == down70

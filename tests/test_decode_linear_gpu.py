@@ -199,6 +199,43 @@ def test_tile_gemv(n, k, warps, variant):
             assert torch.equal(y, base), f"ring {variant} w{warps} {n}x{k} {epilogue} != batch pipeline"
 
 
+# split-K tile GEMV: 17 units in 2-4 uneven ranges, the 8B down (routed: 3 splits) and the 70B down
+SPLIT_CASES = [(2096, 2176), (4096, 14336), (8192, 28672)]
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("n,k", SPLIT_CASES, ids=[f"{c[0]}x{c[1]}" for c in SPLIT_CASES])
+def test_tile_gemv_split_k(n, k, warps):
+    """Split-K of the M = 1 tile GEMV (residual epilogue): every count matches the float64 reference, repeats
+    bitwise (partials summed in split order), leaves the arrival counters at zero, and replays in a CUDA graph."""
+    from futx.ops import split_counters
+
+    stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
+    x, r = _inputs(1, k, n, 11)
+    want = _reference(x, w_ref, "residual", r)
+    for sp in (1, 2, 3, 4):
+        y = _run("int4", stored, x, 128, "residual", r, split=sp, kernel="tile", warps=warps)
+        again = _run("int4", stored, x, 128, "residual", r, split=sp, kernel="tile", warps=warps)
+        torch.cuda.synchronize()
+        _check(y, want, f"tile split {sp} w{warps} {n}x{k}")
+        assert torch.equal(y, again), f"split {sp}: a second call differs (non-deterministic reduction or stale counters)"
+    assert not split_counters.counters(x.device)[: n // 16].any(), "arrival counters not reset"
+    from futx.ops.decode_linear import run_variant
+
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(4 * n, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_variant("int4", x, stored[0], stored[1], 128, "residual", r, "tile", split=3, out=out, workspace=ws,
+                    warps=warps)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    eager = _run("int4", stored, x, 128, "residual", r, split=3, kernel="tile", warps=warps)
+    assert torch.equal(out, eager), "split 3 in a CUDA graph differs from the eager call"
+
+
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
 def test_design_variants_match(epilogue):
     """Tuning-space GEMV variants (no fold; scales converted at the load as in run 2) at M = 1 and 8;

@@ -71,7 +71,7 @@ def _plan(fmt: str, group: int, epilogue: str, x: torch.Tensor, n: int, kernel: 
                          norm)
     if choice.kind == "gemv":
         checks.in_range("tiles", choice.tiles, 1, n // layouts.INT4_WEIGHT.block_n)
-    elif choice.kind == "skinny":
+    elif choice.kind == "skinny" or choice.split > 1:
         checks.in_range("split", choice.split, 1, k // plan.unit_k(fmt, group))
     return choice, get_kernel(choice.key)
 
@@ -88,13 +88,14 @@ def _launch(planned, epilogue: str, x, w, s, residual, n: int, out: Optional[tor
         checks.dtype("out", out, torch.bfloat16)
         checks.shape("out", out, shape)
         checks.contiguous("out", out)
-    if choice.kind == "tile":
+    if choice.kind == "tile" and choice.split == 1:
         fn(x, w, s, residual, out, *(() if eps is None else (eps,)))
         return out
     if choice.kind == "gemv":
         fn(x, w, s, residual, out, choice.tiles)
         return out
-    need = choice.split * n * plan.m_bucket(m) if choice.split > 1 else 4
+    # split-K partials: [split][n][token bucket] (skinny), [n / 16][split][16] (tile GEMV, M = 1)
+    need = choice.split * n * (1 if choice.kind == "tile" else plan.m_bucket(m)) if choice.split > 1 else 4
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     elif workspace.numel() < need or workspace.dtype != torch.float32:

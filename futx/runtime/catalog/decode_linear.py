@@ -26,11 +26,12 @@ def gemv_spec(fmt, group, epilogue, m, variant=""):
                           f"{epilogue}{', ' + variant if variant else ''}")
 
 
-def tile_spec(fmt, group, epilogue, warps, variant="", norm=False):
-    params = plan.tile_params(fmt, group, epilogue, warps, variant, norm)
-    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant, norm), module="decode.gemv_tile",
+def tile_spec(fmt, group, epilogue, warps, variant="", norm=False, split=False):
+    params = plan.tile_params(fmt, group, epilogue, warps, variant, norm, split)
+    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant, norm, split), module="decode.gemv_tile",
                       params=tuple(sorted(params.items())), sources=_SOURCES, expect_sass=("HMMA",),
-                      doc=f"M=1 one-tile-per-CTA GEMV{' with the RMSNorm row factor' if norm else ''}, "
+                      doc=f"M=1 one-tile-per-CTA GEMV{' with the RMSNorm row factor' if norm else ''}"
+                          f"{', split-K over CTAs' if split else ''}, "
                           f"{plan.fmt_tag(fmt, group)} weights, {epilogue}, {warps} warps"
                           f"{', ' + variant if variant else ''}")
 
