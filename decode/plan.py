@@ -4,10 +4,11 @@ kernel catalog, so compile-time parameters and launch shapes come from one place
 The default routing (`kernel="auto"`, `default_kernel`), per format and M; each rule's measured reason is in
 docs/routing.md:
 
-* INT4 group 128, M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, batches of 2 units), 8 warps when
-  K > TILE_LARGE_K or the grid has at most TILE_SMALL_GRID_CTAS CTAs per SM, else 4 (where the activation row
-  fits in shared memory). QKV and gate/up there have a
-  fused-RMSNorm variant (`norm=True`, `fuses_norm`) that the decode step uses instead of the row-factor kernel.
+* INT4 group 128, M = 1 -> the one-tile-per-CTA GEMV (`gemv_tile.py`, batches of 2 units; of 3 for K >
+  TILE_LONG_K without the fused norm), 8 warps when K > TILE_LARGE_K or the grid has at most
+  TILE_SMALL_GRID_CTAS CTAs per SM, else 4 (where the activation row fits in shared memory). QKV and gate/up
+  there have a fused-RMSNorm variant (`norm=True`, `fuses_norm`) that the decode step uses instead of the
+  row-factor kernel.
 * INT4, M <= INT4_GEMV_MAX_M -> the persistent GEMV (`gemv.py`, one 8-token group, folded nibble bias)
   where the activation rows fit in shared memory, else the skinny kernel.
 * INT4, INT4_GEMV_MAX_M < M <= 32 -> the skinny kernel (a second token group doubles the GEMV's MMA and
@@ -48,6 +49,8 @@ GEMV_VARIANTS = {"": {}, "nofold": {"fold": False}, "r2": {"raw_scales": False}}
 TILE_FORMATS = (("int4", 128),)
 TILE_WARPS_SMALL_K, TILE_WARPS_LARGE_K = 4, 8
 TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down projections)
+TILE_LONG_K = 16384               # K > this, without the fused norm: batches of 3 units (the 70B down; P2)
+TILE_LONG_K_VARIANT = "p3"
 TILE_SMALL_GRID_CTAS = 3          # and where the grid has at most this many CTAs per SM (8B QKV and O, P3)
 NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
 # split-K of the tile GEMV (tuning space, routing rule P11: measured slower in the decode step): the residual
@@ -80,6 +83,7 @@ MIN_UNITS = 4
 TILE_ROUTED = ""
 TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS
 TILE_SPLIT: Optional[int] = None   # a forced split count of the split-capable projections (None: the rule)
+TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -158,25 +162,40 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
 
 
 # ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
-def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None) -> None:
-    """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on, 8 warps up to
+def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None,
+                       long_k: Optional[str] = None) -> None:
+    """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on ("": the shipped
+    rule, `long_k` for K > TILE_LONG_K without the fused norm, None: TILE_LONG_K_VARIANT), 8 warps up to
     `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS) and `split` CTAs per tile of the
     split-capable projections (None: `tile_splits`). Benchmarks only: a tuning variant must be registered
-    (scripts/tuning_space.py); ("", None, None) restores the shipped rule."""
-    global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT
-    if variant not in TILE_VARIANTS:
-        raise ValueError(f"unknown tile GEMV variant {variant!r}; known: {sorted(TILE_VARIANTS)}")
+    (scripts/tuning_space.py); ("",) restores the shipped rule."""
+    global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED
+    for v in (variant, long_k or ""):
+        if v not in TILE_VARIANTS:
+            raise ValueError(f"unknown tile GEMV variant {v!r}; known: {sorted(TILE_VARIANTS)}")
     if split is not None and not 1 <= split <= TILE_MAX_SPLITS:
         raise ValueError(f"a tile GEMV split is 1..{TILE_MAX_SPLITS}, got {split}")
     TILE_ROUTED = variant
     TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS if small_grid is None else small_grid
     TILE_SPLIT = split
+    TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT if long_k is None else long_k
     choose.cache_clear()
 
 
 def tile_route() -> tuple:
     """The routing state route_tile_variant sets (part of the ops' per-signature launch cache key)."""
-    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT
+    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED
+
+
+def tile_variant(k: int, norm: bool = False, epilogue: str = "") -> str:
+    """The routed tile GEMV variant: a routed tuning variant, else batches of 3 units for K > TILE_LONG_K without
+    the fused norm (the 70B and 405B down projections, P2), else the default batches of 2 (also under a forced
+    split: the split kernel has batches of 2)."""
+    if TILE_ROUTED:
+        return TILE_ROUTED
+    if TILE_SPLIT is not None and epilogue in TILE_SPLIT_EPILOGUES and not norm:
+        return ""
+    return TILE_LONG_K_ROUTED if k > TILE_LONG_K and not norm else ""
 
 
 def tile_warps(k: int, n: Optional[int] = None, sms: int = 132) -> int:
@@ -242,7 +261,7 @@ def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int =
     """The measured-fastest kernel for this format and M (the rules in the module docstring and
     docs/routing.md)."""
     if (m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS
-            and tile_fits(k, tile_warps(k, n, sms), False, TILE_ROUTED)):
+            and tile_fits(k, tile_warps(k, n, sms), False, tile_variant(k))):
         return "tile"
     if fmt == "int4" and m > INT4_GEMV_MAX_M:
         return "skinny"
@@ -272,7 +291,7 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if kernel == "auto":
         kernel = default_kernel(fmt, group_size, m, n, k, sms, epilogue)
-        variant = variant or (TILE_ROUTED if kernel == "tile" else "")
+        variant = variant or (tile_variant(k, norm, epilogue) if kernel == "tile" else "")
     if norm and kernel != "tile":
         raise ValueError(f"no fused-norm kernel for this projection (M = {m}, {kernel}): use the row-factor kernel")
     if kernel == "tile":

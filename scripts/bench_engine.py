@@ -142,9 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
                    "and the unfused chain (RMSNorm/RoPE as torch ops)")
     p.add_argument("--tile-variants", default="", help="comma-separated decode.plan.TILE_VARIANTS, each optionally "
-                   "with @G (8 warps up to G CTAs per SM) and /sS (S CTAs per tile of the split-capable projections, "
-                   "e.g. '/s1' or '@3/s2'): also the int4/int4 step (and its breakdown) with the router's M = 1 "
-                   "tile GEMV switched to each")
+                   "with @G (8 warps up to G CTAs per SM), /sS (S CTAs per tile of the split-capable projections) "
+                   "and :L (variant L for K > 16384; ':' alone: batches of 2 there too), e.g. '/s1', '@3/s2', ':': "
+                   "also the int4/int4 step (and its breakdown) with the router's M = 1 tile GEMV switched to each")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="Markdown table")
@@ -165,9 +165,11 @@ def main(argv=None) -> int:
         tuning_space.register()
 
         def route(spec: str) -> None:
+            spec, colon, long_k = spec.partition(":")
             spec, _, split = spec.partition("/s")
             name, _, grid = spec.partition("@")
-            plan.route_tile_variant(name, float(grid) if grid else None, int(split) if split else None)
+            plan.route_tile_variant(name, float(grid) if grid else None, int(split) if split else None,
+                                    long_k if colon else None)
     cfg = config_for(a.shape, a.layers)
     points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
     wfs, cfs = a.weights.split(","), a.cache.split(",")

@@ -56,8 +56,10 @@ def linear_specs() -> list[KernelSpec]:
              for e in plan.EPILOGUES for m in plan.GEMV_M_TILES if m not in plan.gemv_buckets(f)]
     specs += [linear_catalog.gemv_spec("int4", 128, e, 8, v) for v in plan.GEMV_VARIANTS if v
               for e in plan.EPILOGUES]
-    specs += [linear_catalog.tile_spec(f, g, e, w, v) for f, g in plan.TILE_FORMATS
-              for v in plan.TILE_VARIANTS if v for e in plan.EPILOGUES for w in linear_catalog.TILE_WARPS]
+    shipped = {s.key for s in linear_catalog.SPECS}
+    specs += [s for s in (linear_catalog.tile_spec(f, g, e, w, v) for f, g in plan.TILE_FORMATS
+                          for v in plan.TILE_VARIANTS if v for e in plan.EPILOGUES for w in linear_catalog.TILE_WARPS)
+              if s.key not in shipped]
     specs += [linear_catalog.tile_spec(f, g, e, w, v, norm=True) for f, g in plan.TILE_FORMATS
               for v in plan.TILE_VARIANTS if v
               for e in plan.NORM_EPILOGUES for w in linear_catalog.TILE_WARPS]

@@ -50,14 +50,18 @@ def test_routing_rule_follows_the_measurements():
     """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192 and for
     grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV, INT4 9..32
     -> skinny; BF16/E4M3 up to 16 -> persistent GEMV where the rows fit."""
-    for layer, want in (("layer-70b", {"qkv": False, "o": False, "gate_up": False, "down": True}),):
+    # the down projections (K > 8192): 8 warps; beyond K = 16384 (70B) batches of 3 units (P2, P3)
+    for layer, want in (("layer-70b", {"qkv": "", "o": "", "gate_up": "", "down": ".w8.p3"}),):
         for proj, (n, k) in preset(layer).projection_shapes().items():
-            assert plan.choose("int4", 128, "store", 1, n, k).key.endswith(".w8") == want[proj], (layer, proj)
+            key = plan.choose("int4", 128, "residual", 1, n, k).key
+            assert key == "decode.gemv.int4.m1.residual" + want[proj], (layer, proj, key)
     shapes = preset("layer-8b").projection_shapes()
-    want_w8 = {"qkv": True, "o": True, "gate_up": False, "down": True}
+    want_suffix = {"qkv": ".w8", "o": ".w8", "gate_up": "", "down": ".w8"}
     for proj, (n, k) in shapes.items():
         c = plan.choose("int4", 128, "store", 1, n, k)
-        assert c.kind == "tile" and c.key.endswith(".w8") == want_w8[proj], c
+        assert c.kind == "tile" and c.key == "decode.gemv.int4.m1.store" + want_suffix[proj], c
+        if proj == "down":   # the fused-norm kernels keep batches of 2
+            assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == "decode.gemv.int4.m1.store.w8.norm"
         assert plan.choose("int4", 64, "store", 1, n, k).kind == "gemv"  # no tile variant for group 64
         for m in (9, 16, 17, 32):
             assert plan.choose("int4", 128, "store", m, n, k).kind == "skinny"
@@ -116,7 +120,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 52 and len(tuning) == 126
+    assert len(registry) == 55 and len(tuning) == 123
 
 
 def test_fused_norm_routes_only_the_m1_tile_gemv():
@@ -356,7 +360,7 @@ def test_tile_split_is_tuning_space():
     """Split-K of the M = 1 tile GEMV (docs/routing.md P11: measured slower in the decode step) is never routed;
     it can be forced (tests, `route_tile_variant(split=)` for the step benchmark) on the residual projections."""
     down70 = plan.choose("int4", 128, "residual", 1, 8192, 28672)
-    assert (down70.split, down70.key) == (1, "decode.gemv.int4.m1.residual.w8")
+    assert (down70.split, down70.key) == (1, "decode.gemv.int4.m1.residual.w8.p3")
     forced = plan.choose("int4", 128, "residual", 1, 8192, 28672, kernel="tile", split=3)
     assert (forced.split, forced.key) == (3, "decode.gemv.int4.m1.residual.w8.split")
     assert plan.choose("int4", 128, "residual", 1, 2096, 2176, kernel="tile", split=4).split == 4
@@ -372,6 +376,10 @@ def test_tile_split_is_tuning_space():
         assert plan.choose("int4", 128, "swiglu", 1, 28672, 4096).split == 1
         plan.route_tile_variant("ring8", split=2)   # a tuning pipeline has no split kernel
         assert plan.choose("int4", 128, "residual", 1, 8192, 28672).split == 1
+        plan.route_tile_variant("", long_k="")     # batches of 2 for the down projections too (the rule before P2's)
+        assert plan.choose("int4", 128, "residual", 1, 8192, 28672).key == "decode.gemv.int4.m1.residual.w8"
+        with pytest.raises(ValueError, match="unknown tile GEMV variant"):
+            plan.route_tile_variant("", long_k="p9")
         with pytest.raises(ValueError, match="split"):
             plan.route_tile_variant("", split=9)
     finally:

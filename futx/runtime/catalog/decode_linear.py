@@ -53,3 +53,6 @@ SPECS += [skinny_spec(f, g, e, m) for f, g in FORMATS for e in plan.EPILOGUES fo
 SPECS += [tile_spec(f, g, e, w) for f, g in plan.TILE_FORMATS for e in plan.EPILOGUES for w in TILE_WARPS]
 SPECS += [tile_spec(f, g, e, w, norm=True) for f, g in plan.TILE_FORMATS for e in plan.NORM_EPILOGUES
           for w in TILE_WARPS]
+# K > TILE_LONG_K without the fused norm: 8 warps (K > TILE_LARGE_K), batches of 3 units
+SPECS += [tile_spec(f, g, e, plan.TILE_WARPS_LARGE_K, plan.TILE_LONG_K_VARIANT)
+          for f, g in plan.TILE_FORMATS for e in plan.EPILOGUES]
