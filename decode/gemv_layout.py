@@ -59,10 +59,15 @@ def tile_share_units(k: int, warps: int) -> int:
     return (k // 128 + warps - 1) // warps
 
 
+def tile_slice_k(k: int, splits: int) -> int:
+    """K of the activation slice one CTA of a `splits`-way split-K tile GEMV stages (its unit range rounded up)."""
+    return (k // 128 + splits - 1) // splits * 128
+
+
 def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False) -> dict:
     """Byte offset of each shared-memory region of the tile GEMV and "total"; `ring` = units per warp of the
     "ring" pipeline (0: the register pipelines, no ring); `split`: the split-K kernel, whose `k` is the slice a
-    CTA stages (decode.plan.tile_slice_k). Regions in order (all multiples of 16 bytes):
+    CTA stages (`tile_slice_k`). Regions in order (all multiples of 16 bytes):
 
     x       [k] bf16                     the activation row (split-K: the CTA's slice of it)
     red     [warps][16] f32              the warps' partial sums

@@ -48,7 +48,7 @@ from cutlass import Float32, Int32, Int64
 from . import epilogue as epi
 from . import ptx, split_arrival, stream
 from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
-from .gemv_layout import UNIT_BYTES, UNIT_SCALE_BYTES, tile_share_units, tile_smem
+from .gemv_layout import UNIT_BYTES, UNIT_SCALE_BYTES, tile_share_units, tile_slice_k, tile_smem
 from futx.quant import layouts
 
 WARP = layouts.WARP
@@ -60,11 +60,6 @@ DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False) -> int:
     """Dynamic shared memory of a launch (decode.gemv_layout.tile_smem, which the host's planner shares)."""
     return tile_smem(k, warps, norm, ring, fold, split)["total"]
-
-
-def slice_k(k, splits):
-    """K of the activation slice a CTA of a `splits`-way split stages (decode.plan.tile_slice_k, on DSL ints)."""
-    return (k // 128 + splits - 1) // splits * 128
 
 
 class GemvTile:
@@ -192,7 +187,7 @@ class GemvTile:
             ua = cu0 + warp * (cu1 - cu0) // W
             ub = cu0 + (warp + 1) * (cu1 - cu0) // W
             last = cu1 - 1
-            k_smem = slice_k(k, splits)
+            k_smem = tile_slice_k(k, splits)
 
         s_base = s.iterator.toint()
         lane_base = fmt.lane_base(w.iterator.toint(), nb, lane, k)
@@ -392,7 +387,7 @@ class GemvTileSplit(GemvTile):
     def __call__(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                  y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, splits: Int32, stream):
         n_tiles = self.epi.weight_rows(y.shape[1]) // BLOCK_N
-        smem = smem_bytes(slice_k(x.shape[1], splits), self.warps, split=True)
+        smem = smem_bytes(tile_slice_k(x.shape[1], splits), self.warps, split=True)
         self.kernel_split(x, w, s, r, y, ws, counters, splits).launch(
             grid=(n_tiles, splits, 1), block=(WARP * self.warps, 1, 1), smem=smem, stream=stream, use_pdl=True)
 

@@ -228,12 +228,6 @@ def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str 
     return f"decode.gemv.{fmt_tag(fmt, group_size)}.m1.{epilogue}{suffix}"
 
 
-def tile_slice_k(k: int, splits: int) -> int:
-    """K of the activation slice one CTA of a `splits`-way split stages (its unit range rounded up)."""
-    units = k // 128
-    return -(-units // splits) * 128
-
-
 def tile_splits(epilogue: str, k: int) -> int:
     """CTAs per 16-channel tile of the routed tile GEMV: 1 (split-K measured slower, P11) unless a benchmark
     forces a count (`route_tile_variant`) for a projection that can split."""

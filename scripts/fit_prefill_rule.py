@@ -97,22 +97,15 @@ def fit(pts, steps: int = 1500) -> dict:
     logp = {k: torch.tensor(math.log(v), requires_grad=True) for k, v in init.items()}
 
     def model(q, p):
-        v = cat.Variant.parse(p["variant"])
-        kt, u = cat.k_tiles(p["k"], p["ab"]), q["u_e"] if p["ab"] == "e4m3" else q["u_b"]
-        slots = 132 // v.cluster_m
-        clusters = math.ceil(p["m"] / (v.cluster_m * v.tile_m)) * math.ceil(p["n"] / v.tile_n)
-        rounds = math.ceil(clusters / slots)
-        if v.schedule == "pingpong":
-            c, f = (1.0, q["fix_pp"]) if v.tile_n == 256 else (q["pp128"], q["fix_pp128"])
-            return u * (rounds * kt * c + f)
-        e = q["empty"] if p["m"] <= v.tile_m * (v.cluster_m - 1) else 1.0
-        s = p["splits"]
-        if s == 1:
-            return u * rounds * (q["c128"] * kt + q["fix_c"]) * e
-        whole = cat.whole_tiles(clusters, s, slots)
-        unit = q["c128"] * kt / s + q["fix_c"] + q["xch"] + q["xch_s"] * (s - 2)
-        split = math.ceil((clusters - whole) * s / slots) * unit
-        return u * (whole // slots * (q["c128"] * kt + q["fix_c"]) + split) * e
+        """The shipped `_waves` at trial constants, in µs (one k-tile time per dtype)."""
+        costs = cat.Costs(k_tile={("coop", 128): q["c128"], ("coop", 256): cat.K_TILE_COST["coop", 256],
+                                  ("pingpong", 256): 1.0, ("pingpong", 128): q["pp128"]},
+                          fixed={("coop", 128): q["fix_c"], ("coop", 256): q["fix_c"],
+                                 ("pingpong", 256): q["fix_pp"], ("pingpong", 128): q["fix_pp128"]},
+                          empty_cta=q["empty"], exchange=q["xch"], per_split=q["xch_s"])
+        u = q["u_e"] if p["ab"] == "e4m3" else q["u_b"]
+        kt = cat.k_tiles(p["k"], p["ab"])
+        return u * cat._waves(cat.Variant.parse(p["variant"]), p["m"], p["n"], 132, kt, p["splits"], costs)
 
     pts = [p for p in pts if cat.Variant.parse(p["variant"]).tile_n == 128 or
            cat.Variant.parse(p["variant"]).schedule == "pingpong"]

@@ -359,6 +359,8 @@ def test_routing_the_tile_gemv_to_a_tuning_variant_and_back():
 def test_tile_split_is_tuning_space():
     """Split-K of the M = 1 tile GEMV (docs/routing.md P11: measured slower in the decode step) is never routed;
     it can be forced (tests, `route_tile_variant(split=)` for the step benchmark) on the residual projections."""
+    from decode.gemv_layout import tile_slice_k
+
     down70 = plan.choose("int4", 128, "residual", 1, 8192, 28672)
     assert (down70.split, down70.key) == (1, "decode.gemv.int4.m1.residual.w8.p3")
     forced = plan.choose("int4", 128, "residual", 1, 8192, 28672, kernel="tile", split=3)
@@ -369,7 +371,7 @@ def test_tile_split_is_tuning_space():
             plan.choose("int4", 128, epilogue, 1, n, k, kernel="tile", split=2)
     with pytest.raises(ValueError, match="tile GEMV split"):
         plan.choose("int4", 128, "residual", 1, 16, 128, kernel="tile", split=2)   # one unit
-    assert plan.tile_slice_k(28672, 3) == 75 * 128
+    assert tile_slice_k(28672, 3) == 75 * 128
     try:
         plan.route_tile_variant("", split=2)
         assert plan.choose("int4", 128, "residual", 1, 8192, 28672).split == 2

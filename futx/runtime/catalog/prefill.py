@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from futx.runtime.registry import KernelSpec, get_spec, register
 
@@ -222,6 +223,16 @@ MIN_SPLIT_K_TILES = 4    # k-tiles per split at least: the ring must fill and dr
 UNKNOWN_K = 4096         # what `choose_variant` assumes when the caller does not know K
 
 
+class Costs(NamedTuple):
+    """The cost model's constants (`_waves`); scripts/fit_prefill_rule.py passes trial values to refit them."""
+
+    k_tile: dict = K_TILE_COST
+    fixed: dict = TILE_FIXED
+    empty_cta: float = EMPTY_CTA_COST
+    exchange: float = EXCHANGE_K_TILES
+    per_split: float = EXCHANGE_PER_SPLIT
+
+
 def k_tiles(k: int, ab: str) -> int:
     """k-tiles of the mainloop: 128 bytes of a row per stage (futx/mainloop.py `tile_config`)."""
     return -(-k // (128 if ab == "e4m3" else 64))
@@ -234,7 +245,7 @@ def whole_tiles(tiles: int, splits: int, slots: int) -> int:
     return tiles // grid * grid
 
 
-def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 64, splits: int = 1) -> float:
+def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 64, splits: int = 1, costs: Costs = Costs()) -> float:
     """Estimated time of a persistent launch in k-tile times (`K_TILE_COST`); `kt` = k-tiles of the K loop.
 
     Work items are clusters of `cluster_m` CTA tiles over one weight tile, dealt round-robin to the
@@ -250,16 +261,16 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 64, splits: int =
     sched = "coop" if v.schedule == "stagger" else v.schedule
     clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
     slots = max(1, num_sms // v.cluster_m)
-    cost, fixed = K_TILE_COST[sched, v.tile_n], TILE_FIXED[sched, v.tile_n]
+    cost, fixed = costs.k_tile[sched, v.tile_n], costs.fixed[sched, v.tile_n]
     rounds = math.ceil(clusters / slots)
     if sched == "pingpong":
         return rounds * kt * cost + fixed
-    empty = EMPTY_CTA_COST if m <= v.tile_m * (v.cluster_m - 1) else 1.0
+    empty = costs.empty_cta if m <= v.tile_m * (v.cluster_m - 1) else 1.0
     if splits == 1:
         return rounds * (kt * cost + fixed) * empty
     # the full waves run whole tiles; the tiles of the last, partial wave are split (futx/mainloop.py)
     whole = whole_tiles(clusters, splits, slots)
-    unit = kt / splits * cost + fixed + EXCHANGE_K_TILES + EXCHANGE_PER_SPLIT * (splits - 2)
+    unit = kt / splits * cost + fixed + costs.exchange + costs.per_split * (splits - 2)
     return (whole // slots * (kt * cost + fixed) + math.ceil((clusters - whole) * splits / slots) * unit) * empty
 
 
@@ -282,15 +293,17 @@ def route_variants(names: tuple | None = None) -> None:
     _ROUTED = tuple(names) if names else VARIANTS
 
 
-def choose_plan(m: int, n: int, k: int, ab: str, num_sms: int, names: tuple | None = None) -> tuple:
+def choose_plan(m: int, n: int, k: int, ab: str, num_sms: int, names: tuple | None = None,
+                split_k: bool = True) -> tuple:
     """The variant rule: (variant, splits) of least estimated time (`_waves`), ties to the first variant and the
-    fewest splits; `names` defaults to the routed variants (VARIANTS unless `route_variants` changed them)."""
+    fewest splits; `names` defaults to the routed variants (VARIANTS unless `route_variants` changed them);
+    `split_k` False: unsplit launches only."""
     names = names or _ROUTED
     best, best_t = (names[0], 1), math.inf
     kt = k_tiles(k, ab)
     for name in names:
         v = Variant.parse(name)
-        for s in split_options(name, k, ab):
+        for s in (split_options(name, k, ab) if split_k else (1,)):
             t = _waves(v, m, n, num_sms, kt, s)
             if t < best_t - 1e-9:
                 best, best_t = (name, s), t
@@ -304,10 +317,8 @@ def choose_splits(variant: str, m: int, n: int, k: int, ab: str, num_sms: int) -
 
 def choose_variant(m: int, n: int, num_sms: int, names: tuple | None = None, k: int = 0, ab: str = "e4m3") -> str:
     """The variant `choose_plan` picks; without K, the rule without split-K at a K of UNKNOWN_K."""
-    names = names or _ROUTED
     if k <= 0:
-        kt = k_tiles(UNKNOWN_K, ab)
-        return min(names, key=lambda name: _waves(Variant.parse(name), m, n, num_sms, kt) + 1e-9 * names.index(name))
+        return choose_plan(m, n, UNKNOWN_K, ab, num_sms, names, split_k=False)[0]
     return choose_plan(m, n, k, ab, num_sms, names)[0]
 
 
