@@ -1,5 +1,5 @@
 """M = 1 decode projection of INT4 group-128 weights, one 16-channel output tile per CTA:
-y[1, N] = x[1, K] @ W[N, K]^T.
+y[1, N] = x[1, K] @ W[N, K]^T; with `tokens` = 8 the same kernel for 1..8 rows (y[M, N] = x[M, K] @ W^T).
 
 The router sends every INT4 g128 projection at M = 1 here where the activation row fits in shared memory
 (docs/routing.md P1: faster than the persistent GEMV at M = 1 on the 8B and 70B layers; numbers in
@@ -31,6 +31,11 @@ their partial sums through shared memory; the fused epilogue writes the 16 outpu
 corrected by -136 x the unit's activation sum (computed once per CTA from the staged row), instead of one
 bf16x2 FMA per weight register.
 `GemvTileSplit` (tuning space, measured slower, P11): split-K over the CTAs of a tile, the last one reducing.
+`tokens` = 8 (the multi-token kernel, routed for 2..8 rows of small-grid projections, P12): the M rows are staged
+(X_ROW_PAD apart, so the 8 ldmatrix rows hit different banks) and B column j of every MMA is token j instead of a
+copy of the one row (columns past M repeat the last row and are never stored): the same MMAs and dequantization
+per weight as at M = 1, M times the staged bytes, partials reduced per (row, token), each token normalized by its
+own row factor (`norm`).
 PDL: launched as a programmatic dependent; the first batch of weights (and scales) is requested before
 `griddepcontrol.wait`, the activation row and the residual are read after it, so the weight stream can start
 while the previous kernel runs. It signals its own
@@ -48,7 +53,7 @@ from cutlass import Float32, Int32, Int64
 from . import epilogue as epi
 from . import ptx, split_arrival, stream
 from .dequant import BLOCK_K, BLOCK_N, LANE_BYTES, make_format
-from .gemv_layout import UNIT_BYTES, UNIT_SCALE_BYTES, tile_share_units, tile_slice_k, tile_smem
+from .gemv_layout import TOKENS, UNIT_BYTES, UNIT_SCALE_BYTES, X_ROW_PAD, tile_share_units, tile_slice_k, tile_smem
 from futx.quant import layouts
 
 WARP = layouts.WARP
@@ -57,9 +62,10 @@ FORMAT = ("int4", 128)   # the one format with a tile GEMV (decode.plan.TILE_FOR
 DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 
 
-def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False) -> int:
+def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False,
+               tokens: int = 1, rows=1) -> int:
     """Dynamic shared memory of a launch (decode.gemv_layout.tile_smem, which the host's planner shares)."""
-    return tile_smem(k, warps, norm, ring, fold, split)["total"]
+    return tile_smem(k, warps, norm, ring, fold, split, tokens, rows)["total"]
 
 
 class GemvTile:
@@ -67,9 +73,14 @@ class GemvTile:
     split = False  # GemvTileSplit: split-K over the CTAs of a tile
 
     def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch",
-                 fold: bool = False):
+                 fold: bool = False, tokens: int = 1):
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+        if tokens not in (1, TOKENS):
+            raise ValueError(f"the tile GEMV takes 1 or {TOKENS} token columns, got {tokens}")
+        if tokens > 1 and (fold or pipeline != "batch" or self.split):
+            raise ValueError("the multi-token tile GEMV is the batch pipeline without the fold or split-K")
+        self.tokens = tokens
         self.fmt = make_format(*FORMAT, fold=fold)
         self.epi = epi.make(epilogue)
         self.warps, self.pipeline = warps, pipeline
@@ -91,7 +102,8 @@ class GemvTile:
     def _shape(self, x, y):
         """(CTAs, dynamic shared-memory bytes) of a launch."""
         return (self.epi.weight_rows(y.shape[1]) // BLOCK_N,
-                smem_bytes(x.shape[1], self.warps, self.norm, self.ring, self.fmt.fold))
+                smem_bytes(x.shape[1], self.warps, self.norm, self.ring, self.fmt.fold, tokens=self.tokens,
+                           rows=x.shape[0]))
 
     # ---- device side -------------------------------------------------------------------------
     def _load(self, u, where) -> tuple:
@@ -160,6 +172,43 @@ class GemvTile:
                 ptx.sts_f32(ss_out + warp * 4, ss)
         cute.arch.sync_warp()
 
+    @cute.jit
+    def _rows_stats(self, xrow, row_stride, m, c0, c1, warp, lane, ss_out):
+        """Multi-token `norm`: each staged row's sum of squares over this warp's chunks [c0, c1) of it ->
+        ss_out[warp][row]."""
+        for row in cutlass.range(m, unroll=1):
+            ss = Float32(0.0)
+            for c in cutlass.range(c0 + lane, c1, WARP, unroll=1):
+                for word in ptx.lds_v4(xrow + row * row_stride + c * LANE_BYTES):
+                    lo, hi = ptx.bf16x2_to_f32(word)
+                    ss = ss + lo * lo + hi * hi
+            for off in (16, 8, 4, 2, 1):
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=off)
+            if lane == 0:
+                ptx.sts_f32(ss_out + (warp * TOKENS + row) * 4, ss)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _epilogue_rows(self, tid, nb, red, ss, r, y, m, k, eps):
+        """Multi-token: threads take the tile's (token, output column) pairs in turn; each sums its rows over the
+        warps in warp order (`norm`: times the token's RMSNorm row factor) and finishes the output."""
+        cols = BLOCK_N // self.epi.rows_per_output
+        width = y.shape[1]
+        y_base = y.iterator.toint()
+        for i in cutlass.range(tid, cols * m, WARP * self.warps, unroll=1):
+            tok = i // cols
+            col = i % cols
+            sums = tuple(self._row_sum(red, row * TOKENS + tok, TOKENS) for row in self.epi.rows(col))
+            if cutlass.const_expr(self.norm):
+                total = ptx.lds_f32(ss + tok * 4)
+                for wi in cutlass.range_constexpr(1, self.warps):
+                    total = total + ptx.lds_f32(ss + (wi * TOKENS + tok) * 4)
+                factor = cute.math.rsqrt(total / Float32(k) + eps)
+                sums = tuple(v * factor for v in sums)
+            at = Int64(tok) * width + nb * cols + col
+            v = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2))
+            ptx.stg_bf16(y_base + at * 2, v)
+
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
                y: cute.Tensor):
@@ -197,8 +246,10 @@ class GemvTile:
         where = (ub, lane_base, offsets, k, s_base, nb, n_units, g)
         D = self.depth
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
-        regions = tile_smem(k_smem, W, self.norm, self.ring, self.fmt.fold, self.split)
+        m = x.shape[0]
+        regions = tile_smem(k_smem, W, self.norm, self.ring, self.fmt.fold, self.split, self.tokens, m)
         chunks = self.unit_k * 2 // LANE_BYTES
+        row_stride = k * 2 + X_ROW_PAD  # multi-token: bytes between staged rows
         # the staged row's origin: unit u of the row sits at xrow + u * unit bytes (a split CTA stages its slice)
         xrow = xs
         if cutlass.const_expr(self.split):
@@ -223,24 +274,37 @@ class GemvTile:
             bufs = tuple(self._load(ua + i, where) for i in range(D))
         cute.arch.griddepcontrol_wait()
 
-        # 2. this warp's slice of the activation row -> shared memory
+        # 2. this warp's slice of the activation row (multi-token: of every row) -> shared memory
         x_base = x.iterator.toint()
-        for c in cutlass.range(ua * chunks + lane, ub * chunks, WARP, unroll=1):
-            if cutlass.const_expr(self.ring > 0):
-                # plain loads: a cp.async group here would make waiting for the row wait for the whole ring
-                ptx.sts128(xrow + c * LANE_BYTES, *ptx.ldg_v4(x_base + Int64(c) * LANE_BYTES))
-            else:
-                ptx.cp_async_16(xrow + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
+        if cutlass.const_expr(self.tokens > 1):
+            for row in cutlass.range(m, unroll=1):
+                for c in cutlass.range(ua * chunks + lane, ub * chunks, WARP, unroll=1):
+                    ptx.cp_async_16(xrow + row * row_stride + c * LANE_BYTES,
+                                    x_base + Int64(row) * (k * 2) + Int64(c) * LANE_BYTES)
+        else:
+            for c in cutlass.range(ua * chunks + lane, ub * chunks, WARP, unroll=1):
+                if cutlass.const_expr(self.ring > 0):
+                    # plain loads: a cp.async group here would make waiting for the row wait for the whole ring
+                    ptx.sts128(xrow + c * LANE_BYTES, *ptx.ldg_v4(x_base + Int64(c) * LANE_BYTES))
+                else:
+                    ptx.cp_async_16(xrow + c * LANE_BYTES, x_base + Int64(c) * LANE_BYTES)
         if cutlass.const_expr(self.ring == 0):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
-        if cutlass.const_expr(self.norm or self.fmt.fold):
-            self._row_stats(xrow, ua, ub, warp, lane, xs + regions["ss"], x_sums)
+        if cutlass.const_expr(self.tokens > 1):
+            if cutlass.const_expr(self.norm):
+                self._rows_stats(xrow, row_stride, m, ua * chunks, ub * chunks, warp, lane, xs + regions["ss"])
+            # per-lane shared address of its activation fragments in block 0: B column j is token j (the
+            # columns past the last token repeat it; their outputs are never stored)
+            xs_lane = xrow + cutlass.min(Int32(fmt.x_lane_row(lane)), m - 1) * row_stride + fmt.x_lane_col(lane)
+        else:
+            if cutlass.const_expr(self.norm or self.fmt.fold):
+                self._row_stats(xrow, ua, ub, warp, lane, xs + regions["ss"], x_sums)
 
-        # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
-        # the one activation row, so every B column holds x)
-        xs_lane = xrow + fmt.x_lane_offset(lane, 0)
+            # per-lane shared address of its activation fragments in block 0 (M = 1: every token row is
+            # the one activation row, so every B column holds x)
+            xs_lane = xrow + fmt.x_lane_offset(lane, 0)
 
         # 3. stream. Units past the share are predicated off (no traffic) and add zero.
         acc = (Float32(0.0),) * 4
@@ -283,22 +347,30 @@ class GemvTile:
                     cute.arch.cp_async_commit_group()
 
         cute.arch.griddepcontrol_launch_dependents()
-        # 4. combine the warps' partials (every B column holds x, so any lane with t = 0 has them)
         red = xs + regions["red"]
-        if lane % 4 == 0:
-            ptx.sts_f32(red + (warp * BLOCK_N + g) * 4, acc[0])
-            ptx.sts_f32(red + (warp * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
-        cute.arch.sync_threads()
-        factor = None
-        if cutlass.const_expr(self.norm):
-            total = ptx.lds_f32(xs + regions["ss"])
-            for wi in cutlass.range_constexpr(1, W):
-                total = total + ptx.lds_f32(xs + regions["ss"] + wi * 4)
-            factor = cute.math.rsqrt(total / Float32(k) + eps)
-        if cutlass.const_expr(self.split):
-            self._exchange(tid, nb, sy, red, xs + regions["xchg"], r, y, ws, counters, splits)
+        if cutlass.const_expr(self.tokens > 1):
+            # 4. every lane's fragment: rows g and g + 8, token columns 2t and 2t + 1 -> red[warp][row][token]
+            t2 = (lane % 4) * 2
+            ptx.sts_f32x2(red + ((warp * BLOCK_N + g) * TOKENS + t2) * 4, acc[0], acc[1])
+            ptx.sts_f32x2(red + ((warp * BLOCK_N + g + layouts.MMA_N) * TOKENS + t2) * 4, acc[2], acc[3])
+            cute.arch.sync_threads()
+            self._epilogue_rows(tid, nb, red, xs + regions["ss"], r, y, m, k, eps)
         else:
-            self._epilogue(tid, nb, red, r, y, factor)
+            # 4. combine the warps' partials (every B column holds x, so any lane with t = 0 has them)
+            if lane % 4 == 0:
+                ptx.sts_f32(red + (warp * BLOCK_N + g) * 4, acc[0])
+                ptx.sts_f32(red + (warp * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
+            cute.arch.sync_threads()
+            factor = None
+            if cutlass.const_expr(self.norm):
+                total = ptx.lds_f32(xs + regions["ss"])
+                for wi in cutlass.range_constexpr(1, W):
+                    total = total + ptx.lds_f32(xs + regions["ss"] + wi * 4)
+                factor = cute.math.rsqrt(total / Float32(k) + eps)
+            if cutlass.const_expr(self.split):
+                self._exchange(tid, nb, sy, red, xs + regions["xchg"], r, y, ws, counters, splits)
+            else:
+                self._epilogue(tid, nb, red, r, y, factor)
 
     @cute.jit
     def _exchange(self, tid, nb, sy, red, xchg, r, y, ws, counters, splits):
@@ -328,10 +400,11 @@ class GemvTile:
             cute.arch.sync_threads()
             self._epilogue(tid, nb, red, r, y, None, xchg)
 
-    def _row_sum(self, red: Int32, row) -> Float32:
+    def _row_sum(self, red: Int32, row, per_warp: int = 1) -> Float32:
+        """Sum over the warps of partial `row` of red[warp][BLOCK_N * per_warp]."""
         v = ptx.lds_f32(red + row * 4)
         for wi in range(1, self.warps):
-            v = v + ptx.lds_f32(red + (wi * BLOCK_N + row) * 4)
+            v = v + ptx.lds_f32(red + (wi * BLOCK_N * per_warp + row) * 4)
         return v
 
     @cute.jit
@@ -399,23 +472,24 @@ class GemvTileSplit(GemvTile):
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
                    prefetch: int = 0, pipeline: str = "batch", norm: bool = False, fold: bool = False,
-                   split: bool = False):
+                   split: bool = False, tokens: int = 1):
     """Registry factory. `fmt` and `group_size` are registry parameters (decode.plan.tile_params) with the one
     value FORMAT. `norm`: the fused-RMSNorm variant, which takes eps (float32) before the stream. `fold`: the
     nibble bias as one correction per unit from the unit's activation sum. `split`: split-K, which takes the
-    workspace, the arrival counters and the split count before the stream."""
+    workspace, the arrival counters and the split count before the stream. `tokens` = 8: the multi-token kernel
+    (1..8 rows, the B columns of the MMA being tokens instead of copies of the one row)."""
     from .signature import fake_args, fake_split_args
 
     if (fmt, group_size) != FORMAT:
         raise ValueError(f"the tile GEMV serves {FORMAT} weights only, got {(fmt, group_size)}")
-    args = fake_args(fmt, epilogue, m=1)
+    args = fake_args(fmt, epilogue, m=1 if tokens == 1 else None)
     if split:
         if norm or fold or pipeline != "batch":
             raise ValueError("the split-K tile GEMV is the batch pipeline without the fused norm or the fold")
-        return GemvTileSplit(epilogue, warps, prefetch, pipeline, fold), (*args[:-1], *fake_split_args(), Int32(1),
-                                                                         args[-1])
+        return GemvTileSplit(epilogue, warps, prefetch, pipeline, fold, tokens), (*args[:-1], *fake_split_args(),
+                                                                                 Int32(1), args[-1])
     if not norm:
-        return GemvTile(epilogue, warps, prefetch, pipeline, fold), args
+        return GemvTile(epilogue, warps, prefetch, pipeline, fold, tokens), args
     if epi.make(epilogue).residual:
         raise ValueError("the fused-norm tile GEMV has no residual epilogue (it serves QKV and gate/up)")
-    return GemvTileNorm(epilogue, warps, prefetch, pipeline, fold), (*args[:-1], Float32(1e-5), args[-1])
+    return GemvTileNorm(epilogue, warps, prefetch, pipeline, fold, tokens), (*args[:-1], Float32(1e-5), args[-1])

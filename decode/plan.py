@@ -9,6 +9,8 @@ docs/routing.md:
   TILE_SMALL_GRID_CTAS CTAs per SM, else 4 (where the activation row fits in shared memory). QKV and gate/up
   there have a fused-RMSNorm variant (`norm=True`, `fuses_norm`) that the decode step uses instead of the
   row-factor kernel.
+* INT4 g128, 2 <= M <= TILE_MAX_M on small grids (`tile_serves_rows`: the 8B QKV) -> the multi-token tile GEMV
+  (`gemv_tile.py` with 8 token columns), with its fused-RMSNorm variant.
 * INT4, M <= INT4_GEMV_MAX_M -> the persistent GEMV (`gemv.py`, one 8-token group, folded nibble bias)
   where the activation rows fit in shared memory, else the skinny kernel.
 * INT4, INT4_GEMV_MAX_M < M <= 32 -> the skinny kernel (a second token group doubles the GEMV's MMA and
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from .gemv_layout import SMEM_LIMIT, GemvSmem, tile_smem
+from .gemv_layout import SMEM_LIMIT, TOKENS, GemvSmem, tile_smem
 
 FORMATS = ("int4", "e4m3", "bf16")
 GROUP_SIZES = (64, 128)           # INT4 group sizes with compiled variants
@@ -52,6 +54,12 @@ TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down proj
 TILE_LONG_K = 16384               # K > this, without the fused norm: batches of 3 units (the 70B down; P2)
 TILE_LONG_K_VARIANT = "p3"
 TILE_SMALL_GRID_CTAS = 3          # and where the grid has at most this many CTAs per SM (8B QKV and O, P3)
+# the multi-token tile GEMV (B columns = tokens, 1..TOKENS rows staged; key decode.tile.<fmt>.m8.*): routed for
+# 2 <= M <= TILE_MAX_M on small grids (at most TILE_SMALL_GRID_CTAS CTAs per SM) with K <= TILE_LARGE_K and the
+# TILE_MULTI_EPILOGUES (routing rule P12: the 8B QKV); its warps: 8 from TILE_ROWS_W8 rows on, else the M = 1 rule
+TILE_MAX_M = 8
+TILE_MULTI_EPILOGUES = ("store", "swiglu")
+TILE_ROWS_W8 = 3
 NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
 # split-K of the tile GEMV (tuning space, routing rule P11: measured slower in the decode step): the residual
 # projections' CTAs of a tile each stream a K range and the last to arrive sums the 16 row partials
@@ -84,6 +92,7 @@ TILE_ROUTED = ""
 TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS
 TILE_SPLIT: Optional[int] = None   # a forced split count of the split-capable projections (None: the rule)
 TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT
+TILE_MAX_M_ROUTED = TILE_MAX_M
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -163,13 +172,14 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
 
 # ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
 def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None,
-                       long_k: Optional[str] = None) -> None:
+                       long_k: Optional[str] = None, max_m: Optional[int] = None) -> None:
     """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on ("": the shipped
     rule, `long_k` for K > TILE_LONG_K without the fused norm, None: TILE_LONG_K_VARIANT), 8 warps up to
     `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS) and `split` CTAs per tile of the
-    split-capable projections (None: `tile_splits`). Benchmarks only: a tuning variant must be registered
+    split-capable projections (None: `tile_splits`), and the multi-token tile GEMV up to `max_m` rows (None: the
+    shipped TILE_MAX_M; 1: never). Benchmarks only: a tuning variant must be registered
     (scripts/tuning_space.py); ("",) restores the shipped rule."""
-    global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED
+    global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED
     for v in (variant, long_k or ""):
         if v not in TILE_VARIANTS:
             raise ValueError(f"unknown tile GEMV variant {v!r}; known: {sorted(TILE_VARIANTS)}")
@@ -178,13 +188,16 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
     TILE_ROUTED = variant
     TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS if small_grid is None else small_grid
     TILE_SPLIT = split
+    if max_m is not None and not 1 <= max_m <= TOKENS:
+        raise ValueError(f"the multi-token tile GEMV serves up to {TOKENS} rows, got max_m = {max_m}")
     TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT if long_k is None else long_k
+    TILE_MAX_M_ROUTED = TILE_MAX_M if max_m is None else max_m
     choose.cache_clear()
 
 
 def tile_route() -> tuple:
     """The routing state route_tile_variant sets (part of the ops' per-signature launch cache key)."""
-    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED
+    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED
 
 
 def tile_variant(k: int, norm: bool = False, epilogue: str = "") -> str:
@@ -198,18 +211,20 @@ def tile_variant(k: int, norm: bool = False, epilogue: str = "") -> str:
     return TILE_LONG_K_ROUTED if k > TILE_LONG_K and not norm else ""
 
 
-def tile_warps(k: int, n: Optional[int] = None, sms: int = 132) -> int:
+def tile_warps(k: int, n: Optional[int] = None, sms: int = 132, m: int = 1) -> int:
     """8 warps for the long-K down projections, and where the grid of n / 16 CTAs leaves the SMs nearly empty
-    (at most TILE_SMALL_GRID per SM: more warps per CTA put more loads in flight); else 4."""
-    if k > TILE_LARGE_K or (n is not None and n // 16 <= TILE_SMALL_GRID * sms):
+    (at most TILE_SMALL_GRID per SM: more warps per CTA put more loads in flight), and for the multi-token kernel
+    from TILE_ROWS_W8 rows (the staged rows leave room for fewer CTAs per SM); else 4."""
+    if k > TILE_LARGE_K or (n is not None and n // 16 <= TILE_SMALL_GRID * sms) or m >= TILE_ROWS_W8:
         return TILE_WARPS_LARGE_K
     return TILE_WARPS_SMALL_K
 
 
 def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "",
-                norm: bool = False, split: bool = False) -> dict:
+                norm: bool = False, split: bool = False, tokens: int = 1) -> dict:
     """Compile-time parameters of a tile GEMV variant (decode.gemv_tile.compile_target keywords); `split`: the
-    split-K kernel (runtime split count, workspace and arrival counters)."""
+    split-K kernel (runtime split count, workspace and arrival counters); `tokens` = TOKENS: the multi-token
+    kernel (routed variant only)."""
     if (fmt, group_size if fmt == "int4" else 128) not in TILE_FORMATS:
         raise ValueError(f"no tile GEMV is compiled for {fmt_tag(fmt, group_size)} weights")
     if norm and epilogue not in NORM_EPILOGUES:
@@ -217,14 +232,20 @@ def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: s
     if split and (norm or variant or epilogue not in TILE_SPLIT_EPILOGUES):
         raise ValueError(f"the split-K tile GEMV serves the {TILE_SPLIT_EPILOGUES} epilogues of the routed "
                          f"variant without the fused norm, got {epilogue!r}, variant {variant!r}, norm={norm}")
+    if tokens not in (1, TOKENS) or (tokens > 1 and (variant or split)):
+        raise ValueError(f"the multi-token tile GEMV ({TOKENS} token columns) has no variant or split, got "
+                         f"tokens={tokens}, variant {variant!r}, split={split}")
     params = dict(fmt=fmt, group_size=group_size, epilogue=epilogue, warps=warps, **TILE_VARIANTS[variant])
-    return {**params, **({"norm": True} if norm else {}), **({"split": True} if split else {})}
+    return {**params, **({"norm": True} if norm else {}), **({"split": True} if split else {}),
+            **({"tokens": tokens} if tokens > 1 else {})}
 
 
 def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "", norm: bool = False,
-             split: bool = False) -> str:
+             split: bool = False, tokens: int = 1) -> str:
     suffix = ((f".w{warps}" if warps != TILE_WARPS_SMALL_K else "") + (".norm" if norm else "")
               + (".split" if split else "") + (f".{variant}" if variant else ""))
+    if tokens > 1:
+        return f"decode.tile.{fmt_tag(fmt, group_size)}.m{tokens}.{epilogue}{suffix}"
     return f"decode.gemv.{fmt_tag(fmt, group_size)}.m1.{epilogue}{suffix}"
 
 
@@ -236,18 +257,31 @@ def tile_splits(epilogue: str, k: int) -> int:
     return TILE_SPLIT if TILE_SPLIT <= k // 128 else 1
 
 
-def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "") -> bool:
-    """The tile GEMV's shared memory (the activation row, the warps' partials, a weight ring) fits."""
+def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "", m: int = 1) -> bool:
+    """The tile GEMV's shared memory (the activation row or, for 1 < m <= TOKENS, the m rows, the warps'
+    partials, a weight ring) fits."""
     v = TILE_VARIANTS[variant]
     ring = v["prefetch"] if v["pipeline"] == "ring" else 0
-    return tile_smem(k, warps, norm, ring, v.get("fold", False))["total"] <= SMEM_LIMIT
+    tokens = TOKENS if m > 1 else 1
+    return m <= TOKENS and tile_smem(k, warps, norm, ring, v.get("fold", False), tokens=tokens,
+                                     rows=m)["total"] <= SMEM_LIMIT
+
+
+def tile_serves_rows(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132) -> bool:
+    """Where the router sends 1 < M <= TILE_MAX_M rows to the multi-token tile GEMV (P12): INT4 g128, a grid of at
+    most TILE_SMALL_GRID CTAs per SM (where the persistent GEMV's fixed cost dominates), K <= TILE_LARGE_K (its
+    rows then leave room for 3 CTAs per SM), the store and SwiGLU epilogues (the residual ones measured slower
+    inside the decode step), and the rows fit."""
+    return ((fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS and epilogue in TILE_MULTI_EPILOGUES
+            and n // 16 <= TILE_SMALL_GRID * sms and k <= TILE_LARGE_K
+            and tile_fits(k, tile_warps(k, n, sms, m), False, "", m))
 
 
 def fuses_norm(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132) -> bool:
     """Whether the routed kernel of this projection has a fused-RMSNorm variant (the tile GEMV at M = 1 for
     QKV and gate/up, docs/routing.md E2); elsewhere the row factor stays its own kernel."""
     return (epilogue in NORM_EPILOGUES and default_kernel(fmt, group_size, m, n, k, sms, epilogue) == "tile"
-            and tile_fits(k, tile_warps(k, n, sms), True, TILE_ROUTED))
+            and tile_fits(k, tile_warps(k, n, sms, m), True, TILE_ROUTED if m == 1 else "", m))
 
 
 def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int = 132,
@@ -256,6 +290,8 @@ def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int =
     docs/routing.md)."""
     if (m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS
             and tile_fits(k, tile_warps(k, n, sms), False, tile_variant(k))):
+        return "tile"
+    if 1 < m <= TILE_MAX_M_ROUTED and tile_serves_rows(fmt, group_size, epilogue, m, n, k, sms):
         return "tile"
     if fmt == "int4" and m > INT4_GEMV_MAX_M:
         return "skinny"
@@ -285,16 +321,21 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if kernel == "auto":
         kernel = default_kernel(fmt, group_size, m, n, k, sms, epilogue)
-        variant = variant or (tile_variant(k, norm, epilogue) if kernel == "tile" else "")
+        variant = variant or (tile_variant(k, norm, epilogue) if kernel == "tile" and m == 1 else "")
     if norm and kernel != "tile":
         raise ValueError(f"no fused-norm kernel for this projection (M = {m}, {kernel}): use the row-factor kernel")
     if kernel == "tile":
-        wp = warps or tile_warps(k, n, sms)
-        if m != 1:
-            raise ValueError(f"the tile GEMV serves M = 1, got M = {m}")
-        tile_params(fmt, group_size, epilogue, wp, variant, norm)  # validates format, variant and epilogue
-        if not tile_fits(k, wp, norm, variant):
-            raise ValueError(f"the tile GEMV cannot serve K = {k} (activation row exceeds shared memory)")
+        wp = warps or tile_warps(k, n, sms, m)
+        if m > TOKENS:
+            raise ValueError(f"the tile GEMV serves M <= {TOKENS}, got M = {m}")
+        tokens = TOKENS if m > 1 else 1
+        tile_params(fmt, group_size, epilogue, wp, variant, norm, tokens=tokens)  # validates the choice
+        if not tile_fits(k, wp, norm, variant, m):
+            raise ValueError(f"the tile GEMV cannot serve M = {m}, K = {k} (activation rows exceed shared memory)")
+        if tokens > 1:
+            if split not in (None, 1):
+                raise ValueError("the multi-token tile GEMV does not split K")
+            return Launch(tile_key(fmt, group_size, epilogue, wp, norm=norm, tokens=tokens), "tile")
         sp = split if split is not None else (1 if norm or variant else tile_splits(epilogue, k))
         if sp > 1:
             tile_params(fmt, group_size, epilogue, wp, variant, norm, split=True)  # validates what can split

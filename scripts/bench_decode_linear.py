@@ -13,7 +13,8 @@ weights + scales / time and its fraction of the 4.36 TB/s HBM read floor measure
 Candidates: futx INT4 (g128) / E4M3 / BF16 as the ops pick them (decode.plan; the `plan` column names the
 INT4 kernel), the INT4 design alternatives where they apply (those the router never picks are registered from
 scripts/tuning_space.py and compiled on demand: JIT, or `python scripts/tuning_space.py build` for AOT):
-  futx-int4-tile      the one-tile-per-CTA GEMV (run-1 design; the plan's M = 1 choice)
+  futx-int4-tile      the one-tile-per-CTA GEMV (run-1 design; the plan's M = 1 choice; for 1 < M <= 8 the
+                      multi-token tile GEMV where its rows fit)
   futx-int4-tile-xw   the same with the other warp count (4 <-> 8)
   futx-int4-rolling   the tile GEMV with a rolling prefetch and late scale conversion (tuning space)
   futx-int4-p1/p3/p4  the tile GEMV with batches of 1 / 3 (run 1) / 4 units instead of 2 (tuning space)
@@ -62,10 +63,11 @@ def _int4_designs(n, k, m, proj) -> dict:
     epi = EPILOGUE[proj]
     choice = plan.choose("int4", GROUP, epi, m, n, k)
     out = {}
-    if m == 1:
-        w = plan.tile_warps(k, n)
+    if m == 1 or plan.tile_fits(k, plan.TILE_WARPS_LARGE_K, False, "", m):
+        w = plan.tile_warps(k, n, m=m)
         out["futx-int4-tile"] = dict(kernel="tile")
         out["futx-int4-tile-xw"] = dict(kernel="tile", warps=plan.TILE_WARPS_SMALL_K + plan.TILE_WARPS_LARGE_K - w)
+    if m == 1:
         for v in plan.TILE_VARIANTS:
             if v:
                 out[f"futx-int4-{v}"] = dict(kernel="tile", variant=v)
@@ -119,7 +121,7 @@ def plan_note(n, k, m, proj, fmt="int4") -> str:
     """Which kernel and launch shape the ops pick (reported with the timings)."""
     c = plan.choose(fmt, GROUP, EPILOGUE[proj], m, n, k)
     if c.kind == "tile":
-        return f"tile w{plan.tile_warps(k, n)}"
+        return f"tile w{plan.tile_warps(k, n, m=m)}"
     return f"gemv tiles={c.tiles}" if c.kind == "gemv" else f"skinny split={c.split}"
 
 

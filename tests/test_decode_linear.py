@@ -27,7 +27,8 @@ def test_every_shape_picks_a_registered_variant_and_a_valid_shape(fmt, m):
             choice = plan.choose(fmt, group, epilogue, m, n, k)
             assert get_spec(choice.key) in decode_linear.SPECS, f"{choice.key} is routed to but not shipped"
             if choice.kind == "tile":
-                assert m == 1 and fmt == "int4" and group == 128
+                assert fmt == "int4" and group == 128
+                assert m == 1 or plan.tile_serves_rows(fmt, group, epilogue, m, n, k), "multi-token tile off its rule"
             elif choice.kind == "gemv":
                 assert m <= plan.GEMV_MAX_M and 1 <= choice.tiles <= n // 16
                 assert -(-(n // 16) // choice.tiles) <= 132, "one CTA per SM at most"
@@ -48,8 +49,9 @@ def test_m1_gemv_has_balanced_tiles():
 
 def test_routing_rule_follows_the_measurements():
     """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192 and for
-    grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV, INT4 9..32
-    -> skinny; BF16/E4M3 up to 16 -> persistent GEMV where the rows fit."""
+    grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV (the
+    multi-token tile GEMV for small-grid store/SwiGLU projections, P12), INT4 9..32 -> skinny; BF16/E4M3 up to 16 ->
+    persistent GEMV where the rows fit."""
     # the down projections (K > 8192): 8 warps; beyond K = 16384 (70B) batches of 3 units (P2, P3)
     for layer, want in (("layer-70b", {"qkv": "", "o": "", "gate_up": "", "down": ".w8.p3"}),):
         for proj, (n, k) in preset(layer).projection_shapes().items():
@@ -69,14 +71,32 @@ def test_routing_rule_follows_the_measurements():
             assert plan.choose(fmt, 128, "store", 1, n, k).kind == "gemv"
             assert plan.choose(fmt, 128, "store", 32, n, k).kind == "skinny"
     n, k = shapes["qkv"]
-    assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
+    # P12: 2..8 rows of the small-grid store/SwiGLU projections (the 8B QKV) -> the multi-token tile GEMV, 8 warps,
+    # its fused norm too; the 8B O (residual), gate/up (1792 CTAs) and the 70B QKV (640 CTAs) keep the GEMV
+    for m in (2, 5, 8):
+        assert plan.choose("int4", 128, "store", m, n, k).key == "decode.tile.int4.m8.store.w8"
+        assert plan.choose("int4", 128, "store", m, n, k, norm=True).key == "decode.tile.int4.m8.store.w8.norm"
+        assert plan.choose("int4", 128, "residual", m, *shapes["o"]).kind == "gemv"
+        assert plan.choose("int4", 128, "swiglu", m, *shapes["gate_up"]).kind == "gemv"
+        assert plan.choose("int4", 128, "store", m, *preset("layer-70b").projection_shapes()["qkv"]).kind == "gemv"
+    plan.route_tile_variant("", max_m=1)
+    try:
+        assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
+    finally:
+        plan.route_tile_variant("")
     assert plan.choose("bf16", 128, "store", 16, n, k).kind == "gemv"
     # forced designs (tests, benchmarks) and their errors
     assert plan.choose("int4", 128, "swiglu", 1, n, k, kernel="tile", warps=8, variant="rolling").key == \
         "decode.gemv.int4.m1.swiglu.w8.rolling"
     assert plan.choose("int4", 128, "store", 1, n, k, kernel="gemv", variant="r2").key == "decode.gemv.int4.m8.store.r2"
-    with pytest.raises(ValueError, match="M = 1"):
-        plan.choose("int4", 128, "store", 2, n, k, kernel="tile")
+    assert plan.choose("int4", 128, "store", 2, n, k, kernel="tile").key == "decode.tile.int4.m8.store.w8"
+    assert plan.choose("int4", 128, "residual", 2, n, k, kernel="tile", warps=4).key == "decode.tile.int4.m8.residual"
+    with pytest.raises(ValueError, match="M <= 8"):
+        plan.choose("int4", 128, "store", 9, n, k, kernel="tile")
+    with pytest.raises(ValueError, match="exceed shared memory"):
+        plan.choose("int4", 128, "store", 8, n, 14336, kernel="tile")
+    with pytest.raises(ValueError, match="no variant or split"):
+        plan.choose("int4", 128, "store", 3, n, k, kernel="tile", variant="p3")
     with pytest.raises(ValueError, match="no tile GEMV"):
         plan.choose("bf16", 128, "store", 1, n, k, kernel="tile")
     with pytest.raises(ValueError, match="kernel must be"):
@@ -120,20 +140,24 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 55 and len(tuning) == 123
+    assert len(registry) == 59 and len(tuning) == 129
 
 
-def test_fused_norm_routes_only_the_m1_tile_gemv():
-    """The RMSNorm row factor folds into the M = 1 tile GEMV of QKV and gate/up (INT4 g128); every other
-    projection keeps the row-factor kernel, and forcing the fused variant there is an error."""
+def test_fused_norm_routes_only_the_tile_gemv():
+    """The RMSNorm row factor folds into the M = 1 tile GEMV of QKV and gate/up (INT4 g128) and into the
+    multi-token one where it is routed (2..8 rows, small grids: the 8B QKV); every other projection keeps the
+    row-factor kernel, and forcing the fused variant there is an error."""
     for n, k, epilogue in ((6144, 4096, "store"), (28672, 4096, "swiglu"), (10240, 8192, "store"),
                            (57344, 8192, "swiglu")):
         assert plan.fuses_norm("int4", 128, epilogue, 1, n, k)
         launch = plan.choose("int4", 128, epilogue, 1, n, k, norm=True)
         assert launch.kind == "tile" and launch.key.endswith(".norm"), launch
-        assert not plan.fuses_norm("int4", 128, epilogue, 2, n, k)
-        with pytest.raises(ValueError, match="fused-norm"):
-            plan.choose("int4", 128, epilogue, 2, n, k, norm=True)
+        small = n == 6144
+        assert plan.fuses_norm("int4", 128, epilogue, 2, n, k) == small
+        assert not plan.fuses_norm("int4", 128, epilogue, 9, n, k)
+        if not small:
+            with pytest.raises(ValueError, match="fused-norm"):
+                plan.choose("int4", 128, epilogue, 2, n, k, norm=True)
     assert not plan.fuses_norm("int4", 128, "residual", 1, 4096, 4096)
     assert not plan.fuses_norm("int4", 64, "store", 1, 576, 576)       # group 64 has no tile GEMV
     assert not plan.fuses_norm("e4m3", 128, "store", 1, 4096, 4096)
@@ -157,6 +181,9 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
                                            norm=True).key)
             if e in plan.TILE_SPLIT_EPILOGUES:
                 forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, split=2).key)
+            forced.add(plan.choose("int4", 128, e, 5, n, k, kernel="tile", warps=w).key)
+            if e in plan.NORM_EPILOGUES:
+                forced.add(plan.choose("int4", 128, e, 5, n, k, kernel="tile", warps=w, norm=True).key)
         for v in plan.GEMV_VARIANTS:
             forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="gemv", variant=v).key)
         for group in plan.GROUP_SIZES:

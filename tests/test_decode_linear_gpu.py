@@ -199,6 +199,85 @@ def test_tile_gemv(n, k, warps, variant):
             assert torch.equal(y, base), f"ring {variant} w{warps} {n}x{k} {epilogue} != batch pipeline"
 
 
+# the multi-token tile GEMV (1 < M <= 8): one n-block with one unit, 17 units over uneven warp shares, the 8B QKV
+# and down (K = 14336: its rows fit up to M = 7)
+MULTI_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336)]
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("n,k", MULTI_CASES, ids=[f"{c[0]}x{c[1]}" for c in MULTI_CASES])
+def test_multi_token_tile_gemv(n, k, warps):
+    """The multi-token tile GEMV at odd M, every epilogue, against the float reference; each token's row is
+    bitwise the M = 1 kernel's on that row alone (MMA columns are independent, same order of sums); rows past M
+    of the output buffer are never written."""
+    from decode import plan
+
+    stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
+    for m in (2, 3, 5, 8):
+        if not plan.tile_fits(k, warps, False, "", m):
+            continue
+        x, r = _inputs(m, k, n, 5 + m)
+        for epilogue in ("store", "residual", "swiglu"):
+            from futx.ops.decode_linear import run_variant
+
+            width = n // 2 if epilogue == "swiglu" else n
+            buf = torch.full((m + 1, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+            y = run_variant("int4", x, stored[0], stored[1], 128, epilogue, r if epilogue == "residual" else None,
+                            "tile", out=buf[:m], warps=warps)
+            torch.cuda.synchronize()
+            what = f"tile M={m} w{warps} {n}x{k} {epilogue}"
+            _check(y, _reference(x, w_ref, epilogue, r), what)
+            assert torch.isnan(buf[m]).all(), f"{what}: wrote past row M"
+            for i in (0, m - 1):
+                one = _run("int4", stored, x[i:i + 1].contiguous(), 128, epilogue, r[i:i + 1].contiguous(),
+                           kernel="tile", warps=warps)
+                assert torch.equal(y[i:i + 1], one), f"{what}: row {i} != the M = 1 kernel on it"
+
+
+# the fused norm on the multi-token tile GEMV where the router sends it (small grids): the 8B QKV, 17 units over
+# uneven warp shares with SwiGLU, one n-block with one unit
+MULTI_NORM_CASES = [(6144, 4096, "store"), (2096, 2176, "swiglu"), (16, 128, "store")]
+
+
+@pytest.mark.parametrize("n,k,epilogue", MULTI_NORM_CASES, ids=[f"{c[0]}x{c[1]}-{c[2]}" for c in MULTI_NORM_CASES])
+def test_multi_token_norm_linear_routed(n, k, epilogue):
+    """Routed to the multi-token tile GEMV (routing rule P12), the fused-norm projection at M = 2..8 scales each
+    token's outputs by its own row factor, and a CUDA graph of it replays the eager result; with the rule switched
+    off (route_tile_variant(max_m=1), how the engine benchmark times the old rule) the row factor is its own
+    kernel again."""
+    from decode import plan
+    from futx.ops.decode_linear import decode_norm_linear_int4
+
+    eps = 1e-5
+    stored, w_ref = _weights("int4", n, k, 128, n + k)
+    for m in (2, 5, 8):
+        assert plan.fuses_norm("int4", 128, epilogue, m, n, k), f"M={m} not routed to the fused kernel"
+        x, _ = _inputs(m, k, n, 17 + m)
+        x = (x.float() * 3.0).bfloat16()
+        x[1] *= 0.01  # rows of different scale: a factor shared across tokens would be caught
+        y = decode_norm_linear_int4(x, *stored, 128, epilogue, eps)
+        torch.cuda.synchronize()
+        factor = torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + eps)
+        want = x.float() @ w_ref.T * factor
+        want = torch.nn.functional.silu(want[:, 0::2]) * want[:, 1::2] if epilogue == "swiglu" else want
+        _check(y, want, f"norm_linear M={m} {n}x{k} {epilogue}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g = decode_norm_linear_int4(x, *stored, 128, epilogue, eps)
+    g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g, y), "graph replay != eager"
+    plan.route_tile_variant("", max_m=1)
+    try:
+        assert not plan.fuses_norm("int4", 128, epilogue, 8, n, k)
+        off = decode_norm_linear_int4(x, *stored, 128, epilogue, eps)
+        torch.cuda.synchronize()
+        _check(off, want, f"norm_linear M=8 {n}x{k} {epilogue}, multi-token tile off")
+    finally:
+        plan.route_tile_variant("")
+
+
 # split-K tile GEMV: 17 units in 2-4 uneven ranges, the 8B down (routed: 3 splits) and the 70B down
 SPLIT_CASES = [(2096, 2176), (4096, 14336), (8192, 28672)]
 
@@ -318,7 +397,9 @@ NORM_CASES = [(6144, 4096, "store"), (28672, 4096, "swiglu"), (10240, 8192, "sto
 def test_norm_linear_matches_row_factor_then_projection(n, k, epilogue):
     """decode_norm_linear_int4 at M = 1 (one launch: the outputs scaled by the row factor) against the float
     reference rsqrt(mean(x^2) + eps) * (x @ W) and against the row-factor kernel followed by the projection (which
-    rounds the normalized row to bf16 first). At M = 3 it is exactly those two kernels."""
+    rounds the normalized row to bf16 first). At M = 3 it is either the fused multi-token tile GEMV (where
+    decode.plan.fuses_norm: small grids) or exactly those two kernels."""
+    from decode import plan
     from futx.ops.decode_linear import decode_linear_int4, decode_norm_linear_int4
     from futx.ops.rms_rows import rms_rows
 
@@ -331,13 +412,14 @@ def test_norm_linear_matches_row_factor_then_projection(n, k, epilogue):
         two = decode_linear_int4(rms_rows(x, eps), *stored, 128, epilogue)
         torch.cuda.synchronize()
         factor = torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + eps)
-        if m == 1:
+        fused = plan.fuses_norm("int4", 128, epilogue, m, n, k)
+        if fused:
             want = x.float() @ w_ref.T * factor
             want = torch.nn.functional.silu(want[:, 0::2]) * want[:, 1::2] if epilogue == "swiglu" else want
         else:
             want = _reference((x.float() * factor).bfloat16(), w_ref, epilogue, r)
         _check(y, want, f"norm_linear M={m} {n}x{k} {epilogue}")
-        if m == 1:
+        if fused:
             scale = two.float().abs().max().item()
             assert (y.float() - two.float()).abs().max().item() <= 1e-2 * scale, "fused norm != row factor + GEMV"
         else:

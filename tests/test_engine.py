@@ -261,8 +261,9 @@ def test_cli_kernels_without_a_gpu_is_a_clear_error(model_dir, capsys):
 
 
 def test_emulated_norm_linear_scales_outputs_where_the_kernels_fuse_the_row_factor(weights):
-    """At M = 1 (INT4 g128, the fused tile GEMV) the kernel path scales the float32 outputs by the row factor, so
-    the emulated step does too; at M = 3 the row-factor kernel stores a normalized bf16 row first."""
+    """At M = 1 and, on this small grid, M = 3 (INT4 g128, the fused tile GEMVs) the kernel path scales the float32
+    outputs by the row factor, so the emulated step does too; at M = 9 the row-factor kernel stores a normalized
+    bf16 row first."""
     from decode import plan
     from futx.engine.backends import EmulatedOps, fused_norm, rms_rows
     from futx.quant.fold import rms_row_factor
@@ -273,11 +274,11 @@ def test_emulated_norm_linear_scales_outputs_where_the_kernels_fuse_the_row_fact
     w = packed.layers[0].qkv
     ops = EmulatedOps()
     gen = torch.Generator().manual_seed(0)
-    for m in (1, 3):
+    for m in (1, 3, 9):
         x = (torch.randn(m, 256, generator=gen) * 3).bfloat16()
-        assert fused_norm(x, w, "store") == plan.fuses_norm("int4", 128, "store", m, *w.shape) == (m == 1)
+        assert fused_norm(x, w, "store") == plan.fuses_norm("int4", 128, "store", m, *w.shape) == (m < 9)
         y = ops.norm_linear(x, w, "store", 1e-5)
-        if m == 1:
+        if m < 9:
             want = ((x.float() @ dequantize_weight(w).T) * rms_row_factor(x, 1e-5)[:, None]).bfloat16()
         else:
             want = ops.linear(rms_rows(x, 1e-5), w, "store")

@@ -102,10 +102,12 @@ def test_fused_glue_equals_the_unfused_chain(weights, cf):
     assert _rel(a, b) < (1e-3 if cf == "bf16" else 1e-2)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("glue", ["fused", "norm-kernel"])
 @pytest.mark.parametrize("cf", FORMATS)
-def test_row_factor_inside_the_projections_equals_its_emulated_step(weights, cf, glue):
-    """At B = 1 the QKV and gate/up tile GEMVs compute the RMSNorm row factor themselves (glue "fused") where
+def test_row_factor_inside_the_projections_equals_its_emulated_step(weights, cf, glue, batch):
+    """At B = 1 (and at B = 3 on these small grids: the multi-token tile GEMV) the QKV and gate/up tile GEMVs compute
+    the RMSNorm row factor themselves (glue "fused") where
     decode.plan.fuses_norm and scale their float32 outputs by it; glue "norm-kernel" runs the row-factor kernel,
     which stores a normalized bf16 row, before them. The two differ by that rounding, which the layers and a
     quantized cache amplify (measured 1-3% relative for bf16/e4m3 caches, 11% for INT4 over 12 steps), so each
@@ -116,10 +118,11 @@ def test_row_factor_inside_the_projections_equals_its_emulated_step(weights, cf,
                       head_dim=weights.config.head_dim, num_hidden_layers=3, vocab_size=512)  # every K % 128 == 0
     w = random_weights(cfg, seed=8, std=0.05).to(device="cuda")
     n_qkv, k_qkv = cfg.projection_shapes()["qkv"]
-    assert plan.fuses_norm("int4", 128, "store", 1, n_qkv, k_qkv)  # the fused path is what "fused" runs
-    toks = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(3))
-    got = _steps(_model(w, "int4", cf, batch=1, glue=glue), toks, [4])
-    ref = _steps(_model(w, "int4", cf, "emulated", batch=1, glue=glue), toks, [4])
+    assert plan.fuses_norm("int4", 128, "store", batch, n_qkv, k_qkv)  # the fused path is what "fused" runs
+    toks = torch.randint(0, 512, (batch, 12), generator=torch.Generator().manual_seed(3))
+    starts = [4, 9, 2][:batch]
+    got = _steps(_model(w, "int4", cf, batch=batch, glue=glue), toks, starts)
+    ref = _steps(_model(w, "int4", cf, "emulated", batch=batch, glue=glue), toks, starts)
     assert torch.isfinite(got).all()
     assert _rel(got, ref) < (1.5e-2 if cf == "bf16" else 5e-2)
 

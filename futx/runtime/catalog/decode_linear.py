@@ -26,11 +26,13 @@ def gemv_spec(fmt, group, epilogue, m, variant=""):
                           f"{epilogue}{', ' + variant if variant else ''}")
 
 
-def tile_spec(fmt, group, epilogue, warps, variant="", norm=False, split=False):
-    params = plan.tile_params(fmt, group, epilogue, warps, variant, norm, split)
-    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant, norm, split), module="decode.gemv_tile",
-                      params=tuple(sorted(params.items())), sources=_SOURCES, expect_sass=("HMMA",),
-                      doc=f"M=1 one-tile-per-CTA GEMV{' with the RMSNorm row factor' if norm else ''}"
+def tile_spec(fmt, group, epilogue, warps, variant="", norm=False, split=False, tokens=1):
+    params = plan.tile_params(fmt, group, epilogue, warps, variant, norm, split, tokens)
+    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant, norm, split, tokens),
+                      module="decode.gemv_tile", params=tuple(sorted(params.items())), sources=_SOURCES,
+                      expect_sass=("HMMA",),
+                      doc=f"M{'<=' + str(tokens) if tokens > 1 else '=1'} one-tile-per-CTA GEMV"
+                          f"{' with the RMSNorm row factor' if norm else ''}"
                           f"{', split-K over CTAs' if split else ''}, "
                           f"{plan.fmt_tag(fmt, group)} weights, {epilogue}, {warps} warps"
                           f"{', ' + variant if variant else ''}")
@@ -56,3 +58,18 @@ SPECS += [tile_spec(f, g, e, w, norm=True) for f, g in plan.TILE_FORMATS for e i
 # K > TILE_LONG_K without the fused norm: 8 warps (K > TILE_LARGE_K), batches of 3 units
 SPECS += [tile_spec(f, g, e, plan.TILE_WARPS_LARGE_K, plan.TILE_LONG_K_VARIANT)
           for f, g in plan.TILE_FORMATS for e in plan.EPILOGUES]
+
+
+def multi_token_tile_specs(routed: bool) -> list:
+    """The multi-token tile GEMV (1 < M <= 8): the variants the router picks (`routed`: 8 warps, the routed
+    epilogues, with and without the fused norm; plan.tile_serves_rows) or the others (every epilogue and warp
+    count; tuning space)."""
+    specs = [tile_spec(f, g, e, w, norm=nm, tokens=plan.TOKENS) for f, g in plan.TILE_FORMATS
+             for e in plan.EPILOGUES for nm in (False, True) if not nm or e in plan.NORM_EPILOGUES
+             for w in TILE_WARPS]
+    return [s for s in specs
+            if routed == (s.param_dict["epilogue"] in plan.TILE_MULTI_EPILOGUES
+                          and s.param_dict["warps"] == plan.TILE_WARPS_LARGE_K and plan.TILE_MAX_M > 1)]
+
+
+SPECS += multi_token_tile_specs(routed=True)
