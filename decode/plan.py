@@ -93,6 +93,7 @@ TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS
 TILE_SPLIT: Optional[int] = None   # a forced split count of the split-capable projections (None: the rule)
 TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT
 TILE_MAX_M_ROUTED = TILE_MAX_M
+TILE_MULTI_ROUTED = TILE_MULTI_EPILOGUES
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -172,14 +173,16 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
 
 # ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
 def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None,
-                       long_k: Optional[str] = None, max_m: Optional[int] = None) -> None:
+                       long_k: Optional[str] = None, max_m: Optional[int] = None,
+                       multi_epilogues: Optional[tuple] = None) -> None:
     """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on ("": the shipped
     rule, `long_k` for K > TILE_LONG_K without the fused norm, None: TILE_LONG_K_VARIANT), 8 warps up to
     `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS) and `split` CTAs per tile of the
     split-capable projections (None: `tile_splits`), and the multi-token tile GEMV up to `max_m` rows (None: the
-    shipped TILE_MAX_M; 1: never). Benchmarks only: a tuning variant must be registered
+    shipped TILE_MAX_M; 1: never) for the `multi_epilogues` (None: TILE_MULTI_EPILOGUES). Benchmarks only: a
+    tuning variant must be registered
     (scripts/tuning_space.py); ("",) restores the shipped rule."""
-    global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED
+    global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED
     for v in (variant, long_k or ""):
         if v not in TILE_VARIANTS:
             raise ValueError(f"unknown tile GEMV variant {v!r}; known: {sorted(TILE_VARIANTS)}")
@@ -192,12 +195,13 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
         raise ValueError(f"the multi-token tile GEMV serves up to {TOKENS} rows, got max_m = {max_m}")
     TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT if long_k is None else long_k
     TILE_MAX_M_ROUTED = TILE_MAX_M if max_m is None else max_m
+    TILE_MULTI_ROUTED = TILE_MULTI_EPILOGUES if multi_epilogues is None else tuple(multi_epilogues)
     choose.cache_clear()
 
 
 def tile_route() -> tuple:
     """The routing state route_tile_variant sets (part of the ops' per-signature launch cache key)."""
-    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED
+    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED
 
 
 def tile_variant(k: int, norm: bool = False, epilogue: str = "") -> str:
@@ -272,7 +276,7 @@ def tile_serves_rows(fmt: str, group_size: int, epilogue: str, m: int, n: int, k
     most TILE_SMALL_GRID CTAs per SM (where the persistent GEMV's fixed cost dominates), K <= TILE_LARGE_K (its
     rows then leave room for 3 CTAs per SM), the store and SwiGLU epilogues (the residual ones measured slower
     inside the decode step), and the rows fit."""
-    return ((fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS and epilogue in TILE_MULTI_EPILOGUES
+    return ((fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS and epilogue in TILE_MULTI_ROUTED
             and n // 16 <= TILE_SMALL_GRID * sms and k <= TILE_LARGE_K
             and tile_fits(k, tile_warps(k, n, sms, m), False, "", m))
 

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--tile-variants", default="", help="comma-separated decode.plan.TILE_VARIANTS, each optionally "
                    "with @G (8 warps up to G CTAs per SM), /sS (S CTAs per tile of the split-capable projections) "
                    "and :L (variant L for K > 16384; ':' alone: batches of 2 there too) and ^M (the multi-token tile GEMV up to "
-                   "M rows; ^1: never), e.g. '/s1', '@3/s2', ':', '^8': "
+                   "M rows; ^1: never; ^Mr: for the residual projections too), e.g. '/s1', '@3/s2', ':', '^8r': "
                    "also the int4/int4 step (and its breakdown) with the router's M = 1 tile GEMV switched to each")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
@@ -170,8 +170,11 @@ def main(argv=None) -> int:
             spec, colon, long_k = spec.partition(":")
             spec, _, split = spec.partition("/s")
             name, _, grid = spec.partition("@")
+            residual = max_m.endswith("r")  # ^Mr: the residual projections too
+            max_m = max_m.rstrip("r")
             plan.route_tile_variant(name, float(grid) if grid else None, int(split) if split else None,
-                                    long_k if colon else None, int(max_m) if max_m else None)
+                                    long_k if colon else None, int(max_m) if max_m else None,
+                                    plan.EPILOGUES if residual else None)
     cfg = config_for(a.shape, a.layers)
     points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
     wfs, cfs = a.weights.split(","), a.cache.split(",")

@@ -82,8 +82,12 @@ def test_routing_rule_follows_the_measurements():
     plan.route_tile_variant("", max_m=1)
     try:
         assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
+        plan.route_tile_variant("", multi_epilogues=plan.EPILOGUES)  # the benchmark's ^8r: the 8B O too
+        assert plan.choose("int4", 128, "residual", 2, *shapes["o"]).key == "decode.tile.int4.m8.residual.w8"
+        assert plan.choose("int4", 128, "residual", 2, *shapes["down"]).kind == "gemv"  # K > TILE_LARGE_K
     finally:
         plan.route_tile_variant("")
+    assert plan.choose("int4", 128, "residual", 2, *shapes["o"]).kind == "gemv"
     assert plan.choose("bf16", 128, "store", 16, n, k).kind == "gemv"
     # forced designs (tests, benchmarks) and their errors
     assert plan.choose("int4", 128, "swiglu", 1, n, k, kernel="tile", warps=8, variant="rolling").key == \

@@ -141,7 +141,7 @@ GEMV_HEAD_ROWS = 16
 
 
 class KernelOps:
-    """futx kernels. glue="fused" (default): the RMSNorm row factor runs inside the M = 1 projections that read
+    """futx kernels. glue="fused" (default): the RMSNorm row factor runs inside the tile-GEMV projections that read
     it (decode.plan.fuses_norm; elsewhere it is one kernel) and RoPE inside the attention kernel, which reads
     q/k/v straight from the QKV output; glue="norm-kernel": the row factor always its own kernel; glue="torch":
     both as PyTorch ops between the kernels (the naive chain, kept to measure what fusing saves)."""

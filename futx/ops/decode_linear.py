@@ -4,7 +4,7 @@
     torch.ops.futx.decode_linear_e4m3(x, data, scale, epilogue, residual) -> y
     torch.ops.futx.decode_linear_bf16(x, weight, epilogue, residual) -> y
     torch.ops.futx.decode_norm_linear_int4(x, packed, scales, group_size, epilogue, eps) -> y   (RMSNorm row
-        factor of x first: one launch at M = 1, decode.plan.fuses_norm)
+        factor of x first: one launch where decode.plan.fuses_norm, the tile GEMVs)
     decode_linear(x, weight, epilogue="store", residual=None)   # dispatch on the weight's type
     decode_norm_linear(x, weight, epilogue, eps)
 
@@ -13,8 +13,9 @@ float16 scales [N/16, K/G, 16]; E4M3Weight: float8_e4m3fn [N, K] + float32 [N]; 
 epilogue: "store" -> y [M, N]; "residual" -> y = x @ W^T + residual; "swiglu" -> y [M, N/2] =
 silu(gate) * up with gate/up rows interleaved (row 2j gate j, row 2j + 1 up j).
 Every input is validated before launch. decode.plan picks the measured-fastest kernel (INT4 at M = 1: the
-one-tile-per-CTA GEMV; up to M = 16 the persistent GEMV where the activation rows fit in shared memory,
-INT4 only up to M = 8; else the skinny kernel) and its launch shape.
+one-tile-per-CTA GEMV, and at 2..8 rows on small grids its multi-token form; up to M = 16 the persistent GEMV
+where the activation rows fit in shared memory, INT4 only up to M = 8; else the skinny kernel) and its launch
+shape.
 The persistent GEMV and the skinny kernel launch with programmatic dependent launch: they may start
 reading the weights and scales before the previous kernel on the stream has finished, so that kernel must
 not write them.
@@ -173,7 +174,7 @@ def _(x, packed, scales, group_size, epilogue="store", residual=None):
 def decode_norm_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
                             epilogue: str = "store", eps: float = 1e-5) -> torch.Tensor:
     """The projection of x's RMSNorm row (+ "store" or "swiglu"): the decode step's RMSNorm row factor and the
-    projection that reads it, in one launch where decode.plan.fuses_norm (the tile GEMV at M = 1, which computes
+    projection that reads it, in one launch where decode.plan.fuses_norm (the tile GEMVs, which compute
     rsqrt(mean(x^2) + eps) * (x @ W^T) in float32), else the row-factor kernel then decode_linear_int4, i.e.
     bf16(x * rsqrt(mean(x^2) + eps)) @ W^T."""
     _check_norm_epilogue(epilogue)
