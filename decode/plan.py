@@ -55,11 +55,13 @@ TILE_LONG_K = 16384               # K > this, without the fused norm: batches of
 TILE_LONG_K_VARIANT = "p3"
 TILE_SMALL_GRID_CTAS = 3          # and where the grid has at most this many CTAs per SM (8B QKV and O, P3)
 # the multi-token tile GEMV (B columns = tokens, 1..TOKENS rows staged; key decode.tile.<fmt>.m8.*): routed for
-# 2 <= M <= TILE_MAX_M on small grids (at most TILE_SMALL_GRID_CTAS CTAs per SM) with K <= TILE_LARGE_K and the
-# TILE_MULTI_EPILOGUES (routing rule P12: the 8B QKV); its warps: 8 from TILE_ROWS_W8 rows on, else the M = 1 rule
+# 2 <= M <= TILE_MAX_M on small grids (at most TILE_SMALL_GRID_CTAS CTAs per SM) where the staged rows leave room for
+# TILE_ROWS_MIN_CTAS CTAs per SM, with the TILE_MULTI_EPILOGUES (routing rule P12: the 8B QKV); its warps: 8 from
+# TILE_ROWS_W8 rows on, else the M = 1 rule
 TILE_MAX_M = 8
 TILE_MULTI_EPILOGUES = ("store", "swiglu")
 TILE_ROWS_W8 = 3
+TILE_ROWS_MIN_CTAS = 2
 NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
 # split-K of the tile GEMV (tuning space, routing rule P11: measured slower in the decode step): the residual
 # projections' CTAs of a tile each stream a K range and the last to arrive sums the 16 row partials
@@ -273,12 +275,15 @@ def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "", m: int 
 
 def tile_serves_rows(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132) -> bool:
     """Where the router sends 1 < M <= TILE_MAX_M rows to the multi-token tile GEMV (P12): INT4 g128, a grid of at
-    most TILE_SMALL_GRID CTAs per SM (where the persistent GEMV's fixed cost dominates), K <= TILE_LARGE_K (its
-    rows then leave room for 3 CTAs per SM), the store and SwiGLU epilogues (the residual ones measured slower
-    inside the decode step), and the rows fit."""
-    return ((fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS and epilogue in TILE_MULTI_ROUTED
-            and n // 16 <= TILE_SMALL_GRID * sms and k <= TILE_LARGE_K
-            and tile_fits(k, tile_warps(k, n, sms, m), False, "", m))
+    most TILE_SMALL_GRID CTAs per SM (where the persistent GEMV's fixed cost dominates), staged rows that leave
+    room for TILE_ROWS_MIN_CTAS CTAs per SM (the 8B down at M = 4, one CTA per SM, measured slower), and the routed
+    epilogues."""
+    if (fmt, group_size if fmt == "int4" else 128) not in TILE_FORMATS or epilogue not in TILE_MULTI_ROUTED:
+        return False
+    if n // 16 > TILE_SMALL_GRID * sms or m > TOKENS:
+        return False
+    smem = tile_smem(k, tile_warps(k, n, sms, m), epilogue in NORM_EPILOGUES, tokens=TOKENS, rows=m)["total"]
+    return smem * TILE_ROWS_MIN_CTAS <= SMEM_LIMIT
 
 
 def fuses_norm(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132) -> bool:

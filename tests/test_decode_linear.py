@@ -84,7 +84,9 @@ def test_routing_rule_follows_the_measurements():
         assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
         plan.route_tile_variant("", multi_epilogues=plan.EPILOGUES)  # the benchmark's ^8r: the 8B O too
         assert plan.choose("int4", 128, "residual", 2, *shapes["o"]).key == "decode.tile.int4.m8.residual.w8"
-        assert plan.choose("int4", 128, "residual", 2, *shapes["down"]).kind == "gemv"  # K > TILE_LARGE_K
+        # the 8B down (K = 14336): its rows leave 2 CTAs per SM up to M = 3, one at M = 4
+        assert plan.choose("int4", 128, "residual", 3, *shapes["down"]).key == "decode.tile.int4.m8.residual.w8"
+        assert plan.choose("int4", 128, "residual", 4, *shapes["down"]).kind == "gemv"
     finally:
         plan.route_tile_variant("")
     assert plan.choose("int4", 128, "residual", 2, *shapes["o"]).kind == "gemv"
