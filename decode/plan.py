@@ -173,7 +173,7 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
     return max(1, min(ctas * sms // n_tiles, units // MIN_UNITS))
 
 
-# ---- tile GEMV (M = 1) ---------------------------------------------------------------------------
+# ---- tile GEMV (M = 1; 2..8 rows on small grids) ------------------------------------------------------
 def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None,
                        long_k: Optional[str] = None, max_m: Optional[int] = None,
                        multi_epilogues: Optional[tuple] = None) -> None:
@@ -190,11 +190,13 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
             raise ValueError(f"unknown tile GEMV variant {v!r}; known: {sorted(TILE_VARIANTS)}")
     if split is not None and not 1 <= split <= TILE_MAX_SPLITS:
         raise ValueError(f"a tile GEMV split is 1..{TILE_MAX_SPLITS}, got {split}")
+    if max_m is not None and not 1 <= max_m <= TOKENS:
+        raise ValueError(f"the multi-token tile GEMV serves up to {TOKENS} rows, got max_m = {max_m}")
+    if multi_epilogues is not None and not set(multi_epilogues) <= set(EPILOGUES):
+        raise ValueError(f"unknown epilogues {sorted(set(multi_epilogues) - set(EPILOGUES))}; known: {EPILOGUES}")
     TILE_ROUTED = variant
     TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS if small_grid is None else small_grid
     TILE_SPLIT = split
-    if max_m is not None and not 1 <= max_m <= TOKENS:
-        raise ValueError(f"the multi-token tile GEMV serves up to {TOKENS} rows, got max_m = {max_m}")
     TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT if long_k is None else long_k
     TILE_MAX_M_ROUTED = TILE_MAX_M if max_m is None else max_m
     TILE_MULTI_ROUTED = TILE_MULTI_EPILOGUES if multi_epilogues is None else tuple(multi_epilogues)

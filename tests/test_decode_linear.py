@@ -99,6 +99,11 @@ def test_routing_rule_follows_the_measurements():
     assert plan.choose("int4", 128, "residual", 2, n, k, kernel="tile", warps=4).key == "decode.tile.int4.m8.residual"
     with pytest.raises(ValueError, match="M <= 8"):
         plan.choose("int4", 128, "store", 9, n, k, kernel="tile")
+    for bad in (dict(max_m=9), dict(multi_epilogues=("gelu",))):
+        with pytest.raises(ValueError):
+            plan.route_tile_variant("p3", **bad)
+        assert plan.tile_route() == ("", plan.TILE_SMALL_GRID_CTAS, None, plan.TILE_LONG_K_VARIANT, plan.TILE_MAX_M,
+                                     plan.TILE_MULTI_EPILOGUES), "a rejected route left state behind"
     with pytest.raises(ValueError, match="exceed shared memory"):
         plan.choose("int4", 128, "store", 8, n, 14336, kernel="tile")
     with pytest.raises(ValueError, match="no variant or split"):
