@@ -200,10 +200,7 @@ class GemvTile:
             col = i % cols
             sums = tuple(self._row_sum(red, row * TOKENS + tok, TOKENS) for row in self.epi.rows(col))
             if cutlass.const_expr(self.norm):
-                total = ptx.lds_f32(ss + tok * 4)
-                for wi in cutlass.range_constexpr(1, self.warps):
-                    total = total + ptx.lds_f32(ss + (wi * TOKENS + tok) * 4)
-                factor = cute.math.rsqrt(total / Float32(k) + eps)
+                factor = self._norm_factor(ss, k, eps, tok, TOKENS)
                 sums = tuple(v * factor for v in sums)
             at = Int64(tok) * width + nb * cols + col
             v = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2))
@@ -363,10 +360,7 @@ class GemvTile:
             cute.arch.sync_threads()
             factor = None
             if cutlass.const_expr(self.norm):
-                total = ptx.lds_f32(xs + regions["ss"])
-                for wi in cutlass.range_constexpr(1, W):
-                    total = total + ptx.lds_f32(xs + regions["ss"] + wi * 4)
-                factor = cute.math.rsqrt(total / Float32(k) + eps)
+                factor = self._norm_factor(xs + regions["ss"], k, eps)
             if cutlass.const_expr(self.split):
                 self._exchange(tid, nb, sy, red, xs + regions["xchg"], r, y, ws, counters, splits)
             else:
@@ -399,6 +393,13 @@ class GemvTile:
                 ptx.sts_f32(xchg + (2 * tid + 1) * 4, a1)
             cute.arch.sync_threads()
             self._epilogue(tid, nb, red, r, y, None, xchg)
+
+    def _norm_factor(self, ss: Int32, k, eps, tok=0, per_warp: int = 1) -> Float32:
+        """RMSNorm row factor of token `tok` from the warps' sums of squares ss[warp][per_warp], in warp order."""
+        total = ptx.lds_f32(ss + tok * 4)
+        for wi in range(1, self.warps):
+            total = total + ptx.lds_f32(ss + (wi * per_warp + tok) * 4)
+        return cute.math.rsqrt(total / Float32(k) + eps)
 
     def _row_sum(self, red: Int32, row, per_warp: int = 1) -> Float32:
         """Sum over the warps of partial `row` of red[warp][BLOCK_N * per_warp]."""

@@ -174,6 +174,11 @@ def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: s
 
 
 # ---- tile GEMV (M = 1; 2..8 rows on small grids) ------------------------------------------------------
+def has_tile(fmt: str, group_size: int) -> bool:
+    """Whether a tile GEMV is compiled for these weights (TILE_FORMATS; the group size counts for INT4 only)."""
+    return (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS
+
+
 def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None,
                        long_k: Optional[str] = None, max_m: Optional[int] = None,
                        multi_epilogues: Optional[tuple] = None) -> None:
@@ -233,7 +238,7 @@ def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: s
     """Compile-time parameters of a tile GEMV variant (decode.gemv_tile.compile_target keywords); `split`: the
     split-K kernel (runtime split count, workspace and arrival counters); `tokens` = TOKENS: the multi-token
     kernel (routed variant only)."""
-    if (fmt, group_size if fmt == "int4" else 128) not in TILE_FORMATS:
+    if not has_tile(fmt, group_size):
         raise ValueError(f"no tile GEMV is compiled for {fmt_tag(fmt, group_size)} weights")
     if norm and epilogue not in NORM_EPILOGUES:
         raise ValueError(f"the fused-norm tile GEMV serves the {NORM_EPILOGUES} epilogues, got {epilogue!r}")
@@ -280,7 +285,7 @@ def tile_serves_rows(fmt: str, group_size: int, epilogue: str, m: int, n: int, k
     most TILE_SMALL_GRID CTAs per SM (where the persistent GEMV's fixed cost dominates), staged rows that leave
     room for TILE_ROWS_MIN_CTAS CTAs per SM (the 8B down at M = 4, one CTA per SM, measured slower), and the routed
     epilogues."""
-    if (fmt, group_size if fmt == "int4" else 128) not in TILE_FORMATS or epilogue not in TILE_MULTI_ROUTED:
+    if not has_tile(fmt, group_size) or epilogue not in TILE_MULTI_ROUTED:
         return False
     if n // 16 > TILE_SMALL_GRID * sms or m > TOKENS:
         return False
@@ -299,7 +304,7 @@ def default_kernel(fmt: str, group_size: int, m: int, n: int, k: int, sms: int =
                    epilogue: str = "residual") -> str:
     """The measured-fastest kernel for this format and M (the rules in the module docstring and
     docs/routing.md)."""
-    if (m == 1 and (fmt, group_size if fmt == "int4" else 128) in TILE_FORMATS
+    if (m == 1 and has_tile(fmt, group_size)
             and tile_fits(k, tile_warps(k, n, sms), False, tile_variant(k))):
         return "tile"
     if 1 < m <= TILE_MAX_M_ROUTED and tile_serves_rows(fmt, group_size, epilogue, m, n, k, sms):

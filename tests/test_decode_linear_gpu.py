@@ -211,6 +211,7 @@ def test_multi_token_tile_gemv(n, k, warps):
     bitwise the M = 1 kernel's on that row alone (MMA columns are independent, same order of sums); rows past M
     of the output buffer are never written."""
     from decode import plan
+    from futx.ops.decode_linear import run_variant
 
     stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
     for m in (2, 3, 5, 8):
@@ -218,8 +219,6 @@ def test_multi_token_tile_gemv(n, k, warps):
             continue
         x, r = _inputs(m, k, n, 5 + m)
         for epilogue in ("store", "residual", "swiglu"):
-            from futx.ops.decode_linear import run_variant
-
             width = n // 2 if epilogue == "swiglu" else n
             buf = torch.full((m + 1, width), float("nan"), dtype=torch.bfloat16, device="cuda")
             y = run_variant("int4", x, stored[0], stored[1], 128, epilogue, r if epilogue == "residual" else None,

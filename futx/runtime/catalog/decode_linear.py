@@ -64,12 +64,12 @@ def multi_token_tile_specs(routed: bool) -> list:
     """The multi-token tile GEMV (1 < M <= 8): the variants the router picks (`routed`: 8 warps, the routed
     epilogues, with and without the fused norm; plan.tile_serves_rows) or the others (every epilogue and warp
     count; tuning space)."""
-    specs = [tile_spec(f, g, e, w, norm=nm, tokens=plan.TOKENS) for f, g in plan.TILE_FORMATS
-             for e in plan.EPILOGUES for nm in (False, True) if not nm or e in plan.NORM_EPILOGUES
-             for w in TILE_WARPS]
-    return [s for s in specs
-            if routed == (s.param_dict["epilogue"] in plan.TILE_MULTI_EPILOGUES
-                          and s.param_dict["warps"] == plan.TILE_WARPS_LARGE_K and plan.TILE_MAX_M > 1)]
+    def picked(epilogue, warps):
+        return plan.TILE_MAX_M > 1 and epilogue in plan.TILE_MULTI_EPILOGUES and warps == plan.TILE_WARPS_LARGE_K
+
+    return [tile_spec(f, g, e, w, norm=nm, tokens=plan.TOKENS) for f, g in plan.TILE_FORMATS
+            for e in plan.EPILOGUES for nm in (False, True) if not nm or e in plan.NORM_EPILOGUES
+            for w in TILE_WARPS if picked(e, w) == routed]
 
 
 SPECS += multi_token_tile_specs(routed=True)
