@@ -65,16 +65,16 @@ def tile_slice_k(k: int, splits: int) -> int:
 
 
 def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False,
-              tokens: int = 1, rows=1) -> dict:
+              tokens: int = 1, rows=1, nblocks: int = 1) -> dict:
     """Byte offset of each shared-memory region of the tile GEMV and "total"; `ring` = units per warp of the
     "ring" pipeline (0: the register pipelines, no ring); `split`: the split-K kernel, whose `k` is the slice a
     CTA stages (`tile_slice_k`); `tokens` = TOKENS: the multi-token kernel, staging `rows` (1..TOKENS, may be a
-    runtime value) activation rows.
+    runtime value) activation rows; `nblocks`: n-blocks per CTA (one set of partials each).
     Regions in order (all multiples of 16 bytes):
 
     x       [k] bf16                     the activation row (split-K: the CTA's slice of it)
             [rows][k + 8] bf16           multi-token: the rows, X_ROW_PAD apart in the banks (ldmatrix rows)
-    red     [warps][16] f32              the warps' partial sums (multi-token: [warps][16][TOKENS])
+    red     [nblocks][warps][16] f32     the warps' partial sums (multi-token: [warps][16][TOKENS])
     ss      [warps] f32 (+ pad)          their sums of squares (`norm`; multi-token: [warps][TOKENS])
     scales  [warps][share units][16] f16 each warp's share of the group scales (ring only)
     ring    [warps][ring][1 KB]          each warp's weight ring (ring only)
@@ -84,7 +84,7 @@ def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool 
     per_warp = TOKENS if tokens > 1 else 1  # token columns each warp reduces
     ss = -(-warps * per_warp * 4 // 16) * 16 if norm else 0
     x = rows * (k * 2 + X_ROW_PAD) if tokens > 1 else k * 2
-    return regions((("x", x), ("red", warps * CHANNELS * per_warp * 4), ("ss", ss),
+    return regions((("x", x), ("red", nblocks * warps * CHANNELS * per_warp * 4), ("ss", ss),
                     ("scales", warps * tile_share_units(k, warps) * UNIT_SCALE_BYTES if ring else 0),
                     ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0),
                     ("xchg", CHANNELS * 4 + 16 if split else 0)))

@@ -36,6 +36,11 @@ bf16x2 FMA per weight register.
 copy of the one row (columns past M repeat the last row and are never stored): the same MMAs and dequantization
 per weight as at M = 1, M times the staged bytes, partials reduced per (row, token), each token normalized by its
 own row factor (`norm`).
+`nblocks` > 1 (n-blocks per CTA; routed for the multi-token kernel on grids larger than one wave, P13; at M = 1
+tuning space, measured slower, P14): each CTA takes `nblocks` consecutive n-blocks, stages the row(s) once, and each
+warp streams its K share of n-block 0, then of n-block 1, ... as one sequence of batches (loads run ahead across the
+n-block boundaries), storing its partial per n-block; one barrier, then the epilogue of every n-block. Each n-block
+sees the same units, MMAs and order as with one n-block per CTA, so the outputs are bitwise the same.
 PDL: launched as a programmatic dependent; the first batch of weights (and scales) is requested before
 `griddepcontrol.wait`, the activation row and the residual are read after it, so the weight stream can start
 while the previous kernel runs. It signals its own
@@ -63,9 +68,9 @@ DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 
 
 def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False,
-               tokens: int = 1, rows=1) -> int:
+               tokens: int = 1, rows=1, nblocks: int = 1) -> int:
     """Dynamic shared memory of a launch (decode.gemv_layout.tile_smem, which the host's planner shares)."""
-    return tile_smem(k, warps, norm, ring, fold, split, tokens, rows)["total"]
+    return tile_smem(k, warps, norm, ring, fold, split, tokens, rows, nblocks)["total"]
 
 
 class GemvTile:
@@ -73,14 +78,16 @@ class GemvTile:
     split = False  # GemvTileSplit: split-K over the CTAs of a tile
 
     def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch",
-                 fold: bool = False, tokens: int = 1):
+                 fold: bool = False, tokens: int = 1, nblocks: int = 1):
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
         if tokens not in (1, TOKENS):
             raise ValueError(f"the tile GEMV takes 1 or {TOKENS} token columns, got {tokens}")
         if tokens > 1 and (fold or pipeline != "batch" or self.split):
             raise ValueError("the multi-token tile GEMV is the batch pipeline without the fold or split-K")
-        self.tokens = tokens
+        if nblocks < 1 or (nblocks > 1 and (fold or pipeline != "batch" or self.split)):
+            raise ValueError(f"n-blocks per CTA ({nblocks}) > 1 is the batch pipeline without the fold or split-K")
+        self.tokens, self.nblocks = tokens, nblocks
         self.fmt = make_format(*FORMAT, fold=fold)
         self.epi = epi.make(epilogue)
         self.warps, self.pipeline = warps, pipeline
@@ -101,15 +108,33 @@ class GemvTile:
 
     def _shape(self, x, y):
         """(CTAs, dynamic shared-memory bytes) of a launch."""
-        return (self.epi.weight_rows(y.shape[1]) // BLOCK_N,
+        return ((self.epi.weight_rows(y.shape[1]) // BLOCK_N + self.nblocks - 1) // self.nblocks,
                 smem_bytes(x.shape[1], self.warps, self.norm, self.ring, self.fmt.fold, tokens=self.tokens,
-                           rows=x.shape[0]))
+                           rows=x.shape[0], nblocks=self.nblocks))
 
     # ---- device side -------------------------------------------------------------------------
     def _load(self, u, where) -> tuple:
         ub, lane_base, offsets, k, s_base, nb, n_units, g = where
         return stream.load_unit(self.fmt, self.bpu, lane_base, u, Int32(u < ub), offsets, k, s_base, nb, n_units, g,
                                 self.raw)
+
+    def _load_at(self, j, u, ua, n_valid, where) -> tuple:
+        """n-blocks per CTA: unit u of the warp's share [ua, ...) of the CTA's n-block j (valid for j < n_valid);
+        the CTA's n-blocks are consecutive in memory, so unit u of n-block j is unit j * n_units + u of the first."""
+        ub, lane_base, offsets, k, s_base, nb, n_units, g = where
+        return stream.load_unit(self.fmt, self.bpu, lane_base, j * n_units + ua + u, Int32(j < n_valid), offsets, k,
+                                s_base, nb, n_units, g, self.raw)
+
+    @staticmethod
+    def _units_from(j, u, sh, count: int) -> list:
+        """`count` consecutive (n-block, unit of the share) pairs of a warp's sequence from (j, u): the share's sh
+        units of n-block 0, then of n-block 1, ..."""
+        out = [(j, u)]
+        for _ in range(count - 1):
+            j0, u0 = out[-1]
+            wrap = u0 + 1 >= sh
+            out.append((j0 + Int32(wrap), cutlass.select_(wrap, Int32(0), u0 + 1)))
+        return out
 
     def _ring_copy(self, slot: Int32, lane_base: Int64, u, valid, k) -> None:
         """Issue this lane's 16-byte pieces of unit u (one per block) into its ring slot."""
@@ -189,20 +214,30 @@ class GemvTile:
         cute.arch.sync_warp()
 
     @cute.jit
-    def _epilogue_rows(self, tid, nb, red, ss, r, y, m, k, eps):
+    def _epilogue_rows(self, tid, nb, red, ss, r, y, m, k, eps, n_valid=None):
         """Multi-token: threads take the tile's (token, output column) pairs in turn; each sums its rows over the
-        warps in warp order (`norm`: times the token's RMSNorm row factor) and finishes the output."""
+        warps in warp order (`norm`: times the token's RMSNorm row factor) and finishes the output. `n_valid`:
+        n-blocks per CTA, the (n-block, token, column) triples of n-blocks nb .. nb + n_valid - 1."""
         cols = BLOCK_N // self.epi.rows_per_output
         width = y.shape[1]
         y_base = y.iterator.toint()
-        for i in cutlass.range(tid, cols * m, WARP * self.warps, unroll=1):
-            tok = i // cols
-            col = i % cols
-            sums = tuple(self._row_sum(red, row * TOKENS + tok, TOKENS) for row in self.epi.rows(col))
+        count = cols * m
+        if cutlass.const_expr(n_valid is not None):
+            count = n_valid * (cols * m)
+        for i in cutlass.range(tid, count, WARP * self.warps, unroll=1):
+            red_j, nb_j, ij = red, nb, i
+            if cutlass.const_expr(n_valid is not None):
+                j = i // (cols * m)
+                ij = i % (cols * m)
+                red_j = red + j * (self.warps * BLOCK_N * TOKENS * 4)
+                nb_j = nb + j
+            tok = ij // cols
+            col = ij % cols
+            sums = tuple(self._row_sum(red_j, row * TOKENS + tok, TOKENS) for row in self.epi.rows(col))
             if cutlass.const_expr(self.norm):
                 factor = self._norm_factor(ss, k, eps, tok, TOKENS)
                 sums = tuple(v * factor for v in sums)
-            at = Int64(tok) * width + nb * cols + col
+            at = Int64(tok) * width + nb_j * cols + col
             v = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2))
             ptx.stg_bf16(y_base + at * 2, v)
 
@@ -236,15 +271,22 @@ class GemvTile:
             k_smem = tile_slice_k(k, splits)
 
         s_base = s.iterator.toint()
-        lane_base = fmt.lane_base(w.iterator.toint(), nb, lane, k)
+        nb0 = nb
+        if cutlass.const_expr(self.nblocks > 1):
+            # this CTA's n-blocks nb0 .. nb0 + n_valid - 1 (the last CTA's may be fewer)
+            nb0 = nb * self.nblocks
+            n_valid = cutlass.min(Int32(self.nblocks), self.epi.weight_rows(y.shape[1]) // BLOCK_N - nb0)
+            sh = ub - ua
+        lane_base = fmt.lane_base(w.iterator.toint(), nb0, lane, k)
         offsets = fmt.load_offsets(k)
         consts = fmt.consts()
 
-        where = (ub, lane_base, offsets, k, s_base, nb, n_units, g)
+        where = (ub, lane_base, offsets, k, s_base, nb0, n_units, g)
         D = self.depth
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
         m = x.shape[0]
-        regions = tile_smem(k_smem, W, self.norm, self.ring, self.fmt.fold, self.split, self.tokens, m)
+        regions = tile_smem(k_smem, W, self.norm, self.ring, self.fmt.fold, self.split, self.tokens, m,
+                            self.nblocks)
         chunks = self.unit_k * 2 // LANE_BYTES
         row_stride = k * 2 + X_ROW_PAD  # multi-token: bytes between staged rows
         # the staged row's origin: unit u of the row sits at xrow + u * unit bytes (a split CTA stages its slice)
@@ -267,6 +309,9 @@ class GemvTile:
             for i in cutlass.range_constexpr(D):
                 self._ring_copy(ring_lane + i * UNIT_BYTES, lane_base, ua + i, Int32(ua + i < ub), k)
                 cute.arch.cp_async_commit_group()
+        elif cutlass.const_expr(self.nblocks > 1):
+            bufs = tuple(self._load_at(j, u, ua, n_valid, where)
+                         for j, u in self._units_from(Int32(0), Int32(0), sh, D))
         else:
             bufs = tuple(self._load(ua + i, where) for i in range(D))
         cute.arch.griddepcontrol_wait()
@@ -306,7 +351,10 @@ class GemvTile:
         # 3. stream. Units past the share are predicated off (no traffic) and add zero.
         acc = (Float32(0.0),) * 4
         n_iter = (ub - ua + D - 1) // D
-        if cutlass.const_expr(self.pipeline == "batch"):
+        if cutlass.const_expr(self.nblocks > 1):
+            self._stream_blocks(bufs, sh, ua, n_valid, where, xs_lane, last, consts, xs + regions["red"], warp, lane,
+                                g)
+        elif cutlass.const_expr(self.pipeline == "batch"):
             # batches of P units, batch b + 1 requested before batch b is consumed
             for it in cutlass.range(n_iter, unroll=1):
                 u0 = ua + it * P
@@ -345,7 +393,16 @@ class GemvTile:
 
         cute.arch.griddepcontrol_launch_dependents()
         red = xs + regions["red"]
-        if cutlass.const_expr(self.tokens > 1):
+        if cutlass.const_expr(self.nblocks > 1):
+            cute.arch.sync_threads()
+            factor = None
+            if cutlass.const_expr(self.norm):
+                factor = self._norm_factor(xs + regions["ss"], k, eps)
+            if cutlass.const_expr(self.tokens > 1):
+                self._epilogue_rows(tid, nb0, red, xs + regions["ss"], r, y, m, k, eps, n_valid)
+            else:
+                self._epilogue_blocks(tid, nb0, n_valid, red, r, y, factor)
+        elif cutlass.const_expr(self.tokens > 1):
             # 4. every lane's fragment: rows g and g + 8, token columns 2t and 2t + 1 -> red[warp][row][token]
             t2 = (lane % 4) * 2
             ptx.sts_f32x2(red + ((warp * BLOCK_N + g) * TOKENS + t2) * 4, acc[0], acc[1])
@@ -365,6 +422,63 @@ class GemvTile:
                 self._exchange(tid, nb, sy, red, xs + regions["xchg"], r, y, ws, counters, splits)
             else:
                 self._epilogue(tid, nb, red, r, y, factor)
+
+    @cute.jit
+    def _stream_blocks(self, bufs, sh, ua, n_valid, where, xs_lane, last, consts, red, warp, lane, g):
+        """n-blocks per CTA: the warp streams its K share of n-block 0, then of n-block 1, ... as one sequence of
+        batches (the next batch requested before this one is consumed, across n-block boundaries); at the end of
+        each n-block's share its partial goes to red[j][warp] and the accumulator restarts. A warp without a
+        share writes zeros."""
+        P = self.prefetch
+        acc = (Float32(0.0),) * 4
+        jc, uc = Int32(0), Int32(0)
+        for it in cutlass.range((n_valid * sh + P - 1) // P, unroll=1):
+            cur = self._units_from(jc, uc, sh, P)
+            jl, ul = cur[-1]
+            wrap = ul + 1 >= sh
+            jc, uc = jl + Int32(wrap), cutlass.select_(wrap, Int32(0), ul + 1)
+            nxt = tuple(self._load_at(j, u, ua, n_valid, where) for j, u in self._units_from(jc, uc, sh, P))
+            for i in cutlass.range_constexpr(P):
+                j, u = cur[i]
+                acc = self._unit(acc, bufs[i], ua + u, Int32(j < n_valid), xs_lane, last, consts)
+                end = (u == sh - 1) & (j < n_valid)
+                if end:
+                    self._store_partial(red, j, warp, lane, g, acc)
+                acc = tuple(cutlass.select_(end, Float32(0.0), a) for a in acc)
+            bufs = nxt
+        if sh == 0:
+            for j in cutlass.range(n_valid, unroll=1):
+                self._store_partial(red, j, warp, lane, g, (Float32(0.0),) * 4)
+
+    @cute.jit
+    def _store_partial(self, red, j, warp, lane, g, acc):
+        """A warp's partial sums of n-block j (rows g and g + 8) -> red[j][warp][16] (multi-token:
+        red[j][warp][16][TOKENS], this lane's token columns 2t and 2t + 1)."""
+        if cutlass.const_expr(self.tokens > 1):
+            base = red + j * (self.warps * BLOCK_N * TOKENS * 4)
+            t2 = (lane % 4) * 2
+            ptx.sts_f32x2(base + ((warp * BLOCK_N + g) * TOKENS + t2) * 4, acc[0], acc[1])
+            ptx.sts_f32x2(base + ((warp * BLOCK_N + g + layouts.MMA_N) * TOKENS + t2) * 4, acc[2], acc[3])
+        else:
+            if lane % 4 == 0:
+                ptx.sts_f32(red + ((j * self.warps + warp) * BLOCK_N + g) * 4, acc[0])
+                ptx.sts_f32(red + ((j * self.warps + warp) * BLOCK_N + g + layouts.MMA_N) * 4, acc[2])
+
+    @cute.jit
+    def _epilogue_blocks(self, tid, nb0, n_valid, red, r, y, factor):
+        """n-blocks per CTA: threads take the (n-block, output column) pairs in turn (`_epilogue` per n-block)."""
+        cols = BLOCK_N // self.epi.rows_per_output
+        y_base = y.iterator.toint()
+        for i in cutlass.range(tid, n_valid * cols, WARP * self.warps, unroll=1):
+            j = i // cols
+            col = i % cols
+            red_j = red + j * (self.warps * BLOCK_N * 4)
+            sums = tuple(self._row_sum(red_j, row) for row in self.epi.rows(col))
+            if cutlass.const_expr(self.norm):
+                sums = tuple(v * factor for v in sums)
+            at = Int64(nb0 + j) * cols + col
+            v = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2))
+            ptx.stg_bf16(y_base + at * 2, v)
 
     @cute.jit
     def _exchange(self, tid, nb, sy, red, xchg, r, y, ws, counters, splits):
@@ -473,12 +587,13 @@ class GemvTileSplit(GemvTile):
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", warps: int = 4,
                    prefetch: int = 0, pipeline: str = "batch", norm: bool = False, fold: bool = False,
-                   split: bool = False, tokens: int = 1):
+                   split: bool = False, tokens: int = 1, nblocks: int = 1):
     """Registry factory. `fmt` and `group_size` are registry parameters (decode.plan.tile_params) with the one
     value FORMAT. `norm`: the fused-RMSNorm variant, which takes eps (float32) before the stream. `fold`: the
     nibble bias as one correction per unit from the unit's activation sum. `split`: split-K, which takes the
     workspace, the arrival counters and the split count before the stream. `tokens` = 8: the multi-token kernel
-    (1..8 rows, the B columns of the MMA being tokens instead of copies of the one row)."""
+    (1..8 rows, the B columns of the MMA being tokens instead of copies of the one row). `nblocks`: consecutive
+    16-channel n-blocks per CTA (the grid is N / (16 * nblocks) CTAs)."""
     from .signature import fake_args, fake_split_args
 
     if (fmt, group_size) != FORMAT:
@@ -490,7 +605,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
         return GemvTileSplit(epilogue, warps, prefetch, pipeline, fold, tokens), (*args[:-1], *fake_split_args(),
                                                                                  Int32(1), args[-1])
     if not norm:
-        return GemvTile(epilogue, warps, prefetch, pipeline, fold, tokens), args
+        return GemvTile(epilogue, warps, prefetch, pipeline, fold, tokens, nblocks), args
     if epi.make(epilogue).residual:
         raise ValueError("the fused-norm tile GEMV has no residual epilogue (it serves QKV and gate/up)")
-    return GemvTileNorm(epilogue, warps, prefetch, pipeline, fold, tokens), (*args[:-1], Float32(1e-5), args[-1])
+    return GemvTileNorm(epilogue, warps, prefetch, pipeline, fold, tokens, nblocks), (*args[:-1], Float32(1e-5),
+                                                                                     args[-1])

@@ -9,8 +9,9 @@ docs/routing.md:
   TILE_SMALL_GRID_CTAS CTAs per SM, else 4 (where the activation row fits in shared memory). QKV and gate/up
   there have a fused-RMSNorm variant (`norm=True`, `fuses_norm`) that the decode step uses instead of the
   row-factor kernel.
-* INT4 g128, 2 <= M <= TILE_MAX_M on small grids (`tile_serves_rows`: the 8B QKV) -> the multi-token tile GEMV
-  (`gemv_tile.py` with 8 token columns), with its fused-RMSNorm variant.
+* INT4 g128, 2 <= M <= TILE_MAX_M, store and SwiGLU epilogues, where some n-block count per CTA fits the grid in
+  one wave (`tile_serves_rows`, `tile_rows_nblocks`: the 8B QKV and gate/up, the 70B QKV; P12/P13) -> the
+  multi-token tile GEMV (`gemv_tile.py` with 8 token columns, n-blocks per CTA), with its fused-RMSNorm variant.
 * INT4, M <= INT4_GEMV_MAX_M -> the persistent GEMV (`gemv.py`, one 8-token group, folded nibble bias)
   where the activation rows fit in shared memory, else the skinny kernel.
 * INT4, INT4_GEMV_MAX_M < M <= 32 -> the skinny kernel (a second token group doubles the GEMV's MMA and
@@ -54,13 +55,31 @@ TILE_LARGE_K = 8192               # K > this: 8 warps (measured on the down proj
 TILE_LONG_K = 16384               # K > this, without the fused norm: batches of 3 units (the 70B down; P2)
 TILE_LONG_K_VARIANT = "p3"
 TILE_SMALL_GRID_CTAS = 3          # and where the grid has at most this many CTAs per SM (8B QKV and O, P3)
-# the multi-token tile GEMV (B columns = tokens, 1..TOKENS rows staged; key decode.tile.<fmt>.m8.*): routed for
-# 2 <= M <= TILE_MAX_M on small grids (at most TILE_SMALL_GRID_CTAS CTAs per SM) where the staged rows leave room for
-# TILE_ROWS_MIN_CTAS CTAs per SM, with the TILE_MULTI_EPILOGUES (routing rule P12: the 8B QKV); its warps: 8 from
-# TILE_ROWS_W8 rows on, else the M = 1 rule
+# the fill rule (tuning space, P14: no gain in the decode step): M = 1 grids of a few CTAs per SM get the most warps
+# per CTA (of TILE_FILL_WARPS) whose CTAs per SM fit in TILE_WARP_SLOTS warps (the 8-warp kernel's 79 registers
+# leave 25 warps per SM), so one wave fills the SM's warp slots (8B O and down: 12 warps, 70B O and down: 6)
+TILE_WARP_SLOTS = 24
+TILE_FILL_WARPS = (4, 6, 8, 12, 16)
+# n-blocks per CTA at M = 1 (tuning space, P14: slower in the decode step): grids of more than one wave of CTAs
+# (TILE_CTAS_PER_SM resident per SM, from the kernels' registers: 70 at 4 warps, 79 at 8) take TILE_NBLOCKS
+# consecutive 16-channel n-blocks per CTA, so the grid fits in one wave (8B gate/up: 2, 70B: 4)
+TILE_NBLOCKS = (2, 3, 4)
+TILE_CTAS_PER_SM = {4: 7, 8: 3}
+# the multi-token tile GEMV on grids of any size (routing rule P13): the fewest TILE_ROWS_NBLOCKS n-blocks per CTA
+# that bring its grid within one wave of resident CTAs (TILE_ROWS_CTAS_PER_SM by the n-block builds' registers, 65 at
+# 4 warps and 72 at 8; fewer where the staged rows and partials take the shared memory), so each CTA stages the rows
+# once for all of its n-blocks
+TILE_ROWS_NBLOCKS = (2, 3, 4, 5, 6, 8)
+TILE_ROWS_CTAS_PER_SM = {4: 7, 8: 3}
+# the multi-token tile GEMV (B columns = tokens, 1..TOKENS rows staged; key decode.tile.<fmt>.m8.*[.nb<c>]): routed
+# for 2 <= M <= TILE_MAX_M with the TILE_MULTI_EPILOGUES on every grid some n-block count fits in one wave (P13: the
+# 8B QKV and gate/up, the 70B QKV; not the 70B gate/up, 3584 CTAs); with P13 off
+# (route_tile_variant(rows_nblocks=False)) the P12 rule: small grids (at most TILE_SMALL_GRID_CTAS CTAs per SM) whose
+# staged rows leave room for TILE_ROWS_MIN_CTAS CTAs per SM; its warps: 8 from TILE_ROWS_W8 rows on, else the M = 1
+# rule
 TILE_MAX_M = 8
 TILE_MULTI_EPILOGUES = ("store", "swiglu")
-TILE_ROWS_W8 = 3
+TILE_ROWS_W8 = 2
 TILE_ROWS_MIN_CTAS = 2
 NORM_EPILOGUES = ("store", "swiglu")   # the projections that read an RMSNorm row (QKV, gate/up)
 # split-K of the tile GEMV (tuning space, routing rule P11: measured slower in the decode step): the residual
@@ -96,6 +115,11 @@ TILE_SPLIT: Optional[int] = None   # a forced split count of the split-capable p
 TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT
 TILE_MAX_M_ROUTED = TILE_MAX_M
 TILE_MULTI_ROUTED = TILE_MULTI_EPILOGUES
+TILE_FILL_ROUTED = 0               # warp slots of the fill rule (0: off)
+TILE_FILL_MIN_K_ROUTED = 0         # the fill rule only for K above this
+TILE_NBLOCKS_ROUTED = False        # the n-blocks-per-CTA rule (tile_nblocks) on
+TILE_ROWS_NBLOCKS_ROUTED = True    # the multi-token tile GEMV on every grid, n-blocks by tile_rows_nblocks (P13)
+TILE_ROWS_W8_ROUTED = TILE_ROWS_W8
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -181,15 +205,22 @@ def has_tile(fmt: str, group_size: int) -> bool:
 
 def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None,
                        long_k: Optional[str] = None, max_m: Optional[int] = None,
-                       multi_epilogues: Optional[tuple] = None) -> None:
+                       multi_epilogues: Optional[tuple] = None, fill: Optional[int] = None,
+                       nblocks: bool = False, fill_min_k: int = 0, rows_nblocks: bool = True,
+                       rows_w8: Optional[int] = None) -> None:
     """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on ("": the shipped
     rule, `long_k` for K > TILE_LONG_K without the fused norm, None: TILE_LONG_K_VARIANT), 8 warps up to
     `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS) and `split` CTAs per tile of the
     split-capable projections (None: `tile_splits`), and the multi-token tile GEMV up to `max_m` rows (None: the
-    shipped TILE_MAX_M; 1: never) for the `multi_epilogues` (None: TILE_MULTI_EPILOGUES). Benchmarks only: a
-    tuning variant must be registered
+    shipped TILE_MAX_M; 1: never) for the `multi_epilogues` (None: TILE_MULTI_EPILOGUES), the M = 1 warps by the
+    fill rule with `fill` warp slots per SM (None or 0: off) where K > `fill_min_k`, and n-blocks per CTA by
+    `tile_nblocks` (`nblocks`), the multi-token tile GEMV on grids of any size with n-blocks per CTA by
+    `tile_rows_nblocks` (`rows_nblocks`, the shipped P13; False: small grids only, the P12 rule), with 8 warps from
+    `rows_w8` rows (None: TILE_ROWS_W8). Benchmarks only: a tuning variant must be registered
     (scripts/tuning_space.py); ("",) restores the shipped rule."""
     global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED
+    global TILE_FILL_ROUTED, TILE_NBLOCKS_ROUTED, TILE_FILL_MIN_K_ROUTED, TILE_ROWS_NBLOCKS_ROUTED
+    global TILE_ROWS_W8_ROUTED
     for v in (variant, long_k or ""):
         if v not in TILE_VARIANTS:
             raise ValueError(f"unknown tile GEMV variant {v!r}; known: {sorted(TILE_VARIANTS)}")
@@ -199,18 +230,29 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
         raise ValueError(f"the multi-token tile GEMV serves up to {TOKENS} rows, got max_m = {max_m}")
     if multi_epilogues is not None and not set(multi_epilogues) <= set(EPILOGUES):
         raise ValueError(f"unknown epilogues {sorted(set(multi_epilogues) - set(EPILOGUES))}; known: {EPILOGUES}")
+    if rows_w8 is not None and not 2 <= rows_w8 <= TOKENS + 1:
+        raise ValueError(f"rows_w8 is 2..{TOKENS + 1} rows, got {rows_w8}")
+    if fill is not None and not (fill == 0 or min(TILE_FILL_WARPS) <= fill <= 64):
+        raise ValueError(f"fill is 0 (off) or {min(TILE_FILL_WARPS)}..64 warp slots per SM, got {fill}")
     TILE_ROUTED = variant
     TILE_SMALL_GRID = TILE_SMALL_GRID_CTAS if small_grid is None else small_grid
     TILE_SPLIT = split
     TILE_LONG_K_ROUTED = TILE_LONG_K_VARIANT if long_k is None else long_k
     TILE_MAX_M_ROUTED = TILE_MAX_M if max_m is None else max_m
     TILE_MULTI_ROUTED = TILE_MULTI_EPILOGUES if multi_epilogues is None else tuple(multi_epilogues)
+    TILE_FILL_ROUTED = fill or 0
+    TILE_NBLOCKS_ROUTED = bool(nblocks)
+    TILE_FILL_MIN_K_ROUTED = fill_min_k
+    TILE_ROWS_NBLOCKS_ROUTED = bool(rows_nblocks)
+    TILE_ROWS_W8_ROUTED = TILE_ROWS_W8 if rows_w8 is None else rows_w8
     choose.cache_clear()
 
 
 def tile_route() -> tuple:
     """The routing state route_tile_variant sets (part of the ops' per-signature launch cache key)."""
-    return TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED
+    return (TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED,
+            TILE_FILL_ROUTED, TILE_NBLOCKS_ROUTED, TILE_FILL_MIN_K_ROUTED, TILE_ROWS_NBLOCKS_ROUTED,
+            TILE_ROWS_W8_ROUTED)
 
 
 def tile_variant(k: int, norm: bool = False, epilogue: str = "") -> str:
@@ -227,14 +269,32 @@ def tile_variant(k: int, norm: bool = False, epilogue: str = "") -> str:
 def tile_warps(k: int, n: Optional[int] = None, sms: int = 132, m: int = 1) -> int:
     """8 warps for the long-K down projections, and where the grid of n / 16 CTAs leaves the SMs nearly empty
     (at most TILE_SMALL_GRID per SM: more warps per CTA put more loads in flight), and for the multi-token kernel
-    from TILE_ROWS_W8 rows (the staged rows leave room for fewer CTAs per SM); else 4."""
-    if k > TILE_LARGE_K or (n is not None and n // 16 <= TILE_SMALL_GRID * sms) or m >= TILE_ROWS_W8:
+    from TILE_ROWS_W8 rows (the staged rows leave room for fewer CTAs per SM); else 4. With the fill rule on
+    (M = 1): the most TILE_FILL_WARPS whose CTAs per SM fit in its warp slots, where some do."""
+    if TILE_FILL_ROUTED and m == 1 and n is not None and k > TILE_FILL_MIN_K_ROUTED:
+        per_sm = -(-(n // 16) // sms)
+        fits = [w for w in TILE_FILL_WARPS if per_sm * w <= TILE_FILL_ROUTED]
+        if fits:
+            return max(fits)
+    if k > TILE_LARGE_K or (n is not None and n // 16 <= TILE_SMALL_GRID * sms) or m >= TILE_ROWS_W8_ROUTED:
         return TILE_WARPS_LARGE_K
     return TILE_WARPS_SMALL_K
 
 
+def tile_nblocks(n: int, k: int, warps: int, sms: int = 132, variant: str = "") -> int:
+    """n-blocks per CTA of the M = 1 tile GEMV: 1, or with the rule routed (route_tile_variant(nblocks=True)) the
+    TILE_NBLOCKS count that brings a grid of more than one wave of resident CTAs (TILE_CTAS_PER_SM) within one,
+    where every warp's K share holds a unit and the variant is a batch pipeline."""
+    ctas = TILE_CTAS_PER_SM.get(warps)
+    v = TILE_VARIANTS[variant]
+    if not TILE_NBLOCKS_ROUTED or ctas is None or v["pipeline"] != "batch" or v.get("fold") or k // 128 < warps:
+        return 1
+    per_cta = -(-(n // 16) // (ctas * sms))
+    return per_cta if per_cta in TILE_NBLOCKS else 1
+
+
 def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "",
-                norm: bool = False, split: bool = False, tokens: int = 1) -> dict:
+                norm: bool = False, split: bool = False, tokens: int = 1, nblocks: int = 1) -> dict:
     """Compile-time parameters of a tile GEMV variant (decode.gemv_tile.compile_target keywords); `split`: the
     split-K kernel (runtime split count, workspace and arrival counters); `tokens` = TOKENS: the multi-token
     kernel (routed variant only)."""
@@ -248,15 +308,21 @@ def tile_params(fmt: str, group_size: int, epilogue: str, warps: int, variant: s
     if tokens not in (1, TOKENS) or (tokens > 1 and (variant or split)):
         raise ValueError(f"the multi-token tile GEMV ({TOKENS} token columns) has no variant or split, got "
                          f"tokens={tokens}, variant {variant!r}, split={split}")
+    counts = TILE_ROWS_NBLOCKS if tokens > 1 else TILE_NBLOCKS
+    if nblocks != 1 and (nblocks not in counts or split or TILE_VARIANTS[variant]["pipeline"] != "batch"
+                         or TILE_VARIANTS[variant].get("fold")):
+        raise ValueError(f"n-blocks per CTA ({nblocks}) is one of {counts} ({tokens} token columns), for the batch "
+                         f"pipelines without the fold or split-K, got variant {variant!r}, split={split}")
     params = dict(fmt=fmt, group_size=group_size, epilogue=epilogue, warps=warps, **TILE_VARIANTS[variant])
     return {**params, **({"norm": True} if norm else {}), **({"split": True} if split else {}),
-            **({"tokens": tokens} if tokens > 1 else {})}
+            **({"tokens": tokens} if tokens > 1 else {}), **({"nblocks": nblocks} if nblocks > 1 else {})}
 
 
 def tile_key(fmt: str, group_size: int, epilogue: str, warps: int, variant: str = "", norm: bool = False,
-             split: bool = False, tokens: int = 1) -> str:
+             split: bool = False, tokens: int = 1, nblocks: int = 1) -> str:
     suffix = ((f".w{warps}" if warps != TILE_WARPS_SMALL_K else "") + (".norm" if norm else "")
-              + (".split" if split else "") + (f".{variant}" if variant else ""))
+              + (".split" if split else "") + (f".{variant}" if variant else "")
+              + (f".nb{nblocks}" if nblocks > 1 else ""))
     if tokens > 1:
         return f"decode.tile.{fmt_tag(fmt, group_size)}.m{tokens}.{epilogue}{suffix}"
     return f"decode.gemv.{fmt_tag(fmt, group_size)}.m1.{epilogue}{suffix}"
@@ -270,24 +336,39 @@ def tile_splits(epilogue: str, k: int) -> int:
     return TILE_SPLIT if TILE_SPLIT <= k // 128 else 1
 
 
-def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "", m: int = 1) -> bool:
+def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "", m: int = 1, nblocks: int = 1) -> bool:
     """The tile GEMV's shared memory (the activation row or, for 1 < m <= TOKENS, the m rows, the warps'
     partials, a weight ring) fits."""
     v = TILE_VARIANTS[variant]
     ring = v["prefetch"] if v["pipeline"] == "ring" else 0
     tokens = TOKENS if m > 1 else 1
     return m <= TOKENS and tile_smem(k, warps, norm, ring, v.get("fold", False), tokens=tokens,
-                                     rows=m)["total"] <= SMEM_LIMIT
+                                     rows=m, nblocks=nblocks)["total"] <= SMEM_LIMIT
+
+
+def tile_rows_nblocks(m: int, n: int, k: int, warps: int, norm: bool, sms: int = 132) -> int:
+    """n-blocks per CTA of the multi-token tile GEMV for a grid of any size: 1 or the fewest TILE_ROWS_NBLOCKS whose
+    grid fits in one wave of resident CTAs (TILE_ROWS_CTAS_PER_SM, fewer where the shared memory holds fewer); 0
+    where none does."""
+    for nb in (1,) + TILE_ROWS_NBLOCKS:
+        smem = tile_smem(k, warps, norm, tokens=TOKENS, rows=m, nblocks=nb)["total"]
+        per_sm = min(TILE_ROWS_CTAS_PER_SM.get(warps, 0), SMEM_LIMIT // smem)
+        if per_sm and -(-(n // 16) // nb) <= per_sm * sms:
+            return nb
+    return 0
 
 
 def tile_serves_rows(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132) -> bool:
-    """Where the router sends 1 < M <= TILE_MAX_M rows to the multi-token tile GEMV (P12): INT4 g128, a grid of at
-    most TILE_SMALL_GRID CTAs per SM (where the persistent GEMV's fixed cost dominates), staged rows that leave
-    room for TILE_ROWS_MIN_CTAS CTAs per SM (the 8B down at M = 4, one CTA per SM, measured slower), and the routed
-    epilogues."""
-    if not has_tile(fmt, group_size) or epilogue not in TILE_MULTI_ROUTED:
+    """Where the router sends 1 < M <= TILE_MAX_M rows to the multi-token tile GEMV: INT4 g128, the routed epilogues
+    and (P13) a grid that some n-block count per CTA fits in one wave (`tile_rows_nblocks`); with P13 off, the P12
+    rule: a grid of at most TILE_SMALL_GRID CTAs per SM (where the persistent GEMV's fixed cost dominates) whose
+    staged rows leave room for TILE_ROWS_MIN_CTAS CTAs per SM (the 8B down at M = 4, one CTA per SM, measured
+    slower)."""
+    if not has_tile(fmt, group_size) or epilogue not in TILE_MULTI_ROUTED or m > TOKENS:
         return False
-    if n // 16 > TILE_SMALL_GRID * sms or m > TOKENS:
+    if TILE_ROWS_NBLOCKS_ROUTED:
+        return tile_rows_nblocks(m, n, k, tile_warps(k, n, sms, m), epilogue in NORM_EPILOGUES, sms) > 0
+    if n // 16 > TILE_SMALL_GRID * sms:
         return False
     smem = tile_smem(k, tile_warps(k, n, sms, m), epilogue in NORM_EPILOGUES, tokens=TOKENS, rows=m)["total"]
     return smem * TILE_ROWS_MIN_CTAS <= SMEM_LIMIT
@@ -327,10 +408,13 @@ class Launch:
 @lru_cache(maxsize=4096)
 def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms: int = 132,
            kernel: str = "auto", variant: str = "", tiles: Optional[int] = None,
-           split: Optional[int] = None, warps: Optional[int] = None, norm: bool = False) -> Launch:
+           split: Optional[int] = None, warps: Optional[int] = None, norm: bool = False,
+           nblocks: Optional[int] = None) -> Launch:
     """Kernel and launch shape. `kernel` other than "auto", `variant`, `tiles`, `split` and `warps` (tile
     GEMV) force a design for tests and benchmarks; keys outside the router's choices exist only once
-    scripts/tuning_space.py has registered them. `norm`: the fused-RMSNorm tile GEMV (where `fuses_norm`)."""
+    scripts/tuning_space.py has registered them. `norm`: the fused-RMSNorm tile GEMV (where `fuses_norm`).
+    `nblocks`: n-blocks per CTA of the tile GEMV (None: `tile_nblocks` at M = 1, `tile_rows_nblocks` for more
+    rows)."""
     fmt_tag(fmt, group_size)
     m_bucket(m)  # validates M
     if kernel not in KERNELS:
@@ -351,8 +435,19 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         if tokens > 1:
             if split not in (None, 1):
                 raise ValueError("the multi-token tile GEMV does not split K")
-            return Launch(tile_key(fmt, group_size, epilogue, wp, norm=norm, tokens=tokens), "tile")
+            nbk = nblocks or ((tile_rows_nblocks(m, n, k, wp, norm, sms) or 1) if TILE_ROWS_NBLOCKS_ROUTED else 1)
+            if nbk > 1:
+                tile_params(fmt, group_size, epilogue, wp, norm=norm, tokens=tokens, nblocks=nbk)  # validates
+                if not tile_fits(k, wp, norm, "", m, nbk):
+                    raise ValueError(f"the tile GEMV cannot serve M = {m}, K = {k} with {nbk} n-blocks per CTA")
+            return Launch(tile_key(fmt, group_size, epilogue, wp, norm=norm, tokens=tokens, nblocks=nbk), "tile")
         sp = split if split is not None else (1 if norm or variant else tile_splits(epilogue, k))
+        nbk = nblocks or (tile_nblocks(n, k, wp, sms, variant) if sp == 1 else 1)
+        if nbk > 1:
+            tile_params(fmt, group_size, epilogue, wp, variant, norm, split=sp > 1, nblocks=nbk)  # validates
+            if not tile_fits(k, wp, norm, variant, 1, nbk):
+                raise ValueError(f"the tile GEMV cannot serve K = {k} with {nbk} n-blocks per CTA")
+            return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm, nblocks=nbk), "tile")
         if sp > 1:
             tile_params(fmt, group_size, epilogue, wp, variant, norm, split=True)  # validates what can split
             if not 1 <= sp <= min(TILE_MAX_SPLITS, k // 128):

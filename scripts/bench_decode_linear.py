@@ -65,8 +65,13 @@ def _int4_designs(n, k, m, proj) -> dict:
     out = {}
     if m == 1 or plan.tile_fits(k, plan.TILE_WARPS_LARGE_K, False, "", m):
         w = plan.tile_warps(k, n, m=m)
-        out["futx-int4-tile"] = dict(kernel="tile")
-        out["futx-int4-tile-xw"] = dict(kernel="tile", warps=plan.TILE_WARPS_SMALL_K + plan.TILE_WARPS_LARGE_K - w)
+        out["futx-int4-tile"] = dict(kernel="tile", nblocks=1)   # one n-block per CTA
+        out["futx-int4-tile-xw"] = dict(kernel="tile", nblocks=1,
+                                        warps=plan.TILE_WARPS_SMALL_K + plan.TILE_WARPS_LARGE_K - w)
+        if m > 1:  # n-blocks per CTA bringing the grid within one wave (decode.plan.tile_rows_nblocks, P13)
+            nb = plan.tile_rows_nblocks(m, n, k, w, False)
+            if nb > 1:
+                out["futx-int4-tile-nb"] = dict(kernel="tile", nblocks=nb)
     if m == 1:
         for v in plan.TILE_VARIANTS:
             if v:
@@ -121,7 +126,8 @@ def plan_note(n, k, m, proj, fmt="int4") -> str:
     """Which kernel and launch shape the ops pick (reported with the timings)."""
     c = plan.choose(fmt, GROUP, EPILOGUE[proj], m, n, k)
     if c.kind == "tile":
-        return f"tile w{plan.tile_warps(k, n, m=m)}"
+        nb = c.key.rsplit(".nb", 1)[1] if ".nb" in c.key else ""
+        return f"tile w{plan.tile_warps(k, n, m=m)}" + (f" nb{nb}" if nb else "")
     return f"gemv tiles={c.tiles}" if c.kind == "gemv" else f"skinny split={c.split}"
 
 

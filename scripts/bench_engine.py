@@ -142,10 +142,15 @@ def main(argv=None) -> int:
     p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
                    "and the unfused chain (RMSNorm/RoPE as torch ops)")
     p.add_argument("--tile-variants", default="", help="comma-separated decode.plan.TILE_VARIANTS, each optionally "
-                   "with @G (8 warps up to G CTAs per SM), /sS (S CTAs per tile of the split-capable projections) "
-                   "and :L (variant L for K > 16384; ':' alone: batches of 2 there too) and ^M (the multi-token tile GEMV up to "
-                   "M rows; ^1: never; ^Mr: for the residual projections too), e.g. '/s1', '@3/s2', ':', '^8r': "
-                   "also the int4/int4 step (and its breakdown) with the router's M = 1 tile GEMV switched to each")
+                   "with @G (8 warps up to G CTAs per SM), /sS (S CTAs per tile of the split-capable projections), "
+                   ":L (variant L for K > 16384; ':' alone: batches of 2 there too), ^M (the multi-token tile GEMV "
+                   "up to M rows; ^1: never; ^Mr: for the residual projections too), #S (the M = 1 warps by the "
+                   "fill rule with S warp slots per SM; #S>K: for K above K only), +nb (n-blocks per CTA by "
+                   "decode.plan.tile_nblocks), -rnb (2..8 rows on the multi-token tile GEMV only on small grids: "
+                   "rule P12 instead of P13) and a final ~R (its 8 warps from R rows), e.g. '/s1', '@3/s2', ':', "
+                   "'^8r', '#24>8192', ':#24+nb', '-rnb', '~3': also the "
+                   "int4/int4 step (and its breakdown) "
+                   "with the router's tile GEMV switched to each")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="Markdown table")
@@ -166,6 +171,12 @@ def main(argv=None) -> int:
         tuning_space.register()
 
         def route(spec: str) -> None:
+            rows_nblocks = "-rnb" not in spec
+            spec = spec.replace("-rnb", "")
+            spec, _, rows_w8 = spec.partition("~")
+            nblocks = "+nb" in spec
+            spec, _, fill = spec.replace("+nb", "").partition("#")
+            fill, _, fill_min_k = fill.partition(">")
             spec, _, max_m = spec.partition("^")
             spec, colon, long_k = spec.partition(":")
             spec, _, split = spec.partition("/s")
@@ -174,7 +185,9 @@ def main(argv=None) -> int:
             max_m = max_m.rstrip("r")
             plan.route_tile_variant(name, float(grid) if grid else None, int(split) if split else None,
                                     long_k if colon else None, int(max_m) if max_m else None,
-                                    plan.EPILOGUES if residual else None)
+                                    plan.EPILOGUES if residual else None, int(fill) if fill else None,
+                                    nblocks, int(fill_min_k or 0), rows_nblocks,
+                                    int(rows_w8) if rows_w8 else None)
     cfg = config_for(a.shape, a.layers)
     points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
     wfs, cfs = a.weights.split(","), a.cache.split(",")

@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--epilogue", default="store", choices=("store", "residual", "swiglu"))
     p.add_argument("--kernel", default="auto", help="auto, tile, gemv or skinny")
     p.add_argument("--variants", default="", help="comma-separated variants of that kernel ('' = the shipped one)")
+    p.add_argument("--warps", type=int, default=None, help="tile GEMV warps (default: the rule's)")
+    p.add_argument("--nblocks", type=int, default=None, help="tile GEMV n-blocks per CTA (default: 1)")
     p.add_argument("--launches", type=int, default=3)
     a = p.parse_args(argv)
 
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     for v in a.variants.split(","):
         for _ in range(a.launches):
             flush.add_(1)
-            run_variant("int4", x, packed, scales, 128, a.epilogue, r, a.kernel, v)
+            run_variant("int4", x, packed, scales, 128, a.epilogue, r, a.kernel, v, warps=a.warps, nblocks=a.nblocks)
         torch.cuda.synchronize()
         print(f"variant {v or 'shipped'}: {a.launches} launches", flush=True)
     return 0

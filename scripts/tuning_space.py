@@ -9,7 +9,10 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.gemv.int4.m1.*[.w8].{p1,p3,p4,rolling,ring4,ring8,fold}   the tile GEMV with other batch sizes / a rolling
                                               prefetch / a shared-memory ring / the folded nibble bias
     decode.gemv.int4.m1.residual[.w8].split   the tile GEMV with split-K over the CTAs of a tile
-    decode.tile.int4.m8.{residual[.w8],store,swiglu[.norm]}   the multi-token tile GEMV the router does not pick
+    decode.tile.int4.m8.{residual[.w8],store,swiglu[.norm]}[.nb<c>]   the multi-token tile GEMV the router does not
+                                              pick (the residual epilogue; 4 warps)
+    decode.gemv.int4.m1.*.w{6,12,16}[.norm|.p3]   the M = 1 tile GEMV at the fill rule's warp counts (plan.TILE_FILL_WARPS)
+    decode.gemv.int4.m1.*[.w8][.norm|.p3].nb{2,3,4}   the M = 1 tile GEMV with several n-blocks per CTA
     decode.skinny.int4.m{16,32}.*.{s3,s4,c2}  the skinny kernel with shorter rings (more CTAs per SM), two MMA chains
     decode.skinny.int4[g64].m{16,32}.*.{wg,wgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
@@ -67,6 +70,8 @@ def linear_specs() -> list[KernelSpec]:
     specs += [linear_catalog.tile_spec(f, g, e, w, split=True) for f, g in plan.TILE_FORMATS
               for e in plan.TILE_SPLIT_EPILOGUES for w in linear_catalog.TILE_WARPS]
     specs += linear_catalog.multi_token_tile_specs(routed=False)
+    specs += linear_catalog.fill_tile_specs()
+    specs += linear_catalog.nblocks_tile_specs()
     specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for v in plan.SKINNY_VARIANTS if v
               for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]
     specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo") for e in plan.EPILOGUES

@@ -50,8 +50,8 @@ def test_m1_gemv_has_balanced_tiles():
 def test_routing_rule_follows_the_measurements():
     """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192 and for
     grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV (the
-    multi-token tile GEMV for small-grid store/SwiGLU projections, P12), INT4 9..32 -> skinny; BF16/E4M3 up to 16 ->
-    persistent GEMV where the rows fit."""
+    multi-token tile GEMV for store/SwiGLU projections whose grid fits one wave, P12/P13), INT4 9..32 -> skinny;
+    BF16/E4M3 up to 16 -> persistent GEMV where the rows fit."""
     # the down projections (K > 8192): 8 warps; beyond K = 16384 (70B) batches of 3 units (P2, P3)
     for layer, want in (("layer-70b", {"qkv": "", "o": "", "gate_up": "", "down": ".w8.p3"}),):
         for proj, (n, k) in preset(layer).projection_shapes().items():
@@ -71,18 +71,31 @@ def test_routing_rule_follows_the_measurements():
             assert plan.choose(fmt, 128, "store", 1, n, k).kind == "gemv"
             assert plan.choose(fmt, 128, "store", 32, n, k).kind == "skinny"
     n, k = shapes["qkv"]
-    # P12: 2..8 rows of the small-grid store/SwiGLU projections (the 8B QKV) -> the multi-token tile GEMV, 8 warps,
-    # its fused norm too; the 8B O (residual), gate/up (1792 CTAs) and the 70B QKV (640 CTAs) keep the GEMV
+    # P12/P13: 2..8 rows of the store/SwiGLU projections -> the multi-token tile GEMV, 8 warps, its fused norm too:
+    # the 8B QKV (one wave as it is), the 8B gate/up (1792 CTAs) and the 70B QKV (640) with n-blocks per CTA; the 8B
+    # O (residual) and the 70B gate/up (3584 CTAs: no count fits one wave) keep the GEMV
+    big = preset("layer-70b").projection_shapes()
     for m in (2, 5, 8):
         assert plan.choose("int4", 128, "store", m, n, k).key == "decode.tile.int4.m8.store.w8"
         assert plan.choose("int4", 128, "store", m, n, k, norm=True).key == "decode.tile.int4.m8.store.w8.norm"
         assert plan.choose("int4", 128, "residual", m, *shapes["o"]).kind == "gemv"
-        assert plan.choose("int4", 128, "swiglu", m, *shapes["gate_up"]).kind == "gemv"
-        assert plan.choose("int4", 128, "store", m, *preset("layer-70b").projection_shapes()["qkv"]).kind == "gemv"
+        assert plan.choose("int4", 128, "swiglu", m, *shapes["gate_up"], norm=True).key == \
+            f"decode.tile.int4.m8.swiglu.w8.norm.nb{8 if m == 8 else 5}"
+        assert plan.choose("int4", 128, "store", m, *big["qkv"]).key == \
+            f"decode.tile.int4.m8.store.w8.nb{ {2: 2, 5: 3, 8: 5}[m] }"   # the rows leave 3 / 2 / 2 CTAs per SM
+        assert plan.choose("int4", 128, "swiglu", m, *big["gate_up"]).kind == "gemv"
+    plan.route_tile_variant("", rows_nblocks=False)   # P12 alone: small grids only
+    try:
+        assert plan.choose("int4", 128, "swiglu", 2, *shapes["gate_up"]).kind == "gemv"
+        assert plan.choose("int4", 128, "store", 2, *big["qkv"]).kind == "gemv"
+        assert plan.choose("int4", 128, "store", 2, n, k).key == "decode.tile.int4.m8.store.w8"
+    finally:
+        plan.route_tile_variant("")
     plan.route_tile_variant("", max_m=1)
     try:
         assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
-        plan.route_tile_variant("", multi_epilogues=plan.EPILOGUES)  # the benchmark's ^8r: the 8B O too
+        # the benchmark's ^8r-rnb: P12 (small grids) for the residual projections too: the 8B O
+        plan.route_tile_variant("", multi_epilogues=plan.EPILOGUES, rows_nblocks=False)
         assert plan.choose("int4", 128, "residual", 2, *shapes["o"]).key == "decode.tile.int4.m8.residual.w8"
         # the 8B down (K = 14336): its rows leave 2 CTAs per SM up to M = 3, one at M = 4
         assert plan.choose("int4", 128, "residual", 3, *shapes["down"]).key == "decode.tile.int4.m8.residual.w8"
@@ -99,11 +112,12 @@ def test_routing_rule_follows_the_measurements():
     assert plan.choose("int4", 128, "residual", 2, n, k, kernel="tile", warps=4).key == "decode.tile.int4.m8.residual"
     with pytest.raises(ValueError, match="M <= 8"):
         plan.choose("int4", 128, "store", 9, n, k, kernel="tile")
-    for bad in (dict(max_m=9), dict(multi_epilogues=("gelu",))):
+    for bad in (dict(max_m=9), dict(multi_epilogues=("gelu",)), dict(fill=3), dict(rows_w8=1)):
         with pytest.raises(ValueError):
             plan.route_tile_variant("p3", **bad)
         assert plan.tile_route() == ("", plan.TILE_SMALL_GRID_CTAS, None, plan.TILE_LONG_K_VARIANT, plan.TILE_MAX_M,
-                                     plan.TILE_MULTI_EPILOGUES), "a rejected route left state behind"
+                                     plan.TILE_MULTI_EPILOGUES, 0, False, 0, True, plan.TILE_ROWS_W8), \
+            "a rejected route left state behind"
     with pytest.raises(ValueError, match="exceed shared memory"):
         plan.choose("int4", 128, "store", 8, n, 14336, kernel="tile")
     with pytest.raises(ValueError, match="no variant or split"):
@@ -122,8 +136,11 @@ def _tuning_space():
 
 # shapes of the grid below: the model presets plus K values around the tile GEMV's 4/8-warp threshold, the
 # shared-memory limits of the GEMV's activation rows, and N from one skinny tile to 2 * 28672
-GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 57344)
+GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
+
+
+TUNING_COUNT = 237
 
 
 def _router_keys() -> set[str]:
@@ -151,7 +168,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 59 and len(tuning) == 129
+    assert len(registry) == 83 and len(tuning) == TUNING_COUNT
 
 
 def test_fused_norm_routes_only_the_tile_gemv():
@@ -163,7 +180,7 @@ def test_fused_norm_routes_only_the_tile_gemv():
         assert plan.fuses_norm("int4", 128, epilogue, 1, n, k)
         launch = plan.choose("int4", 128, epilogue, 1, n, k, norm=True)
         assert launch.kind == "tile" and launch.key.endswith(".norm"), launch
-        small = n == 6144
+        small = n != 57344   # P13: every grid but the 70B gate/up's (3584 CTAs) fits one wave with some count
         assert plan.fuses_norm("int4", 128, epilogue, 2, n, k) == small
         assert not plan.fuses_norm("int4", 128, epilogue, 9, n, k)
         if not small:
@@ -195,6 +212,25 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
             forced.add(plan.choose("int4", 128, e, 5, n, k, kernel="tile", warps=w).key)
             if e in plan.NORM_EPILOGUES:
                 forced.add(plan.choose("int4", 128, e, 5, n, k, kernel="tile", warps=w, norm=True).key)
+        for w in plan.TILE_FILL_WARPS:   # the fill rule's warp counts: batches of 2 and 3, the fused norm
+            for v in ("", plan.TILE_LONG_K_VARIANT):
+                forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, variant=v).key)
+            if e in plan.NORM_EPILOGUES:
+                forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, norm=True).key)
+        for nb in plan.TILE_NBLOCKS:      # n-blocks per CTA
+            for w in (4, 8):
+                for v in ("", plan.TILE_LONG_K_VARIANT):
+                    forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, variant=v,
+                                           nblocks=nb).key)
+                if e in plan.NORM_EPILOGUES:
+                    forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="tile", warps=w, norm=True,
+                                           nblocks=nb).key)
+        for nb in plan.TILE_ROWS_NBLOCKS:  # the multi-token kernel with n-blocks per CTA
+            for w in (4, 8):
+                forced.add(plan.choose("int4", 128, e, 5, n, k, kernel="tile", warps=w, nblocks=nb).key)
+                if e in plan.NORM_EPILOGUES:
+                    forced.add(plan.choose("int4", 128, e, 5, n, k, kernel="tile", warps=w, norm=True,
+                                           nblocks=nb).key)
         for v in plan.GEMV_VARIANTS:
             forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="gemv", variant=v).key)
         for group in plan.GROUP_SIZES:
@@ -384,7 +420,7 @@ def test_routing_the_tile_gemv_to_a_tuning_variant_and_back():
         assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == shipped + ".ring8"
         assert plan.choose("int4", 128, "residual", 1, 4096, 14336).key == "decode.gemv.int4.m1.residual.w8.ring8"
         assert plan.choose("int4", 128, "store", 1, 28672, k, kernel="tile").key == "decode.gemv.int4.m1.store"
-        plan.route_tile_variant("", small_grid=0)
+        plan.route_tile_variant("", small_grid=0, rows_nblocks=False)
         assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == "decode.gemv.int4.m1.store.norm"
         assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
         with pytest.raises(ValueError, match="unknown tile GEMV variant"):
@@ -392,6 +428,87 @@ def test_routing_the_tile_gemv_to_a_tuning_variant_and_back():
     finally:
         plan.route_tile_variant("")
     assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == shipped
+
+
+def test_fill_rule_warps():
+    """route_tile_variant(fill=S) gives each M = 1 tile GEMV the most warps (of TILE_FILL_WARPS) whose CTAs per SM
+    fit in S warps: the 8B O and down 12, the 70B O and down 6, the 1B O and down 16; grids needing more CTAs per
+    SM than S / 4 keep the shipped rule, and M > 1 is untouched. The GPU tests run the same warp counts."""
+    from test_decode_linear_gpu import FILL_WARPS
+
+    assert FILL_WARPS == tuple(w for w in plan.TILE_FILL_WARPS if w not in (plan.TILE_WARPS_SMALL_K,
+                                                                           plan.TILE_WARPS_LARGE_K))
+    shapes = {name: preset(name).projection_shapes() for name in ("layer-1b", "layer-8b", "layer-70b")}
+    want = {("layer-8b", "o"): 12, ("layer-8b", "down"): 12, ("layer-70b", "o"): 6, ("layer-70b", "down"): 6,
+            ("layer-1b", "o"): 16, ("layer-1b", "down"): 16, ("layer-1b", "qkv"): 12}
+    shipped = {(m, p): plan.tile_warps(k, n) for m, sh in shapes.items() for p, (n, k) in sh.items()}
+    route = plan.tile_route()
+    plan.route_tile_variant("", fill=24)
+    try:
+        for (model, proj), (n, k) in ((key, shapes[key[0]][key[1]]) for key in shipped):
+            assert plan.tile_warps(k, n) == want.get((model, proj), shipped[(model, proj)]), (model, proj)
+        n, k = shapes["layer-8b"]["down"]
+        assert plan.choose("int4", 128, "residual", 1, n, k).key == "decode.gemv.int4.m1.residual.w12"
+        assert plan.choose("int4", 128, "residual", 2, n, k).kind == "gemv"
+        n, k = shapes["layer-70b"]["down"]
+        assert plan.choose("int4", 128, "residual", 1, n, k).key == "decode.gemv.int4.m1.residual.w6.p3"
+    finally:
+        plan.route_tile_variant("")
+    assert plan.tile_route() == route
+
+
+def test_nblocks_rule():
+    """route_tile_variant(nblocks=True) gives grids of more than one wave of resident CTAs several n-blocks per CTA
+    (8B gate/up 2, 70B gate/up 4; the 8B QKV, O and down fit in one wave and keep one), never for the tuning
+    pipelines without batches, K shorter than a unit per warp, or M > 1; bad counts are rejected."""
+    shapes = {name: preset(name).projection_shapes() for name in ("layer-8b", "layer-70b")}
+    plan.route_tile_variant("", nblocks=True)
+    try:
+        assert plan.choose("int4", 128, "swiglu", 1, *shapes["layer-8b"]["gate_up"], norm=True).key == \
+            "decode.gemv.int4.m1.swiglu.norm.nb2"
+        assert plan.choose("int4", 128, "swiglu", 1, *shapes["layer-70b"]["gate_up"], norm=True).key == \
+            "decode.gemv.int4.m1.swiglu.norm.nb4"
+        for proj, epilogue in (("qkv", "store"), ("o", "residual"), ("down", "residual")):
+            assert ".nb" not in plan.choose("int4", 128, epilogue, 1, *shapes["layer-8b"][proj]).key
+        assert plan.tile_nblocks(28672, 4096, 4, variant="ring4") == 1
+        assert plan.tile_nblocks(28672 * 4, 256, 4) == 1
+        assert ".m8." in plan.choose("int4", 128, "swiglu", 2, *shapes["layer-8b"]["gate_up"]).key  # M = 2: P13
+    finally:
+        plan.route_tile_variant("")
+    assert ".nb" not in plan.choose("int4", 128, "swiglu", 1, *shapes["layer-8b"]["gate_up"], norm=True).key
+    with pytest.raises(ValueError, match="n-blocks per CTA"):
+        plan.choose("int4", 128, "store", 1, 4096, 4096, kernel="tile", nblocks=5)
+    with pytest.raises(ValueError, match="n-blocks per CTA"):
+        plan.choose("int4", 128, "store", 1, 4096, 4096, kernel="tile", variant="ring4", nblocks=2)
+
+
+def test_rows_nblocks_rule():
+    """P13: 2..8 rows of every store/SwiGLU grid go to the multi-token tile GEMV (8 warps from TILE_ROWS_W8 = 2
+    rows) with the fewest n-blocks per CTA that fit its grid in one wave of 3 CTAs per SM (8B gate/up: 5, and 8 at
+    M = 8 where the staged rows leave 2 CTAs per SM); grids no count fits (70B gate/up) keep the persistent GEMV,
+    the residual ones are unchanged. rows_w8=3 (4 warps at M = 2, 7 CTAs per SM) and rows_nblocks=False (P12) are
+    the benchmark's alternatives."""
+    shapes = {name: preset(name).projection_shapes() for name in ("layer-8b", "layer-70b")}
+    gate_up = shapes["layer-8b"]["gate_up"]
+    want = {2: "decode.tile.int4.m8.swiglu.w8.norm.nb5", 3: "decode.tile.int4.m8.swiglu.w8.norm.nb5",
+            4: "decode.tile.int4.m8.swiglu.w8.norm.nb5", 8: "decode.tile.int4.m8.swiglu.w8.norm.nb8"}
+    for m, key in want.items():
+        assert plan.fuses_norm("int4", 128, "swiglu", m, *gate_up)
+        assert plan.choose("int4", 128, "swiglu", m, *gate_up, norm=True).key == key
+    assert plan.tile_rows_nblocks(2, *gate_up, 8, True) == 5
+    assert plan.tile_rows_nblocks(3, *shapes["layer-70b"]["gate_up"], 8, True) == 0
+    assert plan.choose("int4", 128, "swiglu", 3, *shapes["layer-70b"]["gate_up"]).kind == "gemv"
+    assert plan.choose("int4", 128, "residual", 2, *shapes["layer-8b"]["down"]).kind == "gemv"
+    plan.route_tile_variant("", rows_w8=3)
+    try:
+        assert plan.choose("int4", 128, "swiglu", 2, *gate_up, norm=True).key == "decode.tile.int4.m8.swiglu.norm.nb2"
+        assert plan.choose("int4", 128, "swiglu", 2, *shapes["layer-70b"]["gate_up"]).key == \
+            "decode.tile.int4.m8.swiglu.nb6"
+        assert plan.choose("int4", 128, "store", 2, *shapes["layer-8b"]["qkv"]).key == "decode.tile.int4.m8.store.w8"
+    finally:
+        plan.route_tile_variant("")
+    with pytest.raises(ValueError, match="n-blocks per CTA"):
+        plan.choose("int4", 128, "store", 3, 4096, 4096, kernel="tile", nblocks=7)
 
 
 def test_tile_split_is_tuning_space():

@@ -199,6 +199,83 @@ def test_tile_gemv(n, k, warps, variant):
             assert torch.equal(y, base), f"ring {variant} w{warps} {n}x{k} {epilogue} != batch pipeline"
 
 
+# the warp counts only the fill rule picks (decode.plan.TILE_FILL_WARPS beyond 4 and 8; tests/test_decode_linear.py
+# ties the two lists), with the long-K batches of 3 and the fused norm
+FILL_WARPS = (6, 12, 16)
+
+
+@pytest.mark.parametrize("variant", ["", "p3"])
+@pytest.mark.parametrize("warps", FILL_WARPS)
+@pytest.mark.parametrize("n,k", TILE_CASES, ids=[f"{c[0]}x{c[1]}" for c in TILE_CASES])
+def test_tile_gemv_fill_warps(n, k, warps, variant):
+    """The M = 1 tile GEMV at 6, 12 and 16 warps (uneven K shares: 32 units over 6 or 12 warps, 17 over 16, one unit
+    where most warps have none), every epilogue, and its fused-norm form (store, SwiGLU), against the float
+    reference."""
+    from decode import plan
+    from futx.ops.decode_linear import _launch
+    from futx.runtime import get_kernel
+
+    stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
+    x, r = _inputs(1, k, n, 9)
+    for epilogue in ("store", "residual", "swiglu"):
+        y = _run("int4", stored, x, 128, epilogue, r, kernel="tile", variant=variant, warps=warps)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"tile w{warps} {variant or 'batch'} {n}x{k} {epilogue}")
+        if epilogue == "residual" or variant:
+            continue
+        eps = 1e-5
+        xs = (x.float() * 3.0).bfloat16()
+        choice = plan.choose("int4", 128, epilogue, 1, n, k, kernel="tile", warps=warps, norm=True)
+        y = _launch((choice, get_kernel(choice.key)), epilogue, xs, *stored, None, n, eps=eps)
+        torch.cuda.synchronize()
+        want = xs.float() @ w_ref.T * torch.rsqrt(xs.float().pow(2).mean(1, keepdim=True) + eps)
+        want = torch.nn.functional.silu(want[:, 0::2]) * want[:, 1::2] if epilogue == "swiglu" else want
+        _check(y, want, f"tile w{warps} norm {n}x{k} {epilogue}")
+
+
+# n-blocks per CTA: one n-block (a grid of one CTA, most warps without a share at K = 128), 131 n-blocks (no count
+# divides it: the last CTA holds fewer) over 17 units, the 8B QKV and down, the 8B gate/up
+NBLOCK_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336), (28672, 4096)]
+
+
+@pytest.mark.parametrize("nblocks", [2, 3, 4])
+@pytest.mark.parametrize("n,k", NBLOCK_CASES, ids=[f"{c[0]}x{c[1]}" for c in NBLOCK_CASES])
+def test_tile_gemv_nblocks_is_bitwise_one_block_per_cta(n, k, nblocks):
+    """The M = 1 tile GEMV with several consecutive n-blocks per CTA runs each n-block's units through the same MMAs
+    in the same order as one n-block per CTA, so every output is bitwise the one-block kernel's: both warp counts,
+    every epilogue, batches of 2 and 3 units, the fused norm (store, SwiGLU); NaN-poisoned outputs, and the float
+    reference once per case."""
+    from decode import plan
+    from futx.ops.decode_linear import _launch
+    from futx.runtime import get_kernel
+
+    stored, w_ref = _weights("int4", n, k, 128, n + k + nblocks)
+    x, r = _inputs(1, k, n, 13)
+    eps = 1e-5
+    for warps in (4, 8):
+        for epilogue in ("store", "residual", "swiglu"):
+            for variant, norm in (("", False), ("p3", False), ("", True)):
+                if norm and epilogue == "residual":
+                    continue
+                xi = (x.float() * 3.0).bfloat16() if norm else x
+                ri = r if epilogue == "residual" else None
+                outs = []
+                for nb in (nblocks, 1):
+                    choice = plan.choose("int4", 128, epilogue, 1, n, k, kernel="tile", warps=warps, variant=variant,
+                                         norm=norm, nblocks=nb)
+                    assert choice.key.endswith(f".nb{nblocks}") == (nb > 1), choice.key
+                    out = torch.full((1, n // 2 if epilogue == "swiglu" else n), float("nan"), dtype=torch.bfloat16,
+                                     device="cuda")
+                    outs.append(_launch((choice, get_kernel(choice.key)), epilogue, xi, *stored, ri, n, out,
+                                        eps=eps if norm else None))
+                torch.cuda.synchronize()
+                what = f"tile nb{nblocks} w{warps} {variant or 'batch'}{' norm' if norm else ''} {n}x{k} {epilogue}"
+                assert not torch.isnan(outs[0]).any(), f"{what}: an output was never written"
+                assert torch.equal(outs[0], outs[1]), f"{what}: != one n-block per CTA"
+                if variant == "" and not norm and warps == 4:
+                    _check(outs[0], _reference(x, w_ref, epilogue, r), what)
+
+
 # the multi-token tile GEMV (1 < M <= 8): one n-block with one unit, 17 units over uneven warp shares, the 8B QKV
 # and down (K = 14336: its rows fit up to M = 7)
 MULTI_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336)]
@@ -231,6 +308,43 @@ def test_multi_token_tile_gemv(n, k, warps):
                 one = _run("int4", stored, x[i:i + 1].contiguous(), 128, epilogue, r[i:i + 1].contiguous(),
                            kernel="tile", warps=warps)
                 assert torch.equal(y[i:i + 1], one), f"{what}: row {i} != the M = 1 kernel on it"
+
+
+@pytest.mark.parametrize("nblocks", [2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", NBLOCK_CASES, ids=[f"{c[0]}x{c[1]}" for c in NBLOCK_CASES])
+def test_multi_token_nblocks_is_bitwise_one_block_per_cta(n, k, nblocks):
+    """The multi-token tile GEMV with several n-blocks per CTA: every token's outputs bitwise the one-block kernel's
+    (same units, MMAs and order per n-block), at odd M, both warp counts, every epilogue and the fused norm;
+    NaN-poisoned outputs, nothing written past row M."""
+    from decode import plan
+    from futx.ops.decode_linear import _launch
+    from futx.runtime import get_kernel
+
+    stored, w_ref = _weights("int4", n, k, 128, n + k + 7 * nblocks)
+    for m in (2, 3, 8):
+        x, r = _inputs(m, k, n, 17 + m)
+        for warps in (4, 8):
+            if not plan.tile_fits(k, warps, True, "", m, nblocks):
+                continue
+            for epilogue, norm in (("store", False), ("residual", False), ("swiglu", False), ("store", True),
+                                   ("swiglu", True)):
+                xi = (x.float() * 3.0).bfloat16() if norm else x
+                width = n // 2 if epilogue == "swiglu" else n
+                outs = []
+                for nb in (nblocks, 1):
+                    choice = plan.choose("int4", 128, epilogue, m, n, k, kernel="tile", warps=warps, norm=norm,
+                                         nblocks=nb)
+                    buf = torch.full((m + 1, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    _launch((choice, get_kernel(choice.key)), epilogue, xi, *stored,
+                            r if epilogue == "residual" else None, n, buf[:m], eps=1e-5 if norm else None)
+                    outs.append(buf)
+                torch.cuda.synchronize()
+                what = f"tile M={m} nb{nblocks} w{warps}{' norm' if norm else ''} {n}x{k} {epilogue}"
+                assert not torch.isnan(outs[0][:m]).any(), f"{what}: an output was never written"
+                assert torch.isnan(outs[0][m]).all(), f"{what}: wrote past row M"
+                assert torch.equal(outs[0][:m], outs[1][:m]), f"{what}: != one n-block per CTA"
+                if warps == 8 and not norm:
+                    _check(outs[0][:m], _reference(x, w_ref, epilogue, r), what)
 
 
 # the fused norm on the multi-token tile GEMV where the router sends it (small grids): the 8B QKV, 17 units over

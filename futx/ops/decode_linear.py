@@ -62,14 +62,14 @@ def _check_common(x: torch.Tensor, n: int, k_w: int, epilogue: str, residual: Op
 
 def _plan(fmt: str, group: int, epilogue: str, x: torch.Tensor, n: int, kernel: str = "auto", variant: str = "",
           tiles: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None,
-          norm: bool = False):
+          norm: bool = False, nblocks: Optional[int] = None):
     """(launch choice, kernel) for validated operands; (None, None) for `norm` where no fused-norm kernel
     serves the projection."""
     m, k = x.shape
     if norm and not plan.fuses_norm(fmt, group, epilogue, m, n, k, sm_count(x.device)):
         return None, None
     choice = plan.choose(fmt, group, epilogue, m, n, k, sm_count(x.device), kernel, variant, tiles, split, warps,
-                         norm)
+                         norm, nblocks)
     if choice.kind == "gemv":
         checks.in_range("tiles", choice.tiles, 1, n // layouts.INT4_WEIGHT.block_n)
     elif choice.kind == "skinny" or choice.split > 1:
@@ -295,11 +295,12 @@ def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Te
                 epilogue: str = "store", residual: Optional[torch.Tensor] = None, kernel: str = "auto",
                 variant: str = "", tiles: Optional[int] = None, split: Optional[int] = None,
                 out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
-                warps: Optional[int] = None) -> torch.Tensor:
+                warps: Optional[int] = None, nblocks: Optional[int] = None) -> torch.Tensor:
     """Test/benchmark hook: the ops' validation and launch with the kernel ("auto", "tile", "gemv",
     "skinny"), a tuning-space variant (decode.plan.GEMV_VARIANTS / TILE_VARIANTS; register them first with
     scripts/tuning_space.py), the launch shape (GEMV
-    tiles per CTA, skinny split, tile-GEMV warps) and the output/workspace buffers chosen by the caller."""
+    tiles per CTA, skinny split, tile-GEMV warps and n-blocks per CTA) and the output/workspace buffers chosen by
+    the caller."""
     if fmt == "int4":
         n = _check_int4(x, w, s, group_size, epilogue, residual)
     elif fmt == "e4m3":
@@ -307,5 +308,5 @@ def run_variant(fmt: str, x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Te
         w = w.view(torch.uint8)
     else:
         n = _check_bf16(x, w, epilogue, residual)
-    planned = _plan(fmt, group_size, epilogue, x, n, kernel, variant, tiles, split, warps)
+    planned = _plan(fmt, group_size, epilogue, x, n, kernel, variant, tiles, split, warps, nblocks=nblocks)
     return _launch(planned, epilogue, x, w, s, residual, n, out, workspace)

@@ -26,14 +26,15 @@ def gemv_spec(fmt, group, epilogue, m, variant=""):
                           f"{epilogue}{', ' + variant if variant else ''}")
 
 
-def tile_spec(fmt, group, epilogue, warps, variant="", norm=False, split=False, tokens=1):
-    params = plan.tile_params(fmt, group, epilogue, warps, variant, norm, split, tokens)
-    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant, norm, split, tokens),
+def tile_spec(fmt, group, epilogue, warps, variant="", norm=False, split=False, tokens=1, nblocks=1):
+    params = plan.tile_params(fmt, group, epilogue, warps, variant, norm, split, tokens, nblocks)
+    return KernelSpec(key=plan.tile_key(fmt, group, epilogue, warps, variant, norm, split, tokens, nblocks),
                       module="decode.gemv_tile", params=tuple(sorted(params.items())), sources=_SOURCES,
                       expect_sass=("HMMA",),
                       doc=f"M{'<=' + str(tokens) if tokens > 1 else '=1'} one-tile-per-CTA GEMV"
                           f"{' with the RMSNorm row factor' if norm else ''}"
-                          f"{', split-K over CTAs' if split else ''}, "
+                          f"{', split-K over CTAs' if split else ''}"
+                          f"{f', {nblocks} n-blocks per CTA' if nblocks > 1 else ''}, "
                           f"{plan.fmt_tag(fmt, group)} weights, {epilogue}, {warps} warps"
                           f"{', ' + variant if variant else ''}")
 
@@ -61,15 +62,35 @@ SPECS += [tile_spec(f, g, e, plan.TILE_WARPS_LARGE_K, plan.TILE_LONG_K_VARIANT)
 
 
 def multi_token_tile_specs(routed: bool) -> list:
-    """The multi-token tile GEMV (1 < M <= 8): the variants the router picks (`routed`: 8 warps, the routed
-    epilogues, with and without the fused norm; plan.tile_serves_rows) or the others (every epilogue and warp
-    count; tuning space)."""
+    """The multi-token tile GEMV (1 < M <= 8) with 1 or TILE_ROWS_NBLOCKS n-blocks per CTA: the variants the router
+    picks (`routed`: 8 warps, the routed epilogues, with and without the fused norm; plan.tile_serves_rows and
+    plan.tile_rows_nblocks) or the others (every epilogue and warp count; tuning space)."""
     def picked(epilogue, warps):
         return plan.TILE_MAX_M > 1 and epilogue in plan.TILE_MULTI_EPILOGUES and warps == plan.TILE_WARPS_LARGE_K
 
-    return [tile_spec(f, g, e, w, norm=nm, tokens=plan.TOKENS) for f, g in plan.TILE_FORMATS
+    return [tile_spec(f, g, e, w, norm=nm, tokens=plan.TOKENS, nblocks=nb) for f, g in plan.TILE_FORMATS
             for e in plan.EPILOGUES for nm in (False, True) if not nm or e in plan.NORM_EPILOGUES
-            for w in TILE_WARPS if picked(e, w) == routed]
+            for w in TILE_WARPS if picked(e, w) == routed for nb in (1,) + plan.TILE_ROWS_NBLOCKS]
 
 
 SPECS += multi_token_tile_specs(routed=True)
+
+
+def fill_tile_specs() -> list:
+    """The M = 1 tile GEMV at the warp counts only the fill rule picks (plan.TILE_FILL_WARPS beyond TILE_WARPS):
+    every epilogue, the fused-norm ones, and the long-K batches of 3."""
+    return [spec for f, g in plan.TILE_FORMATS for w in plan.TILE_FILL_WARPS if w not in TILE_WARPS
+            for spec in ([tile_spec(f, g, e, w) for e in plan.EPILOGUES]
+                         + [tile_spec(f, g, e, w, norm=True) for e in plan.NORM_EPILOGUES]
+                         + [tile_spec(f, g, e, w, plan.TILE_LONG_K_VARIANT) for e in plan.EPILOGUES])]
+
+
+
+def nblocks_tile_specs() -> list:
+    """The M = 1 tile GEMV with several n-blocks per CTA (plan.TILE_NBLOCKS): both warp counts, every epilogue, the
+    fused-norm ones and the long-K batches of 3."""
+    return [spec for f, g in plan.TILE_FORMATS for nb in plan.TILE_NBLOCKS for w in TILE_WARPS
+            for spec in ([tile_spec(f, g, e, w, nblocks=nb) for e in plan.EPILOGUES]
+                         + [tile_spec(f, g, e, w, norm=True, nblocks=nb) for e in plan.NORM_EPILOGUES]
+                         + [tile_spec(f, g, e, w, plan.TILE_LONG_K_VARIANT, nblocks=nb) for e in plan.EPILOGUES])]
+
