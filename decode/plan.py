@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 from .gemv_layout import SMEM_LIMIT, TOKENS, GemvSmem, tile_smem
 
@@ -69,11 +69,11 @@ TILE_CTAS_PER_SM = {4: 7, 8: 3}
 # that bring its grid within one wave of resident CTAs (TILE_ROWS_CTAS_PER_SM by the n-block builds' registers, 65 at
 # 4 warps and 72 at 8; fewer where the staged rows and partials take the shared memory), so each CTA stages the rows
 # once for all of its n-blocks
-TILE_ROWS_NBLOCKS = (2, 3, 4, 5, 6, 8)
+TILE_ROWS_NBLOCKS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 TILE_ROWS_CTAS_PER_SM = {4: 7, 8: 3}
 # the multi-token tile GEMV (B columns = tokens, 1..TOKENS rows staged; key decode.tile.<fmt>.m8.*[.nb<c>]): routed
 # for 2 <= M <= TILE_MAX_M with the TILE_MULTI_EPILOGUES on every grid some n-block count fits in one wave (P13: the
-# 8B QKV and gate/up, the 70B QKV; not the 70B gate/up, 3584 CTAs); with P13 off
+# 8B QKV and gate/up, the 70B QKV, the 70B gate/up at 2 and 3 rows); with P13 off
 # (route_tile_variant(rows_nblocks=False)) the P12 rule: small grids (at most TILE_SMALL_GRID_CTAS CTAs per SM) whose
 # staged rows leave room for TILE_ROWS_MIN_CTAS CTAs per SM; its warps: 8 from TILE_ROWS_W8 rows on, else the M = 1
 # rule
@@ -118,7 +118,8 @@ TILE_MULTI_ROUTED = TILE_MULTI_EPILOGUES
 TILE_FILL_ROUTED = 0               # warp slots of the fill rule (0: off)
 TILE_FILL_MIN_K_ROUTED = 0         # the fill rule only for K above this
 TILE_NBLOCKS_ROUTED = False        # the n-blocks-per-CTA rule (tile_nblocks) on
-TILE_ROWS_NBLOCKS_ROUTED = True    # the multi-token tile GEMV on every grid, n-blocks by tile_rows_nblocks (P13)
+TILE_ROWS_NBLOCKS_ROUTED = True    # the multi-token tile GEMV on every grid, n-blocks by tile_rows_nblocks (P13);
+                                   # an int: at most that many n-blocks per CTA
 TILE_ROWS_W8_ROUTED = TILE_ROWS_W8
 
 
@@ -206,7 +207,7 @@ def has_tile(fmt: str, group_size: int) -> bool:
 def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: Optional[int] = None,
                        long_k: Optional[str] = None, max_m: Optional[int] = None,
                        multi_epilogues: Optional[tuple] = None, fill: Optional[int] = None,
-                       nblocks: bool = False, fill_min_k: int = 0, rows_nblocks: bool = True,
+                       nblocks: bool = False, fill_min_k: int = 0, rows_nblocks: Union[bool, int] = True,
                        rows_w8: Optional[int] = None) -> None:
     """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on ("": the shipped
     rule, `long_k` for K > TILE_LONG_K without the fused norm, None: TILE_LONG_K_VARIANT), 8 warps up to
@@ -215,7 +216,8 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
     shipped TILE_MAX_M; 1: never) for the `multi_epilogues` (None: TILE_MULTI_EPILOGUES), the M = 1 warps by the
     fill rule with `fill` warp slots per SM (None or 0: off) where K > `fill_min_k`, and n-blocks per CTA by
     `tile_nblocks` (`nblocks`), the multi-token tile GEMV on grids of any size with n-blocks per CTA by
-    `tile_rows_nblocks` (`rows_nblocks`, the shipped P13; False: small grids only, the P12 rule), with 8 warps from
+    `tile_rows_nblocks` (`rows_nblocks`, the shipped P13; an int: at most that many n-blocks per CTA; False: small
+    grids only, the P12 rule), with 8 warps from
     `rows_w8` rows (None: TILE_ROWS_W8). Benchmarks only: a tuning variant must be registered
     (scripts/tuning_space.py); ("",) restores the shipped rule."""
     global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED
@@ -230,6 +232,8 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
         raise ValueError(f"the multi-token tile GEMV serves up to {TOKENS} rows, got max_m = {max_m}")
     if multi_epilogues is not None and not set(multi_epilogues) <= set(EPILOGUES):
         raise ValueError(f"unknown epilogues {sorted(set(multi_epilogues) - set(EPILOGUES))}; known: {EPILOGUES}")
+    if not isinstance(rows_nblocks, bool) and rows_nblocks not in TILE_ROWS_NBLOCKS:
+        raise ValueError(f"rows_nblocks is True, False or one of {TILE_ROWS_NBLOCKS}, got {rows_nblocks}")
     if rows_w8 is not None and not 2 <= rows_w8 <= TOKENS + 1:
         raise ValueError(f"rows_w8 is 2..{TOKENS + 1} rows, got {rows_w8}")
     if fill is not None and not (fill == 0 or min(TILE_FILL_WARPS) <= fill <= 64):
@@ -243,7 +247,7 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
     TILE_FILL_ROUTED = fill or 0
     TILE_NBLOCKS_ROUTED = bool(nblocks)
     TILE_FILL_MIN_K_ROUTED = fill_min_k
-    TILE_ROWS_NBLOCKS_ROUTED = bool(rows_nblocks)
+    TILE_ROWS_NBLOCKS_ROUTED = rows_nblocks
     TILE_ROWS_W8_ROUTED = TILE_ROWS_W8 if rows_w8 is None else rows_w8
     choose.cache_clear()
 
@@ -350,7 +354,8 @@ def tile_rows_nblocks(m: int, n: int, k: int, warps: int, norm: bool, sms: int =
     """n-blocks per CTA of the multi-token tile GEMV for a grid of any size: 1 or the fewest TILE_ROWS_NBLOCKS whose
     grid fits in one wave of resident CTAs (TILE_ROWS_CTAS_PER_SM, fewer where the shared memory holds fewer); 0
     where none does."""
-    for nb in (1,) + TILE_ROWS_NBLOCKS:
+    most = TILE_ROWS_NBLOCKS[-1] if TILE_ROWS_NBLOCKS_ROUTED is True else TILE_ROWS_NBLOCKS_ROUTED
+    for nb in (1,) + tuple(c for c in TILE_ROWS_NBLOCKS if c <= most):
         smem = tile_smem(k, warps, norm, tokens=TOKENS, rows=m, nblocks=nb)["total"]
         per_sm = min(TILE_ROWS_CTAS_PER_SM.get(warps, 0), SMEM_LIMIT // smem)
         if per_sm and -(-(n // 16) // nb) <= per_sm * sms:

@@ -147,10 +147,9 @@ def main(argv=None) -> int:
                    "up to M rows; ^1: never; ^Mr: for the residual projections too), #S (the M = 1 warps by the "
                    "fill rule with S warp slots per SM; #S>K: for K above K only), +nb (n-blocks per CTA by "
                    "decode.plan.tile_nblocks), -rnb (2..8 rows on the multi-token tile GEMV only on small grids: "
-                   "rule P12 instead of P13) and a final ~R (its 8 warps from R rows), e.g. '/s1', '@3/s2', ':', "
-                   "'^8r', '#24>8192', ':#24+nb', '-rnb', '~3': also the "
-                   "int4/int4 step (and its breakdown) "
-                   "with the router's tile GEMV switched to each")
+                   "rule P12 instead of P13), %%C (P13 with at most C n-blocks per CTA) and a final ~R (its 8 warps "
+                   "from R rows), e.g. '/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3': also "
+                   "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="Markdown table")
@@ -172,7 +171,8 @@ def main(argv=None) -> int:
 
         def route(spec: str) -> None:
             rows_nblocks = "-rnb" not in spec
-            spec = spec.replace("-rnb", "")
+            spec, _, most = spec.replace("-rnb", "").partition("%")
+            rows_nblocks = int(most) if most else rows_nblocks
             spec, _, rows_w8 = spec.partition("~")
             nblocks = "+nb" in spec
             spec, _, fill = spec.replace("+nb", "").partition("#")

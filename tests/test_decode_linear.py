@@ -75,6 +75,8 @@ def test_routing_rule_follows_the_measurements():
     # the 8B QKV (one wave as it is), the 8B gate/up (1792 CTAs) and the 70B QKV (640) with n-blocks per CTA; the 8B
     # O (residual) and the 70B gate/up (3584 CTAs: no count fits one wave) keep the GEMV
     big = preset("layer-70b").projection_shapes()
+    assert [plan.choose("int4", 128, "swiglu", m, *big["gate_up"], norm=True).key for m in (2, 3)] == \
+        ["decode.tile.int4.m8.swiglu.w8.norm.nb10", "decode.tile.int4.m8.swiglu.w8.norm.nb16"]
     for m in (2, 5, 8):
         assert plan.choose("int4", 128, "store", m, n, k).key == "decode.tile.int4.m8.store.w8"
         assert plan.choose("int4", 128, "store", m, n, k, norm=True).key == "decode.tile.int4.m8.store.w8.norm"
@@ -83,7 +85,8 @@ def test_routing_rule_follows_the_measurements():
             f"decode.tile.int4.m8.swiglu.w8.norm.nb{8 if m == 8 else 5}"
         assert plan.choose("int4", 128, "store", m, *big["qkv"]).key == \
             f"decode.tile.int4.m8.store.w8.nb{ {2: 2, 5: 3, 8: 5}[m] }"   # the rows leave 3 / 2 / 2 CTAs per SM
-        assert plan.choose("int4", 128, "swiglu", m, *big["gate_up"]).kind == "gemv"
+        if m > 3:   # its 3584 CTAs: 10 n-blocks at M = 2, 16 at M = 3, no count beyond (one CTA per SM)
+            assert plan.choose("int4", 128, "swiglu", m, *big["gate_up"]).kind == "gemv"
     plan.route_tile_variant("", rows_nblocks=False)   # P12 alone: small grids only
     try:
         assert plan.choose("int4", 128, "swiglu", 2, *shapes["gate_up"]).kind == "gemv"
@@ -136,11 +139,11 @@ def _tuning_space():
 
 # shapes of the grid below: the model presets plus K values around the tile GEMV's 4/8-warp threshold, the
 # shared-memory limits of the GEMV's activation rows, and N from one skinny tile to 2 * 28672
-GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344)
+GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344, 65536)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
 
 
-TUNING_COUNT = 237
+TUNING_COUNT = 255
 
 
 def _router_keys() -> set[str]:
@@ -168,24 +171,23 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 83 and len(tuning) == TUNING_COUNT
+    assert len(registry) == 95 and len(tuning) == TUNING_COUNT
 
 
 def test_fused_norm_routes_only_the_tile_gemv():
     """The RMSNorm row factor folds into the M = 1 tile GEMV of QKV and gate/up (INT4 g128) and into the
-    multi-token one where it is routed (2..8 rows, small grids: the 8B QKV); every other projection keeps the
-    row-factor kernel, and forcing the fused variant there is an error."""
+    multi-token one where it is routed (2..8 rows of the grids some n-block count fits in one wave, P13); every other
+    projection keeps the row-factor kernel, and forcing the fused variant there is an error."""
     for n, k, epilogue in ((6144, 4096, "store"), (28672, 4096, "swiglu"), (10240, 8192, "store"),
                            (57344, 8192, "swiglu")):
         assert plan.fuses_norm("int4", 128, epilogue, 1, n, k)
         launch = plan.choose("int4", 128, epilogue, 1, n, k, norm=True)
         assert launch.kind == "tile" and launch.key.endswith(".norm"), launch
-        small = n != 57344   # P13: every grid but the 70B gate/up's (3584 CTAs) fits one wave with some count
-        assert plan.fuses_norm("int4", 128, epilogue, 2, n, k) == small
+        assert plan.fuses_norm("int4", 128, epilogue, 2, n, k)   # the 70B gate/up: 10 n-blocks per CTA
         assert not plan.fuses_norm("int4", 128, epilogue, 9, n, k)
-        if not small:
-            with pytest.raises(ValueError, match="fused-norm"):
-                plan.choose("int4", 128, epilogue, 2, n, k, norm=True)
+    assert not plan.fuses_norm("int4", 128, "swiglu", 4, 57344, 8192)   # its rows leave one CTA per SM
+    with pytest.raises(ValueError, match="fused-norm"):
+        plan.choose("int4", 128, "swiglu", 4, 57344, 8192, norm=True)
     assert not plan.fuses_norm("int4", 128, "residual", 1, 4096, 4096)
     assert not plan.fuses_norm("int4", 64, "store", 1, 576, 576)       # group 64 has no tile GEMV
     assert not plan.fuses_norm("e4m3", 128, "store", 1, 4096, 4096)
@@ -485,9 +487,9 @@ def test_nblocks_rule():
 def test_rows_nblocks_rule():
     """P13: 2..8 rows of every store/SwiGLU grid go to the multi-token tile GEMV (8 warps from TILE_ROWS_W8 = 2
     rows) with the fewest n-blocks per CTA that fit its grid in one wave of 3 CTAs per SM (8B gate/up: 5, and 8 at
-    M = 8 where the staged rows leave 2 CTAs per SM); grids no count fits (70B gate/up) keep the persistent GEMV,
-    the residual ones are unchanged. rows_w8=3 (4 warps at M = 2, 7 CTAs per SM) and rows_nblocks=False (P12) are
-    the benchmark's alternatives."""
+    M = 8 where the staged rows leave 2 CTAs per SM); grids no count fits (70B gate/up from M = 4) keep the
+    persistent GEMV, the residual ones are unchanged. rows_nblocks=8 (at most 8 n-blocks), rows_w8=3 (4 warps at
+    M = 2, 7 CTAs per SM) and rows_nblocks=False (P12) are the benchmark's alternatives."""
     shapes = {name: preset(name).projection_shapes() for name in ("layer-8b", "layer-70b")}
     gate_up = shapes["layer-8b"]["gate_up"]
     want = {2: "decode.tile.int4.m8.swiglu.w8.norm.nb5", 3: "decode.tile.int4.m8.swiglu.w8.norm.nb5",
@@ -496,9 +498,19 @@ def test_rows_nblocks_rule():
         assert plan.fuses_norm("int4", 128, "swiglu", m, *gate_up)
         assert plan.choose("int4", 128, "swiglu", m, *gate_up, norm=True).key == key
     assert plan.tile_rows_nblocks(2, *gate_up, 8, True) == 5
-    assert plan.tile_rows_nblocks(3, *shapes["layer-70b"]["gate_up"], 8, True) == 0
-    assert plan.choose("int4", 128, "swiglu", 3, *shapes["layer-70b"]["gate_up"]).kind == "gemv"
+    assert plan.tile_rows_nblocks(3, *shapes["layer-70b"]["gate_up"], 8, True) == 16
+    assert plan.tile_rows_nblocks(4, *shapes["layer-70b"]["gate_up"], 8, True) == 0   # one CTA per SM: 27 needed
+    assert plan.choose("int4", 128, "swiglu", 4, *shapes["layer-70b"]["gate_up"]).kind == "gemv"
     assert plan.choose("int4", 128, "residual", 2, *shapes["layer-8b"]["down"]).kind == "gemv"
+    plan.route_tile_variant("", rows_nblocks=8)   # at most 8 n-blocks per CTA: the 70B gate/up keeps the GEMV
+    try:
+        assert plan.choose("int4", 128, "swiglu", 2, *shapes["layer-70b"]["gate_up"]).kind == "gemv"
+        assert plan.choose("int4", 128, "swiglu", 8, *gate_up).key == "decode.tile.int4.m8.swiglu.w8.nb8"
+        with pytest.raises(ValueError, match="rows_nblocks"):
+            plan.route_tile_variant("", rows_nblocks=7)
+        assert plan.tile_route()[-2] == 8, "a rejected route left state behind"
+    finally:
+        plan.route_tile_variant("")
     plan.route_tile_variant("", rows_w8=3)
     try:
         assert plan.choose("int4", 128, "swiglu", 2, *gate_up, norm=True).key == "decode.tile.int4.m8.swiglu.norm.nb2"

@@ -310,7 +310,7 @@ def test_multi_token_tile_gemv(n, k, warps):
                 assert torch.equal(y[i:i + 1], one), f"{what}: row {i} != the M = 1 kernel on it"
 
 
-@pytest.mark.parametrize("nblocks", [2, 3, 5, 8])
+@pytest.mark.parametrize("nblocks", [2, 3, 5, 8, 16])
 @pytest.mark.parametrize("n,k", NBLOCK_CASES, ids=[f"{c[0]}x{c[1]}" for c in NBLOCK_CASES])
 def test_multi_token_nblocks_is_bitwise_one_block_per_cta(n, k, nblocks):
     """The multi-token tile GEMV with several n-blocks per CTA: every token's outputs bitwise the one-block kernel's
