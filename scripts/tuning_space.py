@@ -11,7 +11,7 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.gemv.int4.m1.residual[.w8].split   the tile GEMV with split-K over the CTAs of a tile
     decode.tile.int4.m8.{residual[.w8],store,swiglu[.norm]}[.nb<c>]   the multi-token tile GEMV the router does not
                                               pick (the residual epilogue; 4 warps)
-    decode.gemv.int4.m1.*.w{6,12,16}[.norm|.p3]   the M = 1 tile GEMV at the fill rule's warp counts (plan.TILE_FILL_WARPS)
+    decode.gemv.int4.m1.*.w{6,12,16}[.norm|.p3]   the M = 1 tile GEMV at the fill rule's warp counts
     decode.gemv.int4.m1.*[.w8][.norm|.p3].nb{2,3,4}   the M = 1 tile GEMV with several n-blocks per CTA
     decode.skinny.int4.m{16,32}.*.{s3,s4,c2}  the skinny kernel with shorter rings (more CTAs per SM), two MMA chains
     decode.skinny.int4[g64].m{16,32}.*.{wg,wgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)

@@ -1,5 +1,5 @@
-"""Decode projection variants (issue 5): the one-tile-per-CTA GEMV for INT4 g128 at M = 1 (4 or 8 warps), the
-persistent GEMV (token buckets 8 and 16; INT4 only bucket 8) and the skinny kernel (buckets 16 and 32), for
+"""Decode projection variants (issue 5): the one-tile-per-CTA GEMV for INT4 g128 at M = 1 (4 or 8 warps) and for
+2..8 rows (8 warps, 1 to 16 n-blocks per CTA), the persistent GEMV (token buckets 8 and 16; INT4 only bucket 8) and the skinny kernel (buckets 16 and 32), for
 INT4 (group 128 and 64), E4M3 and BF16 weights and the three fused epilogues. Keys and compile parameters
 come from decode.plan, whose router (`plan.choose`) the torch ops use to pick them.
 
@@ -85,7 +85,6 @@ def fill_tile_specs() -> list:
                          + [tile_spec(f, g, e, w, plan.TILE_LONG_K_VARIANT) for e in plan.EPILOGUES])]
 
 
-
 def nblocks_tile_specs() -> list:
     """The M = 1 tile GEMV with several n-blocks per CTA (plan.TILE_NBLOCKS): both warp counts, every epilogue, the
     fused-norm ones and the long-K batches of 3."""
@@ -93,4 +92,3 @@ def nblocks_tile_specs() -> list:
             for spec in ([tile_spec(f, g, e, w, nblocks=nb) for e in plan.EPILOGUES]
                          + [tile_spec(f, g, e, w, norm=True, nblocks=nb) for e in plan.NORM_EPILOGUES]
                          + [tile_spec(f, g, e, w, plan.TILE_LONG_K_VARIANT, nblocks=nb) for e in plan.EPILOGUES])]
-
