@@ -74,7 +74,7 @@ def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool 
 
     x       [k] bf16                     the activation row (split-K: the CTA's slice of it)
             [rows][k + 8] bf16           multi-token: the rows, X_ROW_PAD apart in the banks (ldmatrix rows)
-    red     [nblocks][warps][16] f32     the warps' partial sums (multi-token: [warps][16][TOKENS])
+    red     [nblocks][warps][16] f32     the warps' partial sums (multi-token: [nblocks][warps][16][TOKENS])
     ss      [warps] f32 (+ pad)          their sums of squares (`norm`; multi-token: [warps][TOKENS])
     scales  [warps][share units][16] f16 each warp's share of the group scales (ring only)
     ring    [warps][ring][1 KB]          each warp's weight ring (ring only)
