@@ -234,12 +234,8 @@ class GemvTile:
             tok = ij // cols
             col = ij % cols
             sums = tuple(self._row_sum(red_j, row * TOKENS + tok, TOKENS) for row in self.epi.rows(col))
-            if cutlass.const_expr(self.norm):
-                factor = self._norm_factor(ss, k, eps, tok, TOKENS)
-                sums = tuple(v * factor for v in sums)
-            at = Int64(tok) * width + nb_j * cols + col
-            v = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2))
-            ptx.stg_bf16(y_base + at * 2, v)
+            factor = self._norm_factor(ss, k, eps, tok, TOKENS) if cutlass.const_expr(self.norm) else None
+            self._finish(sums, Int64(tok) * width + nb_j * cols + col, r, y_base, factor)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
@@ -395,12 +391,12 @@ class GemvTile:
         red = xs + regions["red"]
         if cutlass.const_expr(self.nblocks > 1):
             cute.arch.sync_threads()
-            factor = None
-            if cutlass.const_expr(self.norm):
-                factor = self._norm_factor(xs + regions["ss"], k, eps)
             if cutlass.const_expr(self.tokens > 1):
                 self._epilogue_rows(tid, nb0, red, xs + regions["ss"], r, y, m, k, eps, n_valid)
             else:
+                factor = None
+                if cutlass.const_expr(self.norm):
+                    factor = self._norm_factor(xs + regions["ss"], k, eps)
                 self._epilogue_blocks(tid, nb0, n_valid, red, r, y, factor)
         elif cutlass.const_expr(self.tokens > 1):
             # 4. every lane's fragment: rows g and g + 8, token columns 2t and 2t + 1 -> red[warp][row][token]
@@ -433,11 +429,10 @@ class GemvTile:
         acc = (Float32(0.0),) * 4
         jc, uc = Int32(0), Int32(0)
         for it in cutlass.range((n_valid * sh + P - 1) // P, unroll=1):
-            cur = self._units_from(jc, uc, sh, P)
-            jl, ul = cur[-1]
-            wrap = ul + 1 >= sh
-            jc, uc = jl + Int32(wrap), cutlass.select_(wrap, Int32(0), ul + 1)
-            nxt = tuple(self._load_at(j, u, ua, n_valid, where) for j, u in self._units_from(jc, uc, sh, P))
+            units = self._units_from(jc, uc, sh, 2 * P)   # this batch's units, then the next batch's
+            cur = units[:P]
+            jc, uc = units[P]
+            nxt = tuple(self._load_at(j, u, ua, n_valid, where) for j, u in units[P:])
             for i in cutlass.range_constexpr(P):
                 j, u = cur[i]
                 acc = self._unit(acc, bufs[i], ua + u, Int32(j < n_valid), xs_lane, last, consts)
@@ -474,11 +469,7 @@ class GemvTile:
             col = i % cols
             red_j = red + j * (self.warps * BLOCK_N * 4)
             sums = tuple(self._row_sum(red_j, row) for row in self.epi.rows(col))
-            if cutlass.const_expr(self.norm):
-                sums = tuple(v * factor for v in sums)
-            at = Int64(nb0 + j) * cols + col
-            v = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2))
-            ptx.stg_bf16(y_base + at * 2, v)
+            self._finish(sums, Int64(nb0 + j) * cols + col, r, y_base, factor)
 
     @cute.jit
     def _exchange(self, tid, nb, sy, red, xchg, r, y, ws, counters, splits):
@@ -522,20 +513,23 @@ class GemvTile:
             v = v + ptx.lds_f32(red + (wi * BLOCK_N * per_warp + row) * 4)
         return v
 
+    def _finish(self, sums, at, r, y_base, factor) -> None:
+        """Output element `at` of y from its summed rows: times the RMSNorm row factor (`norm`), the fused epilogue
+        (its residual read at `at`), stored as bf16."""
+        if cutlass.const_expr(self.norm):
+            sums = tuple(v * factor for v in sums)
+        v = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2))
+        ptx.stg_bf16(y_base + at * 2, v)
+
     @cute.jit
     def _epilogue(self, tid, nb, red, r, y, factor=None, totals=None):
         """Thread tid < the tile's output columns finishes output column tid (`norm`: the row sums times the
         RMSNorm row factor first; `totals`: the split-K sums in shared memory instead of the warps' partials)."""
-        y_base = y.iterator.toint()
         cols = BLOCK_N // self.epi.rows_per_output
         if tid < cols:
             sums = tuple(self._row_sum(red, row) if totals is None else ptx.lds_f32(totals + row * 4)
                          for row in self.epi.rows(tid))
-            if cutlass.const_expr(self.norm):
-                sums = tuple(v * factor for v in sums)
-            v = self.epi.finish(sums,
-                                lambda: ptx.ldg_bf16_to_f32(r.iterator.toint() + (Int64(nb) * cols + tid) * 2))
-            ptx.stg_bf16(y_base + (Int64(nb) * cols + tid) * 2, v)
+            self._finish(sums, Int64(nb) * cols + tid, r, y.iterator.toint(), factor)
 
 
 class GemvTileNorm(GemvTile):

@@ -60,17 +60,16 @@ TILE_SMALL_GRID_CTAS = 3          # and where the grid has at most this many CTA
 # leave 25 warps per SM), so one wave fills the SM's warp slots (8B O and down: 12 warps, 70B O and down: 6)
 TILE_WARP_SLOTS = 24
 TILE_FILL_WARPS = (4, 6, 8, 12, 16)
-# n-blocks per CTA at M = 1 (tuning space, P14: slower in the decode step): grids of more than one wave of CTAs
-# (TILE_CTAS_PER_SM resident per SM, from the kernels' registers: 70 at 4 warps, 79 at 8) take TILE_NBLOCKS
-# consecutive 16-channel n-blocks per CTA, so the grid fits in one wave (8B gate/up: 2, 70B: 4)
-TILE_NBLOCKS = (2, 3, 4)
+# resident tile GEMV CTAs per SM by warps: the builds with n-blocks per CTA (and the M = 1 ones) keep at most 72
+# registers at 4 warps (64-70) and 80 at 8 (72-79)
 TILE_CTAS_PER_SM = {4: 7, 8: 3}
+# n-blocks per CTA at M = 1 (tuning space, P14: slower in the decode step): grids of more than one wave of CTAs
+# take TILE_NBLOCKS consecutive 16-channel n-blocks per CTA, so the grid fits in one wave (8B gate/up: 2, 70B: 4)
+TILE_NBLOCKS = (2, 3, 4)
 # the multi-token tile GEMV on grids of any size (routing rule P13): the fewest TILE_ROWS_NBLOCKS n-blocks per CTA
-# that bring its grid within one wave of resident CTAs (TILE_ROWS_CTAS_PER_SM by the n-block builds' registers, 65 at
-# 4 warps and 72 at 8; fewer where the staged rows and partials take the shared memory), so each CTA stages the rows
-# once for all of its n-blocks
+# that bring its grid within one wave of resident CTAs (TILE_CTAS_PER_SM, fewer where the staged rows and partials
+# take the shared memory), so each CTA stages the rows once for all of its n-blocks
 TILE_ROWS_NBLOCKS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
-TILE_ROWS_CTAS_PER_SM = {4: 7, 8: 3}
 # the multi-token tile GEMV (B columns = tokens, 1..TOKENS rows staged; key decode.tile.<fmt>.m8.*[.nb<c>]): routed
 # for 2 <= M <= TILE_MAX_M with the TILE_MULTI_EPILOGUES on every grid some n-block count fits in one wave (P13: the
 # 8B QKV and gate/up, the 70B QKV, the 70B gate/up at 2 and 3 rows); with P13 off
@@ -352,12 +351,12 @@ def tile_fits(k: int, warps: int, norm: bool = False, variant: str = "", m: int 
 
 def tile_rows_nblocks(m: int, n: int, k: int, warps: int, norm: bool, sms: int = 132) -> int:
     """n-blocks per CTA of the multi-token tile GEMV for a grid of any size: 1 or the fewest TILE_ROWS_NBLOCKS whose
-    grid fits in one wave of resident CTAs (TILE_ROWS_CTAS_PER_SM, fewer where the shared memory holds fewer); 0
+    grid fits in one wave of resident CTAs (TILE_CTAS_PER_SM, fewer where the shared memory holds fewer); 0
     where none does."""
     most = TILE_ROWS_NBLOCKS[-1] if TILE_ROWS_NBLOCKS_ROUTED is True else TILE_ROWS_NBLOCKS_ROUTED
     for nb in (1,) + tuple(c for c in TILE_ROWS_NBLOCKS if c <= most):
         smem = tile_smem(k, warps, norm, tokens=TOKENS, rows=m, nblocks=nb)["total"]
-        per_sm = min(TILE_ROWS_CTAS_PER_SM.get(warps, 0), SMEM_LIMIT // smem)
+        per_sm = min(TILE_CTAS_PER_SM.get(warps, 0), SMEM_LIMIT // smem)
         if per_sm and -(-(n // 16) // nb) <= per_sm * sms:
             return nb
     return 0
@@ -440,24 +439,21 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         if tokens > 1:
             if split not in (None, 1):
                 raise ValueError("the multi-token tile GEMV does not split K")
+            sp = 1
             nbk = nblocks or ((tile_rows_nblocks(m, n, k, wp, norm, sms) or 1) if TILE_ROWS_NBLOCKS_ROUTED else 1)
-            if nbk > 1:
-                tile_params(fmt, group_size, epilogue, wp, norm=norm, tokens=tokens, nblocks=nbk)  # validates
-                if not tile_fits(k, wp, norm, "", m, nbk):
-                    raise ValueError(f"the tile GEMV cannot serve M = {m}, K = {k} with {nbk} n-blocks per CTA")
-            return Launch(tile_key(fmt, group_size, epilogue, wp, norm=norm, tokens=tokens, nblocks=nbk), "tile")
-        sp = split if split is not None else (1 if norm or variant else tile_splits(epilogue, k))
-        nbk = nblocks or (tile_nblocks(n, k, wp, sms, variant) if sp == 1 else 1)
+        else:
+            sp = split if split is not None else (1 if norm or variant else tile_splits(epilogue, k))
+            nbk = nblocks or (tile_nblocks(n, k, wp, sms, variant) if sp == 1 else 1)
         if nbk > 1:
-            tile_params(fmt, group_size, epilogue, wp, variant, norm, split=sp > 1, nblocks=nbk)  # validates
-            if not tile_fits(k, wp, norm, variant, 1, nbk):
-                raise ValueError(f"the tile GEMV cannot serve K = {k} with {nbk} n-blocks per CTA")
-            return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm, nblocks=nbk), "tile")
+            tile_params(fmt, group_size, epilogue, wp, variant, norm, sp > 1, tokens, nbk)  # validates
+            if not tile_fits(k, wp, norm, variant, m, nbk):
+                raise ValueError(f"the tile GEMV cannot serve M = {m}, K = {k} with {nbk} n-blocks per CTA")
+            return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm, tokens=tokens, nblocks=nbk), "tile")
         if sp > 1:
             tile_params(fmt, group_size, epilogue, wp, variant, norm, split=True)  # validates what can split
             if not 1 <= sp <= min(TILE_MAX_SPLITS, k // 128):
                 raise ValueError(f"a tile GEMV split is 1..{min(TILE_MAX_SPLITS, k // 128)} here, got {sp}")
-        return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm, split=sp > 1), "tile", split=sp)
+        return Launch(tile_key(fmt, group_size, epilogue, wp, variant, norm, sp > 1, tokens), "tile", split=sp)
     if kernel == "gemv":
         params = gemv_params(fmt, group_size, epilogue, m, variant)
         t = gemv_tiles(params, m, n, k, sms, tiles)

@@ -181,13 +181,21 @@ def test_gemv_geometry(fmt, n, k, group, tiles):
 TILE_CASES = [(16, 128), (2096, 2176), (6144, 4096), (4096, 14336)]
 
 
-@pytest.mark.parametrize("variant", ["", "rolling", "p1", "p3", "p4", "ring4", "ring8", "fold"])
-@pytest.mark.parametrize("warps", [4, 8])
+# the warp counts only the fill rule picks (decode.plan.TILE_FILL_WARPS beyond 4 and 8; tests/test_decode_linear.py
+# ties the two lists), with batches of 2 and the long-K batches of 3
+FILL_WARPS = (6, 12, 16)
+TILE_RUNS = ([(w, v) for w in (4, 8) for v in ("", "rolling", "p1", "p3", "p4", "ring4", "ring8", "fold")]
+             + [(w, v) for w in FILL_WARPS for v in ("", "p3")])
+
+
+@pytest.mark.parametrize("warps,variant", TILE_RUNS, ids=[f"w{w}-{v or 'batch'}" for w, v in TILE_RUNS])
 @pytest.mark.parametrize("n,k", TILE_CASES, ids=[f"{c[0]}x{c[1]}" for c in TILE_CASES])
 def test_tile_gemv(n, k, warps, variant):
     """The one-tile-per-CTA M = 1 GEMV (the plan's INT4 M = 1 default) in both warp counts, as measured
-    (batch prefetch) and with the tuning-space pipelines, every epilogue. The shared-memory ring feeds the
-    same MMAs in the same order as the batch pipeline, so its output is bitwise the batch pipeline's."""
+    (batch prefetch) and with the tuning-space pipelines, and at the fill rule's warp counts (uneven K shares: 32
+    units over 6 or 12 warps, 17 over 16, one unit where most warps have none), every epilogue. The shared-memory
+    ring feeds the same MMAs in the same order as the batch pipeline, so its output is bitwise the batch
+    pipeline's."""
     stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
     x, r = _inputs(1, k, n, 7)
     for epilogue in ("store", "residual", "swiglu"):
@@ -199,32 +207,18 @@ def test_tile_gemv(n, k, warps, variant):
             assert torch.equal(y, base), f"ring {variant} w{warps} {n}x{k} {epilogue} != batch pipeline"
 
 
-# the warp counts only the fill rule picks (decode.plan.TILE_FILL_WARPS beyond 4 and 8; tests/test_decode_linear.py
-# ties the two lists), with the long-K batches of 3 and the fused norm
-FILL_WARPS = (6, 12, 16)
-
-
-@pytest.mark.parametrize("variant", ["", "p3"])
 @pytest.mark.parametrize("warps", FILL_WARPS)
 @pytest.mark.parametrize("n,k", TILE_CASES, ids=[f"{c[0]}x{c[1]}" for c in TILE_CASES])
-def test_tile_gemv_fill_warps(n, k, warps, variant):
-    """The M = 1 tile GEMV at 6, 12 and 16 warps (uneven K shares: 32 units over 6 or 12 warps, 17 over 16, one unit
-    where most warps have none), every epilogue, and its fused-norm form (store, SwiGLU), against the float
-    reference."""
+def test_tile_gemv_fill_warps_norm(n, k, warps):
+    """The fused-norm M = 1 tile GEMV (store, SwiGLU) at the fill rule's warp counts against the float reference."""
     from decode import plan
     from futx.ops.decode_linear import _launch
     from futx.runtime import get_kernel
 
     stored, w_ref = _weights("int4", n, k, 128, n + k + warps)
-    x, r = _inputs(1, k, n, 9)
-    for epilogue in ("store", "residual", "swiglu"):
-        y = _run("int4", stored, x, 128, epilogue, r, kernel="tile", variant=variant, warps=warps)
-        torch.cuda.synchronize()
-        _check(y, _reference(x, w_ref, epilogue, r), f"tile w{warps} {variant or 'batch'} {n}x{k} {epilogue}")
-        if epilogue == "residual" or variant:
-            continue
-        eps = 1e-5
-        xs = (x.float() * 3.0).bfloat16()
+    x, _ = _inputs(1, k, n, 9)
+    xs, eps = (x.float() * 3.0).bfloat16(), 1e-5
+    for epilogue in ("store", "swiglu"):
         choice = plan.choose("int4", 128, epilogue, 1, n, k, kernel="tile", warps=warps, norm=True)
         y = _launch((choice, get_kernel(choice.key)), epilogue, xs, *stored, None, n, eps=eps)
         torch.cuda.synchronize()
