@@ -19,7 +19,8 @@ docs/routing.md:
 * BF16 and E4M3, M <= GEMV_MAX_M -> the persistent GEMV where the activation rows fit, else the skinny kernel.
 * otherwise (up to M = 32) -> the skinny kernel: 128-channel tiles and an activation ring, split K across
   CTAs until the resident CTA slots are filled (never a partial second wave), at least `MIN_UNITS` units
-  per CTA.
+  per CTA. For INT4 g128 its register-weights form (`skinny_regs.py`, SKINNY_ROUTED_VARIANTS by token bucket,
+  P15): the weights streamed into registers, only the activations in the ring.
 
 The package registry (futx/runtime/catalog/decode_linear.py) holds exactly the variants this router picks.
 The `*_VARIANTS` tables below (and the INT4 GEMV M bucket 16) describe the tuning space: design comparisons
@@ -104,7 +105,18 @@ CTAS_PER_SM = 2
 SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3},
                    "wg": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1},
                    "wgo": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True},
-                   "c2": {"chains": 2}}
+                   "c2": {"chains": 2},
+                   "rw": {"weights": "regs", "warps": 8, "nb_per_warp": 1},
+                   "rw1": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "prefetch": 1},
+                   "rw4": {"weights": "regs", "prefetch": 1, "ctas_per_sm": 3},
+                   "rwc": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "reduce": "cluster"},
+                   "rw1c": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "prefetch": 1, "reduce": "cluster"}}
+CLUSTER_MAX = 8   # CTAs per tile of the cluster split-K ("reduce": "cluster"): the portable cluster size
+# the register-weights skinny kernel (decode/skinny_regs.py: "rw" batches of 2 units, "rw1" of 1, 8 warps of one
+# n-block; "rw4": 4 warps of two n-blocks, 1 unit) is what the router runs for INT4 g128 (routing rule P15), by token
+# bucket: batches of 2 units at M <= 16 (121 registers, 2 CTAs per SM); of 1 at M <= 32, where 2 units take 148
+# registers and leave one CTA per SM
+SKINNY_ROUTED_VARIANTS = {16: "rw", 32: "rw1"}
 MIN_UNITS = 4
 # the tile GEMV variant and small-grid rule the router applies (route_tile_variant lets a benchmark time a tuning
 # variant or another threshold in the decode step as the router would launch it)
@@ -120,6 +132,7 @@ TILE_NBLOCKS_ROUTED = False        # the n-blocks-per-CTA rule (tile_nblocks) on
 TILE_ROWS_NBLOCKS_ROUTED = True    # the multi-token tile GEMV on every grid, n-blocks by tile_rows_nblocks (P13);
                                    # an int: at most that many n-blocks per CTA
 TILE_ROWS_W8_ROUTED = TILE_ROWS_W8
+SKINNY_ROUTED: Optional[str] = None  # a skinny variant forced for INT4 g128 (None: SKINNY_ROUTED_VARIANTS)
 
 
 def fmt_tag(fmt: str, group_size: int = 128) -> str:
@@ -190,11 +203,20 @@ def skinny_key(fmt: str, group_size: int, epilogue: str, m: int, variant: str = 
     return f"decode.skinny.{fmt_tag(fmt, group_size)}.m{m_bucket(m)}.{epilogue}" + (f".{variant}" if variant else "")
 
 
+def skinny_variant(fmt: str, group_size: int, m: int) -> str:
+    """The skinny variant the router runs: for INT4 g128 the register-weights kernel of M's token bucket
+    (SKINNY_ROUTED_VARIANTS, P15, or the variant a benchmark forces), else the ring kernel ("")."""
+    if (fmt, group_size) != ("int4", 128):
+        return ""
+    return SKINNY_ROUTED_VARIANTS[m_bucket(m)] if SKINNY_ROUTED is None else SKINNY_ROUTED
+
+
 def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: str = "") -> int:
     n_tiles = -(-n // TILE_N)
     units = k // unit_k(fmt, group_size)
     ctas = SKINNY_VARIANTS[variant].get("ctas_per_sm", CTAS_PER_SM)
-    return max(1, min(ctas * sms // n_tiles, units // MIN_UNITS))
+    most = CLUSTER_MAX if SKINNY_VARIANTS[variant].get("reduce") == "cluster" else units
+    return max(1, min(ctas * sms // n_tiles, units // MIN_UNITS, most))
 
 
 # ---- tile GEMV (M = 1; 2..8 rows on small grids) ------------------------------------------------------
@@ -207,7 +229,7 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
                        long_k: Optional[str] = None, max_m: Optional[int] = None,
                        multi_epilogues: Optional[tuple] = None, fill: Optional[int] = None,
                        nblocks: bool = False, fill_min_k: int = 0, rows_nblocks: Union[bool, int] = True,
-                       rows_w8: Optional[int] = None) -> None:
+                       rows_w8: Optional[int] = None, skinny: Optional[str] = None) -> None:
     """Make `choose(kernel="auto")` pick this TILE_VARIANTS entry for the tile GEMV from now on ("": the shipped
     rule, `long_k` for K > TILE_LONG_K without the fused norm, None: TILE_LONG_K_VARIANT), 8 warps up to
     `small_grid` CTAs per SM (None: the shipped TILE_SMALL_GRID_CTAS) and `split` CTAs per tile of the
@@ -217,11 +239,12 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
     `tile_nblocks` (`nblocks`), the multi-token tile GEMV on grids of any size with n-blocks per CTA by
     `tile_rows_nblocks` (`rows_nblocks`, the shipped P13; an int: at most that many n-blocks per CTA; False: small
     grids only, the P12 rule), with 8 warps from
-    `rows_w8` rows (None: TILE_ROWS_W8). Benchmarks only: a tuning variant must be registered
+    `rows_w8` rows (None: TILE_ROWS_W8), and the SKINNY_VARIANTS entry `skinny` for INT4 g128 where the router
+    picks the skinny kernel (None: `skinny_variant`, the shipped P15; "": the ring kernel). Benchmarks only: a tuning variant must be registered
     (scripts/tuning_space.py); ("",) restores the shipped rule."""
     global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED
     global TILE_FILL_ROUTED, TILE_NBLOCKS_ROUTED, TILE_FILL_MIN_K_ROUTED, TILE_ROWS_NBLOCKS_ROUTED
-    global TILE_ROWS_W8_ROUTED
+    global TILE_ROWS_W8_ROUTED, SKINNY_ROUTED
     for v in (variant, long_k or ""):
         if v not in TILE_VARIANTS:
             raise ValueError(f"unknown tile GEMV variant {v!r}; known: {sorted(TILE_VARIANTS)}")
@@ -233,6 +256,8 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
         raise ValueError(f"unknown epilogues {sorted(set(multi_epilogues) - set(EPILOGUES))}; known: {EPILOGUES}")
     if not isinstance(rows_nblocks, bool) and rows_nblocks not in TILE_ROWS_NBLOCKS:
         raise ValueError(f"rows_nblocks is True, False or one of {TILE_ROWS_NBLOCKS}, got {rows_nblocks}")
+    if skinny is not None and skinny not in SKINNY_VARIANTS:
+        raise ValueError(f"unknown skinny variant {skinny!r}; known: {sorted(SKINNY_VARIANTS)}")
     if rows_w8 is not None and not 2 <= rows_w8 <= TOKENS + 1:
         raise ValueError(f"rows_w8 is 2..{TOKENS + 1} rows, got {rows_w8}")
     if fill is not None and not (fill == 0 or min(TILE_FILL_WARPS) <= fill <= 64):
@@ -248,6 +273,7 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
     TILE_FILL_MIN_K_ROUTED = fill_min_k
     TILE_ROWS_NBLOCKS_ROUTED = rows_nblocks
     TILE_ROWS_W8_ROUTED = TILE_ROWS_W8 if rows_w8 is None else rows_w8
+    SKINNY_ROUTED = skinny
     choose.cache_clear()
 
 
@@ -255,7 +281,7 @@ def tile_route() -> tuple:
     """The routing state route_tile_variant sets (part of the ops' per-signature launch cache key)."""
     return (TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED,
             TILE_FILL_ROUTED, TILE_NBLOCKS_ROUTED, TILE_FILL_MIN_K_ROUTED, TILE_ROWS_NBLOCKS_ROUTED,
-            TILE_ROWS_W8_ROUTED)
+            TILE_ROWS_W8_ROUTED, SKINNY_ROUTED)
 
 
 def tile_variant(k: int, norm: bool = False, epilogue: str = "") -> str:
@@ -425,7 +451,10 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if kernel == "auto":
         kernel = default_kernel(fmt, group_size, m, n, k, sms, epilogue)
-        variant = variant or (tile_variant(k, norm, epilogue) if kernel == "tile" and m == 1 else "")
+        if kernel == "tile" and m == 1:
+            variant = variant or tile_variant(k, norm, epilogue)
+        elif kernel == "skinny":
+            variant = variant or skinny_variant(fmt, group_size, m)
     if norm and kernel != "tile":
         raise ValueError(f"no fused-norm kernel for this projection (M = {m}, {kernel}): use the row-factor kernel")
     if kernel == "tile":
@@ -461,4 +490,6 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
             raise ValueError(f"the GEMV cannot serve M = {m}, K = {k} (activation rows exceed shared memory)")
         return Launch(gemv_key(fmt, group_size, epilogue, m, variant), "gemv", tiles=t)
     key = skinny_key(fmt, group_size, epilogue, m, variant)
+    if split and SKINNY_VARIANTS[variant].get("reduce") == "cluster" and split > CLUSTER_MAX:
+        raise ValueError(f"the cluster split-K takes at most {CLUSTER_MAX} CTAs per tile, got split = {split}")
     return Launch(key, "skinny", split=split or skinny_split(fmt, group_size, n, k, sms, variant))

@@ -245,6 +245,28 @@ def bar_sync(barrier_id: Barrier, threads, *, loc=None, ip=None) -> None:
     _asm(None, [_i32(threads, loc, ip)], f"barrier.sync {int(barrier_id)}, $0;", "r", True, loc, ip)
 
 
+# ---- thread-block cluster: distributed shared memory (decode/skinny.py's cluster split-K) ---------------
+@dsl_user_op
+def mapa(saddr: Int32, rank, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address of this CTA's shared offset `saddr` in the cluster's CTA `rank`."""
+    return Int32(_asm(T.i32(), [_i32(saddr, loc, ip), _i32(rank, loc, ip)], "mapa.shared::cluster.u32 $0, $1, $2;",
+                      "=r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def ld_cluster_f32x4(caddr: Int32, *, loc=None, ip=None) -> tuple:
+    """Four float32 at a shared::cluster address (`mapa`): a peer CTA's shared memory, after a cluster barrier."""
+    res = _asm(_struct(4, "f32"), [_i32(caddr, loc, ip)], "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];",
+               "=f,=f,=f,=f,r", True, loc, ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def sts_f32x4(saddr: Int32, a, b, c, d, *, loc=None, ip=None) -> None:
+    _asm(None, [_i32(saddr, loc, ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", True, loc, ip)
+
+
 # ---- arithmetic -----------------------------------------------------------------------------------------
 @dsl_user_op
 def lop3(a: Int32, b: Int32, c: Int32, lut: int, *, loc=None, ip=None) -> Int32:

@@ -29,13 +29,19 @@ from futx.quant import layouts
 WARP = layouts.WARP
 TOKENS = layouts.MMA_N        # tokens per MMA (the B operand's n)
 ROW_PAD = 16                  # bytes: staggers activation rows across shared-memory banks
+REDUCES = ("global", "cluster")   # split-K: through a float32 workspace and arrival counters, or a thread-block
+                                  # cluster per tile reducing through distributed shared memory
 
 
 class Skinny:
     launch_hints: dict = {}   # extra launch attributes (occupancy) of a subclass
 
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
-                 stages: int = 0, warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, chains: int = 0):
+                 stages: int = 0, warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, chains: int = 0,
+                 reduce: str = "global"):
+        if reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
+        self.cluster = reduce == "cluster"
         self.fmt = make_format(fmt, group_size)
         self.chains = chains  # MMA accumulation chains per token group (stream.mma_unit; 0: its default)
         self.epi = epi.make(epilogue)
@@ -57,8 +63,13 @@ class Skinny:
         """Bytes of one unit's activation tile in a ring slot."""
         return self.m_tiles * TOKENS * self.row_bytes
 
+    def partial_bytes(self) -> int:
+        """The CTA's float32 accumulator fragments (cluster split-K), [warp][n-block][token group][lane][4]."""
+        return self.warps * self.nbw * self.m_tiles * WARP * 16
+
     def smem_bytes(self) -> int:
-        return self.stages * self.stage_bytes + 16  # + the split-K "last CTA" flag
+        # + the split-K "last CTA" flag; the cluster split-K's partials reuse the ring
+        return max(self.stages * self.stage_bytes + 16, self.partial_bytes() if self.cluster else 0)
 
     # ---- host side ---------------------------------------------------------------------------
     @cute.jit
@@ -66,9 +77,12 @@ class Skinny:
                  y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, split: Int32, stream_):
         n = self.epi.weight_rows(y.shape[1])
         n_tiles = (n + self.tile_n - 1) // self.tile_n
+        hints = dict(self.launch_hints)
+        if cutlass.const_expr(self.cluster):
+            hints["cluster"] = (1, split, 1)   # a tile's K ranges: one cluster (split <= CLUSTER_MAX)
         self.kernel(x, w, s, r, y, ws, counters, split).launch(
             grid=(n_tiles, split, 1), block=(WARP * self.warps, 1, 1), smem=self.smem_bytes(), stream=stream_,
-            use_pdl=True, **self.launch_hints)
+            use_pdl=True, **hints)
 
     # ---- device side -------------------------------------------------------------------------
     def _x_chunk(self, row, ch):
@@ -80,6 +94,12 @@ class Skinny:
         """cp.async unit u into one ring slot: every token row of x (rows past M repeat row M - 1: finite
         values in MMA columns that are never stored), each warp's weights (every lane its own 16-byte
         pieces, read back by the same lane) and group scales."""
+        self._stage_x(x_base, m, k, u, slot, tid)
+        self._stage_w(k, u, slot, tid, wheres, nb_ok)
+
+    @cute.jit
+    def _stage_x(self, x_base: Int64, m, k, u, slot: Int32, tid):
+        """cp.async unit u's activation tile (every token row; rows past M repeat row M - 1) into `slot`."""
         chunks = self.unit_k * 2 // LANE_BYTES
         threads = WARP * self.warps
         for c in cutlass.range_constexpr((self.m_tiles * TOKENS * chunks + threads - 1) // threads):
@@ -88,6 +108,10 @@ class Skinny:
             if idx < self.m_tiles * TOKENS * chunks:
                 src = x_base + (Int64(cutlass.min(row, m - 1)) * k + u * self.unit_k) * 2 + ch * LANE_BYTES
                 ptx.cp_async_16(slot + self._x_chunk(row, ch), src)
+
+    @cute.jit
+    def _stage_w(self, k, u, slot: Int32, tid, wheres, nb_ok):
+        """cp.async each warp's weights and group scales of unit u into `slot`."""
         warp, lane = tid // WARP, tid % WARP
         lpb = self.fmt.loads_per_block
         for i in cutlass.range_constexpr(self.nbw):
@@ -161,8 +185,7 @@ class Skinny:
             wheres.append((fmt.lane_base(w_base, nb, lane, k), offsets, k, s_base, nb, n_units, g))
             nb_ok.append(Int32(nb0 + i < n_blocks))
 
-        # 1-2. the ring and the main loop (after the previous kernel: PDL overlaps only the launch)
-        cute.arch.griddepcontrol_wait()
+        # 1-2. the ring and the main loop (it waits for the previous kernel: PDL)
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
         accs = self._mainloop(x.iterator.toint(), m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts)
         cute.arch.griddepcontrol_launch_dependents()
@@ -170,14 +193,18 @@ class Skinny:
         # 3. epilogue, directly or through the split-K workspace
         if split == 1:
             self._epilogue(accs, nb0, lane, n_blocks, m, s, r, y)
+        elif cutlass.const_expr(self.cluster):
+            self._cluster_k(accs, nb0, warp, lane, n_blocks, m, s, r, y, split, sy, xs)
         else:
             self._split_k(accs, nb0, lane, n_blocks, m, n, s, r, y, ws, counters, split, tile, sy, tid, xs)
 
     @cute.jit
     def _mainloop(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
         """Units [ua, ub) through the ring: (SX - 1) stages in flight, one consumed per step. Returns the
-        accumulators, per n-block of the warp and 8-token group, in the m16n8 C fragment order."""
+        accumulators, per n-block of the warp and 8-token group, in the m16n8 C fragment order. Everything
+        waits for the previous kernel (PDL overlaps only the launch)."""
         fmt, SX, NBW = self.fmt, self.stages, self.nbw
+        cute.arch.griddepcontrol_wait()
         for st in cutlass.range_constexpr(SX - 1):
             if ua + st < ub:
                 self._stage(x_base, m, k, ua + st, xs + st * self.stage_bytes, tid, wheres, nb_ok)
@@ -243,8 +270,43 @@ class Skinny:
             self._epilogue(total, nb0, lane, n_blocks, m, s, r, y)
 
     @cute.jit
-    def _epilogue(self, accs, nb0, lane, n_blocks, m, s, r, y):
-        """Fragment (n-block i, token group mt): c0, c1 = rows g, tokens 2t, 2t+1; c2, c3 = row g+8."""
+    def _cluster_k(self, accs, nb0, warp, lane, n_blocks, m, s, r, y, split, sy, xs):
+        """Cluster split-K: the tile's `split` CTAs (one cluster) publish their accumulator fragments in their own
+        shared memory; each fragment set (warp, n-block, token group) is summed over the CTAs in rank order
+        (deterministic) by one CTA (set index mod split), reading its peers' shared memory, which finishes it.
+        No workspace, counter or fence: two cluster barriers."""
+        cute.arch.sync_threads()   # every warp is done with the ring the partials overwrite
+        sets = []
+        for i in cutlass.range_constexpr(self.nbw):
+            for mt in cutlass.range_constexpr(self.m_tiles):
+                idx = (warp * self.nbw + i) * self.m_tiles + mt
+                at = xs + idx * (WARP * 16) + lane * 16
+                ptx.sts_f32x4(at, *accs[i][mt])
+                sets.append((idx, at))
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        zero = Float32(0.0)
+        total = [[(zero,) * 4 for _ in range(self.m_tiles)] for _ in range(self.nbw)]
+        mine = [[Int32(0)] * self.m_tiles for _ in range(self.nbw)]
+        for i in cutlass.range_constexpr(self.nbw):
+            for mt in cutlass.range_constexpr(self.m_tiles):
+                idx, at = sets[i * self.m_tiles + mt]
+                own = idx % split == sy
+                mine[i][mt] = Int32(own)
+                acc = (zero,) * 4
+                if own:
+                    for q in cutlass.range(split, unroll=1):
+                        v = ptx.ld_cluster_f32x4(ptx.mapa(at, q))
+                        acc = tuple(a + b for a, b in zip(acc, v))
+                total[i][mt] = acc
+        self._epilogue(total, nb0, lane, n_blocks, m, s, r, y, mine)
+        cute.arch.cluster_arrive()   # peers may still read this CTA's partials
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def _epilogue(self, accs, nb0, lane, n_blocks, m, s, r, y, mine=None):
+        """Fragment (n-block i, token group mt): c0, c1 = rows g, tokens 2t, 2t+1; c2, c3 = row g+8. `mine`
+        (cluster split-K): per (n-block, token group), whether this CTA stores that fragment set."""
         g, t = lane // 4, lane % 4
         y_base = y.iterator.toint()
         ldy = y.shape[1]
@@ -262,7 +324,10 @@ class Skinny:
                 for q in cutlass.range_constexpr(4):
                     tok = mt * TOKENS + 2 * t + q % 2
                     col = self.epi.out_col(row0 + (q // 2) * layouts.MMA_N)
-                    if self.epi.owner(nb < n_blocks, g) & (tok < m):
+                    keep = self.epi.owner(nb < n_blocks, g) & (tok < m)
+                    if cutlass.const_expr(mine is not None):
+                        keep = keep & (mine[i][mt] != 0)
+                    if keep:
                         sums = (v[q],) if cutlass.const_expr(others is None) else (v[q], others[q])
                         val = self.epi.finish(sums, lambda: ptx.ldg_bf16_to_f32(
                             r.iterator.toint() + (Int64(tok) * ldy + col) * 2))
@@ -271,12 +336,15 @@ class Skinny:
 
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                    warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0,
-                   mma: str = "sync", overlap: bool = False, chains: int = 0):
+                   mma: str = "sync", overlap: bool = False, chains: int = 0, weights: str = "ring",
+                   prefetch: int = 0, reduce: str = "global"):
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
     are registry parameters with one value per `mma`: "sync" (this kernel) or "wgmma" (the tuning space's
     decode/skinny_wgmma.py, INT4; `overlap` is its option). `chains`: the mma.sync kernel's accumulation chains
-    per token group (0: stream.mma_unit's default)."""
+    per token group (0: stream.mma_unit's default). `weights`: "ring" (this kernel: through the shared-memory ring) or
+    "regs" (decode/skinny_regs.py, mma.sync: streamed into registers in batches of `prefetch` units). `reduce`: how
+    split-K CTAs combine (REDUCES; "cluster": mma.sync only, at most decode.plan.CLUSTER_MAX CTAs per tile)."""
     from .signature import fake_args, fake_split_args
 
     if mma == "wgmma":
@@ -289,12 +357,22 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
         shape = (WARPS, NB_PER_WARP)
     else:
         raise ValueError(f"mma must be 'sync' or 'wgmma', got {mma!r}")
+    if weights == "regs" and (warps, nb_per_warp) == (2 * WARPS, NB_PER_WARP // 2):
+        shape = (warps, nb_per_warp)   # the same 128-channel tile, one n-block per warp
     if (warps, nb_per_warp) != shape:
         raise ValueError(f"the {mma} skinny kernel runs {shape[0]} warps of {shape[1]} n-blocks, "
                          f"got warps={warps}, nb_per_warp={nb_per_warp}")
+    if reduce == "cluster" and mma != "sync":
+        raise ValueError("the cluster split-K is the mma.sync kernels'")
+    if weights not in ("ring", "regs") or (weights == "regs" and mma != "sync"):
+        raise ValueError(f"weights must be 'ring' or 'regs' (mma.sync only), got {weights!r} with mma={mma!r}")
     if mma == "wgmma":
         op = wg.SkinnyWgmma(group_size, epilogue, m_tiles, stages, overlap)
+    elif weights == "regs":
+        from .skinny_regs import SkinnyRegs
+
+        op = SkinnyRegs(fmt, group_size, epilogue, m_tiles, stages, warps, nb_per_warp, prefetch, chains, reduce)
     else:
-        op = Skinny(fmt, group_size, epilogue, m_tiles, stages, chains=chains)
+        op = Skinny(fmt, group_size, epilogue, m_tiles, stages, chains=chains, reduce=reduce)
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)
     return op, (x, w, s, r, y, *fake_split_args(), Int32(1), stream_)

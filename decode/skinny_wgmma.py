@@ -56,6 +56,7 @@ class SkinnyWgmma(Skinny):
 
     @cute.jit
     def _mainloop(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
+        cute.arch.griddepcontrol_wait()
         lag = 1 if self.overlap else 0
         self._prologue(x_base, m, k, ua, ub, xs, tid, wheres, nb_ok, lag)
         zero = Float32(0.0)

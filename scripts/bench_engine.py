@@ -147,8 +147,9 @@ def main(argv=None) -> int:
                    "up to M rows; ^1: never; ^Mr: for the residual projections too), #S (the M = 1 warps by the "
                    "fill rule with S warp slots per SM; #S>K: for K above K only), +nb (n-blocks per CTA by "
                    "decode.plan.tile_nblocks), -rnb (2..8 rows on the multi-token tile GEMV only on small grids: "
-                   "rule P12 instead of P13), %%C (P13 with at most C n-blocks per CTA) and a final ~R (its 8 warps "
-                   "from R rows), e.g. '/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3': also "
+                   "rule P12 instead of P13), %%C (P13 with at most C n-blocks per CTA), ~R (its 8 warps "
+                   "from R rows) and a final $V (skinny variant V where the router picks the skinny kernel), e.g. "
+                   "'/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3', '$rw': also "
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
     p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
     p.add_argument("--out", default=None, help="JSON results")
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
         tuning_space.register()
 
         def route(spec: str) -> None:
+            spec, _, skinny = spec.partition("$")
             rows_nblocks = "-rnb" not in spec
             spec, _, most = spec.replace("-rnb", "").partition("%")
             rows_nblocks = int(most) if most else rows_nblocks
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
                                     long_k if colon else None, int(max_m) if max_m else None,
                                     plan.EPILOGUES if residual else None, int(fill) if fill else None,
                                     nblocks, int(fill_min_k or 0), rows_nblocks,
-                                    int(rows_w8) if rows_w8 else None)
+                                    int(rows_w8) if rows_w8 else None, skinny)
     cfg = config_for(a.shape, a.layers)
     points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
     wfs, cfs = a.weights.split(","), a.cache.split(",")

@@ -50,7 +50,8 @@ def test_m1_gemv_has_balanced_tiles():
 def test_routing_rule_follows_the_measurements():
     """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192 and for
     grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV (the
-    multi-token tile GEMV for store/SwiGLU projections whose grid fits one wave, P12/P13), INT4 9..32 -> skinny;
+    multi-token tile GEMV for store/SwiGLU projections whose grid fits one wave, P12/P13), INT4 9..32 -> skinny (g128:
+    its register-weights form, P15);
     BF16/E4M3 up to 16 -> persistent GEMV where the rows fit."""
     # the down projections (K > 8192): 8 warps; beyond K = 16384 (70B) batches of 3 units (P2, P3)
     for layer, want in (("layer-70b", {"qkv": "", "o": "", "gate_up": "", "down": ".w8.p3"}),):
@@ -65,8 +66,12 @@ def test_routing_rule_follows_the_measurements():
         if proj == "down":   # the fused-norm kernels keep batches of 2
             assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == "decode.gemv.int4.m1.store.w8.norm"
         assert plan.choose("int4", 64, "store", 1, n, k).kind == "gemv"  # no tile variant for group 64
-        for m in (9, 16, 17, 32):
-            assert plan.choose("int4", 128, "store", m, n, k).kind == "skinny"
+        for m in (9, 16, 17, 32):   # P15: the register-weights skinny kernel, batches of 2 units up to 16 rows
+            c = plan.choose("int4", 128, "store", m, n, k)
+            assert c.kind == "skinny" and c.key == f"decode.skinny.int4.m{16 if m <= 16 else 32}.store." + \
+                ("rw" if m <= 16 else "rw1"), c
+            assert plan.choose("int4", 64, "store", m, n, k).key == f"decode.skinny.int4g64.m{16 if m <= 16 else 32}.store"
+            assert plan.choose("int4", 128, "store", m, n, k, kernel="skinny").key == c.key.rsplit(".", 1)[0]
         for fmt in ("bf16", "e4m3"):
             assert plan.choose(fmt, 128, "store", 1, n, k).kind == "gemv"
             assert plan.choose(fmt, 128, "store", 32, n, k).kind == "skinny"
@@ -94,6 +99,16 @@ def test_routing_rule_follows_the_measurements():
         assert plan.choose("int4", 128, "store", 2, n, k).key == "decode.tile.int4.m8.store.w8"
     finally:
         plan.route_tile_variant("")
+    # the cluster split-K variants: at most CLUSTER_MAX CTAs per tile (a portable cluster)
+    assert plan.choose("int4", 128, "store", 16, 2048, 14336, kernel="skinny", variant="rw").split == 16
+    assert plan.choose("int4", 128, "store", 16, 2048, 14336, kernel="skinny", variant="rwc").split == plan.CLUSTER_MAX
+    with pytest.raises(ValueError, match="cluster split-K"):
+        plan.choose("int4", 128, "store", 16, 2048, 4096, kernel="skinny", variant="rw1c", split=9)
+    plan.route_tile_variant("", skinny="")   # the ring kernel where the router picks the skinny kernel
+    try:
+        assert plan.choose("int4", 128, "store", 16, n, k).key == "decode.skinny.int4.m16.store"
+    finally:
+        plan.route_tile_variant("")
     plan.route_tile_variant("", max_m=1)
     try:
         assert plan.choose("int4", 128, "store", 8, n, k).kind == "gemv"
@@ -115,11 +130,11 @@ def test_routing_rule_follows_the_measurements():
     assert plan.choose("int4", 128, "residual", 2, n, k, kernel="tile", warps=4).key == "decode.tile.int4.m8.residual"
     with pytest.raises(ValueError, match="M <= 8"):
         plan.choose("int4", 128, "store", 9, n, k, kernel="tile")
-    for bad in (dict(max_m=9), dict(multi_epilogues=("gelu",)), dict(fill=3), dict(rows_w8=1)):
+    for bad in (dict(max_m=9), dict(multi_epilogues=("gelu",)), dict(fill=3), dict(rows_w8=1), dict(skinny="rw9")):
         with pytest.raises(ValueError):
             plan.route_tile_variant("p3", **bad)
         assert plan.tile_route() == ("", plan.TILE_SMALL_GRID_CTAS, None, plan.TILE_LONG_K_VARIANT, plan.TILE_MAX_M,
-                                     plan.TILE_MULTI_EPILOGUES, 0, False, 0, True, plan.TILE_ROWS_W8), \
+                                     plan.TILE_MULTI_EPILOGUES, 0, False, 0, True, plan.TILE_ROWS_W8, None), \
             "a rejected route left state behind"
     with pytest.raises(ValueError, match="exceed shared memory"):
         plan.choose("int4", 128, "store", 8, n, 14336, kernel="tile")
@@ -143,7 +158,7 @@ GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344, 65536)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
 
 
-TUNING_COUNT = 255
+TUNING_COUNT = 285
 
 
 def _router_keys() -> set[str]:
@@ -386,6 +401,8 @@ def test_prefetch_is_not_waited_for_where_it_is_issued(tmp_path, key, waits):
                                         ("decode.gemv.e4m3.m8.residual", ("HMMA", "HMUL2.BF16", "LDGSTS")),
                                         ("decode.gemv.int4.m16.swiglu", ("HMMA", "LDSM", "BAR.SYNC")),
                                         ("decode.skinny.int4.m32.swiglu", ("HMMA", "LDGSTS", "LDSM", "SHFL")),
+                                        ("decode.skinny.int4.m16.swiglu.rw", ("HMMA", "LDGSTS", "LDSM", "LDG.E.NA.LTC256B.128")),
+                                        ("decode.skinny.int4.m32.residual.rw1", ("HMMA", "LDGSTS", "LDSM", "LDG.E.NA.LTC256B.128")),
                                         ("decode.skinny.bf16.m16.store", ("HMMA", "LDGSTS", "LDS.128"))])
 def test_variant_sass(tmp_path, key, expect):
     ops = _ops(_sass(key, tmp_path))
@@ -508,7 +525,7 @@ def test_rows_nblocks_rule():
         assert plan.choose("int4", 128, "swiglu", 8, *gate_up).key == "decode.tile.int4.m8.swiglu.w8.nb8"
         with pytest.raises(ValueError, match="rows_nblocks"):
             plan.route_tile_variant("", rows_nblocks=7)
-        assert plan.tile_route()[-2] == 8, "a rejected route left state behind"
+        assert plan.tile_route()[-3] == 8, "a rejected route left state behind"
     finally:
         plan.route_tile_variant("")
     plan.route_tile_variant("", rows_w8=3)

@@ -460,6 +460,29 @@ def test_skinny_ring_variants(variant, epilogue):
             _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} {epilogue}")
 
 
+# the register-weights skinny kernel: the 8B down shape (split K), a partial last 128-channel tile (N/16 = 131) with
+# 17 units (odd batches), the 8B QKV shape
+RW_CASES = [(4096, 14336), (2096, 2176), (6144, 4096)]
+
+
+@pytest.mark.parametrize("variant", ["rw", "rw1", "rw4", "rwc", "rw1c"])
+@pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
+@pytest.mark.parametrize("n,k", RW_CASES, ids=[f"{c[0]}x{c[1]}" for c in RW_CASES])
+def test_skinny_register_weights(n, k, epilogue, variant):
+    """The skinny kernel with the weights streamed into registers (variants "rw", "rw1", "rw4"; "rwc", "rw1c" with the
+    cluster split-K) at odd M in both token buckets and several splits: the same units, MMAs and order (and split
+    partials summed in split order) as the ring skinny kernel, so bitwise its output, and close to the float64
+    reference."""
+    stored, w_ref = _weights("int4", n, k, 128, n + k)
+    for m, split in ((2, 1), (3, 3), (9, 2), (16, 5), (17, 1), (31, 7), (32, 4)):
+        x, r = _inputs(m, k, n, m + n)
+        y = _run("int4", stored, x, 128, epilogue, r, kernel="skinny", variant=variant, split=split)
+        base = _run("int4", stored, x, 128, epilogue, r, kernel="skinny", split=split)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} split {split} {epilogue}")
+        assert torch.equal(y, base), f"skinny {variant} M={m} {n}x{k} split {split} {epilogue}: not bitwise the ring's"
+
+
 # the wgmma skinny kernel: the 8B down shape (split K), a partial last 128-channel tile (N/16 = 131), group 64
 # with K = 576 (9 units: uneven splits) and the 8B QKV shape
 WG_CASES = [(4096, 14336, 128), (2096, 4096, 128), (576, 576, 64), (1536, 576, 64), (6144, 4096, 128)]

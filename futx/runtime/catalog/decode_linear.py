@@ -12,7 +12,7 @@ from futx.runtime.registry import KernelSpec
 
 _SOURCES = tuple(f"decode/{f}.py" for f in ("__init__", "plan", "gemv_layout", "ptx", "dequant", "stream",
                                              "epilogue", "signature", "gemv", "gemv_tile", "skinny",
-                                             "skinny_wgmma", "split_arrival")) + (
+                                             "skinny_wgmma", "skinny_regs", "split_arrival")) + (
     "futx/quant/layouts.py",)
 # weight formats (format, INT4 group size) with compiled variants
 FORMATS = (("int4", 128), ("int4", 64), ("e4m3", 128), ("bf16", 128))
@@ -52,7 +52,8 @@ def skinny_spec(fmt, group, epilogue, m, variant=""):
 TILE_WARPS = (plan.TILE_WARPS_SMALL_K, plan.TILE_WARPS_LARGE_K)
 # what plan.choose(kernel="auto") can return (tests/test_decode_linear.py checks both directions on a shape grid)
 SPECS = [gemv_spec(f, g, e, m) for f, g in FORMATS for e in plan.EPILOGUES for m in plan.gemv_buckets(f)]
-SPECS += [skinny_spec(f, g, e, m) for f, g in FORMATS for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]
+SPECS += [skinny_spec(f, g, e, m, plan.skinny_variant(f, g, m)) for f, g in FORMATS for e in plan.EPILOGUES
+          for m in plan.SKINNY_M_TILES]
 SPECS += [tile_spec(f, g, e, w) for f, g in plan.TILE_FORMATS for e in plan.EPILOGUES for w in TILE_WARPS]
 SPECS += [tile_spec(f, g, e, w, norm=True) for f, g in plan.TILE_FORMATS for e in plan.NORM_EPILOGUES
           for w in TILE_WARPS]
