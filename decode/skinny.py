@@ -91,15 +91,16 @@ class Skinny:
 
     @cute.jit
     def _stage(self, x_base: Int64, m, k, u, slot: Int32, tid, wheres, nb_ok):
-        """cp.async unit u into one ring slot: every token row of x (rows past M repeat row M - 1: finite
-        values in MMA columns that are never stored), each warp's weights (every lane its own 16-byte
-        pieces, read back by the same lane) and group scales."""
+        """cp.async unit u into one ring slot: the activation tile (`_stage_x`), each warp's weights (every lane
+        its own 16-byte pieces, read back by the same lane) and group scales."""
         self._stage_x(x_base, m, k, u, slot, tid)
         self._stage_w(k, u, slot, tid, wheres, nb_ok)
 
     @cute.jit
     def _stage_x(self, x_base: Int64, m, k, u, slot: Int32, tid):
-        """cp.async unit u's activation tile (every token row; rows past M repeat row M - 1) into `slot`."""
+        """cp.async unit u's activation tile into `slot`: the M token rows, then zeros up to the token bucket (the
+        MMA columns past M are never stored). Zero-filled, not copies of row M - 1: every CTA reads the same tile at
+        about the same time, and copies made row M - 1's L2 sectors take up to 8x the requests of the others."""
         chunks = self.unit_k * 2 // LANE_BYTES
         threads = WARP * self.warps
         for c in cutlass.range_constexpr((self.m_tiles * TOKENS * chunks + threads - 1) // threads):
@@ -107,7 +108,8 @@ class Skinny:
             row, ch = idx // chunks, idx % chunks
             if idx < self.m_tiles * TOKENS * chunks:
                 src = x_base + (Int64(cutlass.min(row, m - 1)) * k + u * self.unit_k) * 2 + ch * LANE_BYTES
-                ptx.cp_async_16(slot + self._x_chunk(row, ch), src)
+                real = cutlass.select_(row < m, Int32(LANE_BYTES), Int32(0))   # bytes read; the rest zero-filled
+                ptx.cp_async_16_zfill(slot + self._x_chunk(row, ch), src, real)
 
     @cute.jit
     def _stage_w(self, k, u, slot: Int32, tid, wheres, nb_ok):

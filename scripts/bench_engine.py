@@ -171,7 +171,8 @@ def main(argv=None) -> int:
         tuning_space.register()
 
         def route(spec: str) -> None:
-            spec, _, skinny = spec.partition("$")
+            spec, dollar, skinny = spec.partition("$")
+            skinny = skinny if dollar else None   # no $V: the shipped skinny rule
             rows_nblocks = "-rnb" not in spec
             spec, _, most = spec.replace("-rnb", "").partition("%")
             rows_nblocks = int(most) if most else rows_nblocks
