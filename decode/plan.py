@@ -114,7 +114,7 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
 CLUSTER_MAX = 8   # CTAs per tile of the cluster split-K ("reduce": "cluster"): the portable cluster size
 # the register-weights skinny kernel (decode/skinny_regs.py: "rw" batches of 2 units, "rw1" of 1, 8 warps of one
 # n-block; "rw4": 4 warps of two n-blocks, 1 unit) is what the router runs for INT4 g128 (routing rule P15), by token
-# bucket: batches of 2 units at M <= 16 (121 registers, 2 CTAs per SM); of 1 at M <= 32, where 2 units take 148
+# bucket: batches of 2 units at M <= 16 (~120 registers, 2 CTAs per SM); of 1 at M <= 32, where 2 units take 148
 # registers and leave one CTA per SM
 SKINNY_ROUTED_VARIANTS = {16: "rw", 32: "rw1"}
 MIN_UNITS = 4
@@ -240,8 +240,8 @@ def route_tile_variant(variant: str, small_grid: Optional[float] = None, split: 
     `tile_rows_nblocks` (`rows_nblocks`, the shipped P13; an int: at most that many n-blocks per CTA; False: small
     grids only, the P12 rule), with 8 warps from
     `rows_w8` rows (None: TILE_ROWS_W8), and the SKINNY_VARIANTS entry `skinny` for INT4 g128 where the router
-    picks the skinny kernel (None: `skinny_variant`, the shipped P15; "": the ring kernel). Benchmarks only: a tuning variant must be registered
-    (scripts/tuning_space.py); ("",) restores the shipped rule."""
+    picks the skinny kernel (None: `skinny_variant`, the shipped P15; "": the ring kernel). Benchmarks only: a
+    tuning variant must be registered (scripts/tuning_space.py); ("",) restores the shipped rule."""
     global TILE_ROUTED, TILE_SMALL_GRID, TILE_SPLIT, TILE_LONG_K_ROUTED, TILE_MAX_M_ROUTED, TILE_MULTI_ROUTED
     global TILE_FILL_ROUTED, TILE_NBLOCKS_ROUTED, TILE_FILL_MIN_K_ROUTED, TILE_ROWS_NBLOCKS_ROUTED
     global TILE_ROWS_W8_ROUTED, SKINNY_ROUTED

@@ -6,10 +6,12 @@ makes the ring ~100 KB per CTA (two CTAs, 8 warps per SM) and adds a shared-memo
 run 7 measured it bound by the dependency chains of those 2 warps per scheduler. Here, as in the tile GEMV,
 each warp requests the next batch of `prefetch` units of its n-blocks' weights (and group scales) into
 registers before it consumes the current one, so the weight bytes in flight live in registers; the ring
-holds only the activation tiles, a batch per stage (M = 32: 17 KB, M = 16: 9 KB), so more CTAs fit per SM,
-and the CTA meets at one barrier per batch instead of per unit. The first batch of weights is requested
-before the PDL wait (weights never depend on the previous kernel). Same tiles (4 warps x 2 n-blocks),
-split-K, MMAs per unit and epilogues as the skinny kernel, so the outputs are bitwise its outputs.
+holds only the activation tiles, a batch per stage (9 KB per unit at M = 32, 4 KB at M = 16), and the CTA
+meets at one barrier per batch instead of per unit. The first batch of weights is requested before the PDL
+wait (weights never depend on the previous kernel). The same 128-channel tiles (routed: 8 warps of one
+n-block; `rw4`: 4 warps of two), split-K, MMAs per unit and epilogues as the skinny kernel, so the outputs are
+bitwise its outputs. Routed for INT4 g128 at 9..32 rows (decode.plan.SKINNY_ROUTED_VARIANTS, docs/routing.md
+P15); at M = 16 it is issue-bound on the INT4 expansion (docs/results-decode-linear.md run 21).
 """
 
 from __future__ import annotations
