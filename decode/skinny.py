@@ -359,15 +359,15 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
         shape = (WARPS, NB_PER_WARP)
     else:
         raise ValueError(f"mma must be 'sync' or 'wgmma', got {mma!r}")
+    if weights not in ("ring", "regs") or (weights == "regs" and mma != "sync"):
+        raise ValueError(f"weights must be 'ring' or 'regs' (mma.sync only), got {weights!r} with mma={mma!r}")
+    if reduce == "cluster" and mma != "sync":
+        raise ValueError("the cluster split-K is the mma.sync kernels'")
     if weights == "regs" and (warps, nb_per_warp) == (2 * WARPS, NB_PER_WARP // 2):
         shape = (warps, nb_per_warp)   # the same 128-channel tile, one n-block per warp
     if (warps, nb_per_warp) != shape:
         raise ValueError(f"the {mma} skinny kernel runs {shape[0]} warps of {shape[1]} n-blocks, "
                          f"got warps={warps}, nb_per_warp={nb_per_warp}")
-    if reduce == "cluster" and mma != "sync":
-        raise ValueError("the cluster split-K is the mma.sync kernels'")
-    if weights not in ("ring", "regs") or (weights == "regs" and mma != "sync"):
-        raise ValueError(f"weights must be 'ring' or 'regs' (mma.sync only), got {weights!r} with mma={mma!r}")
     if mma == "wgmma":
         op = wg.SkinnyWgmma(group_size, epilogue, m_tiles, stages, overlap)
     elif weights == "regs":

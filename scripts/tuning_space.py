@@ -75,8 +75,8 @@ def linear_specs() -> list[KernelSpec]:
     specs += linear_catalog.multi_token_tile_specs(routed=False)
     specs += linear_catalog.fill_tile_specs()
     specs += linear_catalog.nblocks_tile_specs()
-    specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for m in plan.SKINNY_M_TILES for v in plan.SKINNY_VARIANTS
-              if v != plan.skinny_variant("int4", 128, m) for e in plan.EPILOGUES]
+    specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for m in plan.SKINNY_M_TILES
+              for v in plan.SKINNY_VARIANTS if v != plan.skinny_variant("int4", 128, m) for e in plan.EPILOGUES]
     specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo") for e in plan.EPILOGUES
               for m in plan.SKINNY_M_TILES]
     return specs
