@@ -100,8 +100,10 @@ CTAS_PER_SM = 2
 # tuning space of the skinny kernel (INT4): a shorter ring so that more CTAs (warps) fit per SM, the split
 # then filling that many CTA slots per SM ("ctas_per_sm" only steers the host's split choice)
 # "wg": the same tiles on warpgroup MMA (decode/skinny_wgmma.py, INT4 only; measured slower, docs/routing.md P8);
-# "wgo": its MMAs overlapped with the next unit's dequantization; "c2": two accumulation chains per token group (its
-# top stall at M = 32 is the fixed-latency MMA dependency, results-decode-linear.md run 7)
+# "wgo": its MMAs overlapped with the next unit's dequantization; "rwg", "rwgo": warpgroup MMA with the weights streamed
+# into registers in batches of 2 units (decode/skinny_wgmma.py SkinnyRegsWgmma; "rwgo": the second unit dequantized
+# while the first one's MMAs run); "c2": two accumulation chains per
+# token group (its top stall at M = 32 is the fixed-latency MMA dependency, results-decode-linear.md run 7)
 SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages": 4, "ctas_per_sm": 3},
                    "wg": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1},
                    "wgo": {"mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True},
@@ -110,7 +112,10 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
                    "rw1": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "prefetch": 1},
                    "rw4": {"weights": "regs", "prefetch": 1, "ctas_per_sm": 3},
                    "rwc": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "reduce": "cluster"},
-                   "rw1c": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "prefetch": 1, "reduce": "cluster"}}
+                   "rw1c": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "prefetch": 1, "reduce": "cluster"},
+                   "rwg": {"weights": "regs", "mma": "wgmma", "warps": 8, "nb_per_warp": 1},
+                   "rwgo": {"weights": "regs", "mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True,
+                            "ctas_per_sm": 1}}
 CLUSTER_MAX = 8   # CTAs per tile of the cluster split-K ("reduce": "cluster"): the portable cluster size
 # the register-weights skinny kernel (decode/skinny_regs.py: "rw" batches of 2 units, "rw1" of 1, 8 warps of one
 # n-block; "rw4": 4 warps of two n-blocks, 1 unit) is what the router runs for INT4 g128 (routing rule P15), by token

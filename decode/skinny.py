@@ -345,7 +345,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     are registry parameters with one value per `mma`: "sync" (this kernel) or "wgmma" (the tuning space's
     decode/skinny_wgmma.py, INT4; `overlap` is its option). `chains`: the mma.sync kernel's accumulation chains
     per token group (0: stream.mma_unit's default). `weights`: "ring" (this kernel: through the shared-memory ring) or
-    "regs" (decode/skinny_regs.py, mma.sync: streamed into registers in batches of `prefetch` units). `reduce`: how
+    "regs" (streamed into registers in batches of `prefetch` units: decode/skinny_regs.py, or with "wgmma"
+    skinny_wgmma.SkinnyRegsWgmma). `reduce`: how
     split-K CTAs combine (REDUCES; "cluster": mma.sync only, at most decode.plan.CLUSTER_MAX CTAs per tile)."""
     from .signature import fake_args, fake_split_args
 
@@ -359,8 +360,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
         shape = (WARPS, NB_PER_WARP)
     else:
         raise ValueError(f"mma must be 'sync' or 'wgmma', got {mma!r}")
-    if weights not in ("ring", "regs") or (weights == "regs" and mma != "sync"):
-        raise ValueError(f"weights must be 'ring' or 'regs' (mma.sync only), got {weights!r} with mma={mma!r}")
+    if weights not in ("ring", "regs"):
+        raise ValueError(f"weights must be 'ring' or 'regs', got {weights!r}")
     if reduce == "cluster" and mma != "sync":
         raise ValueError("the cluster split-K is the mma.sync kernels'")
     if weights == "regs" and (warps, nb_per_warp) == (2 * WARPS, NB_PER_WARP // 2):
@@ -368,7 +369,9 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     if (warps, nb_per_warp) != shape:
         raise ValueError(f"the {mma} skinny kernel runs {shape[0]} warps of {shape[1]} n-blocks, "
                          f"got warps={warps}, nb_per_warp={nb_per_warp}")
-    if mma == "wgmma":
+    if mma == "wgmma" and weights == "regs":
+        op = wg.SkinnyRegsWgmma(group_size, epilogue, m_tiles, stages, prefetch, overlap)
+    elif mma == "wgmma":
         op = wg.SkinnyWgmma(group_size, epilogue, m_tiles, stages, overlap)
     elif weights == "regs":
         from .skinny_regs import SkinnyRegs

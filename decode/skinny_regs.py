@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from . import stream
+from . import ptx, stream
 from .skinny import Skinny
 
 DEFAULT_PREFETCH = 2   # units per batch
@@ -28,6 +28,7 @@ DEFAULT_STAGES = 3     # activation batches in the ring (two in flight while one
 
 
 class SkinnyRegs(Skinny):
+    tensor_cores_read_ring = False   # the ring's activation tiles are read by wgmma (async proxy): fence the copies
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                  stages: int = 0, warps: int = 4, nb_per_warp: int = 2, prefetch: int = 0, chains: int = 0,
                  reduce: str = "global"):
@@ -62,27 +63,42 @@ class SkinnyRegs(Skinny):
         return tuple(out)
 
     @cute.jit
+    def _prologue(self, x_base, m, k, ua, ub, xs, tid, wheres, nb_ok):
+        """Request the first batch's weights (before the PDL wait: weights never depend on the previous kernel), then
+        the activations of the ring's first stages - 1 batches. Returns the first batch's registers."""
+        cur = self._load_batch(ua, ub, wheres, nb_ok)
+        cute.arch.griddepcontrol_wait()
+        for st in cutlass.range_constexpr(self.stages - 1):
+            self._stage_batch(x_base, m, k, ua + st * self.prefetch, ub, xs + st * self.stage_bytes, tid)
+            cute.arch.cp_async_commit_group()
+        return cur
+
+    @cute.jit
+    def _advance(self, x_base, m, k, it, ua, ub, xs, tid, wheres, nb_ok):
+        """Head of batch `it`: wait for its activations and meet at the barrier (batch it - 1's slot is then free),
+        request the activations of batch it + stages - 1 and the weights of batch it + 1. Returns (batch it + 1's
+        registers, batch it's slot)."""
+        SX, P = self.stages, self.prefetch
+        u0 = ua + it * P
+        cute.arch.cp_async_wait_group(SX - 2)
+        if cutlass.const_expr(self.tensor_cores_read_ring):
+            ptx.fence_proxy_async_shared()   # this thread's copies, visible to the tensor cores' reads
+        cute.arch.sync_threads()
+        self._stage_batch(x_base, m, k, u0 + (SX - 1) * P, ub, xs + ((it + SX - 1) % SX) * self.stage_bytes, tid)
+        cute.arch.cp_async_commit_group()
+        return self._load_batch(u0 + P, ub, wheres, nb_ok), xs + (it % SX) * self.stage_bytes
+
+    @cute.jit
     def _mainloop(self, x_base, m, k, ua, ub, xs, tid, warp, lane, wheres, nb_ok, consts):
         """Units [ua, ub) in batches: the weights of batch b + 1 requested into registers and the activations of
         batch b + stages - 1 into the ring before batch b is consumed."""
-        fmt, SX, P, NBW = self.fmt, self.stages, self.prefetch, self.nbw
-        cur = self._load_batch(ua, ub, wheres, nb_ok)
-        cute.arch.griddepcontrol_wait()
-        n_batches = (ub - ua + P - 1) // P
-        for st in cutlass.range_constexpr(SX - 1):
-            self._stage_batch(x_base, m, k, ua + st * P, ub, xs + st * self.stage_bytes, tid)
-            cute.arch.cp_async_commit_group()
+        fmt, P, NBW = self.fmt, self.prefetch, self.nbw
+        cur = self._prologue(x_base, m, k, ua, ub, xs, tid, wheres, nb_ok)
         xs_lane = fmt.x_lane_offset(lane, self.row_bytes)
         accs = [[(Float32(0.0),) * 4 for _ in range(self.m_tiles)] for _ in range(NBW)]
-        for it in cutlass.range(n_batches, unroll=1):
+        for it in cutlass.range((ub - ua + P - 1) // P, unroll=1):
             u0 = ua + it * P
-            cute.arch.cp_async_wait_group(SX - 2)
-            cute.arch.sync_threads()  # batch it visible to all; batch it - 1's slot consumed by all
-            self._stage_batch(x_base, m, k, u0 + (SX - 1) * P, ub, xs + ((it + SX - 1) % SX) * self.stage_bytes,
-                              tid)
-            cute.arch.cp_async_commit_group()
-            nxt = self._load_batch(u0 + P, ub, wheres, nb_ok)
-            slot = xs + (it % SX) * self.stage_bytes
+            nxt, slot = self._advance(x_base, m, k, it, ua, ub, xs, tid, wheres, nb_ok)
             for i in cutlass.range_constexpr(P):
                 b_ops = [self._x_frags(slot + i * self.x_bytes + xs_lane, b) for b in range(self.bpu)]
                 for j in cutlass.range_constexpr(NBW):

@@ -48,7 +48,9 @@ itself on the tile's arrival counter; the last to arrive sums the partials in sp
 call (futx/runtime/catalog/prefill.py `choose_plan`).
 
 Cluster 2x1 along M: the two CTAs compute vertically adjacent tiles that use the same weight tile, so
-each loads half of B and multicasts it to both (halves the L2->SM traffic for B).
+each loads half of B and multicasts it to both (halves the L2->SM traffic for B). Cluster 2x2 (tuning
+space, `cluster_n = 2`): the two CTAs of a cluster row also share their activation tile, each loading half
+of A's rows and multicasting it along the row (halves the L2->SM traffic for A too).
 
 The epilogue runs per consumer warpgroup on (64 x epi_n) subtiles: accumulator registers -> policy
 chain (scales, SwiGLU, residual, amax, ...) -> converted fragment -> `stmatrix` into shared memory ->
@@ -110,6 +112,7 @@ class TileConfig:
     tile_k: int = 128
     stages: int = 4
     cluster_m: int = 2
+    cluster_n: int = 1     # CTAs per cluster along N: 2 shares the A tile (A multicast)
     group_m: int = 8       # cluster-rows per raster group (L2 reuse of A)
     epi_stages: int = 2    # smem buffers per consumer warpgroup for the TMA store
     schedule: str = "coop"
@@ -117,6 +120,10 @@ class TileConfig:
     @property
     def pingpong(self) -> bool:
         return self.schedule == "pingpong"
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
 
     @property
     def split_k(self) -> bool:
@@ -130,7 +137,7 @@ class TileConfig:
 
 
 def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = "coop",
-                group_m: int = 8) -> TileConfig:
+                group_m: int = 8, cluster_n: int = 1) -> TileConfig:
     """The tile rules.
 
     - Each consumer warpgroup computes 64 x tile_n: the largest WGMMA (n=256) keeps shared-memory reads
@@ -140,6 +147,8 @@ def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = 
     - stages = as many as fit next to the epilogue buffers, at most 8: 4 for 128x256 (4 x 48 KiB),
       6 for 128x128, 5 for pingpong 64x256 (5 x 40 KiB); more stages hide more TMA latency.
     - group_m cluster rows per raster group (8: 2048 rows in coop, 1024 in pingpong).
+    - cluster cluster_m x cluster_n CTAs: the cluster_m CTAs of a column share (multicast) the weight tile,
+      the cluster_n CTAs of a row the activation tile.
     """
     if ab not in AB_DTYPES:
         raise ValueError(f"ab must be one of {sorted(AB_DTYPES)}, got {ab!r}")
@@ -147,6 +156,8 @@ def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = 
         raise ValueError(f"tile_n must be 128 or 256, got {tile_n}")
     if cluster_m not in (1, 2):
         raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
+    if cluster_n not in (1, 2):
+        raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
     if schedule not in ("coop", "pingpong", "stagger"):
         raise ValueError(f"schedule must be 'coop', 'pingpong' or 'stagger', got {schedule!r}")
     if group_m < 1:
@@ -157,7 +168,7 @@ def tile_config(ab: str, tile_n: int = 256, cluster_m: int = 2, schedule: str = 
     epi_bytes = 2 * 2 * 64 * 32 * 2            # 2 warpgroups x 2 buffers x 64x32 x <= 2 bytes
     stages = min(8, (SMEM_BYTES - epi_bytes - 4096) // stage_bytes)
     return TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, stages=stages, cluster_m=cluster_m,
-                      group_m=group_m, schedule=schedule)
+                      cluster_n=cluster_n, group_m=group_m, schedule=schedule)
 
 
 class PrefillGemm:
@@ -177,6 +188,7 @@ class PrefillGemm:
         self.producer_regs = 40
         self.consumer_regs = 232
         self.half_n = cfg.tile_n // 2        # B is loaded as two half tiles (see `producer`)
+        self.a_rows = cfg.tile_m // cfg.cluster_n   # ... and A as cluster_n parts of these rows
         self.split = epilogue.pair is not None and epilogue.pair.layout == "split"
         self.split_k = cfg.split_k
         self.out_tile_n = cfg.tile_n // epilogue.n_ratio
@@ -226,19 +238,24 @@ class PrefillGemm:
         # swizzle atoms stack along N, so a half tile is a contiguous slice of its stage).
         bh_staged = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (cfg.tile_m, self.half_n, cfg.tile_k), self.ab_dtype, 2 * cfg.stages)
-        a_smem = cute.slice_(a_staged, (None, None, 0))
+        # A likewise as cluster_n * stages parts of a_rows rows (the atoms stack along M)
+        ap_staged = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (self.a_rows, cfg.tile_n, cfg.tile_k), self.ab_dtype, cfg.cluster_n * cfg.stages)
+        ap_smem = cute.slice_(ap_staged, (None, None, 0))
         bh_smem = cute.slice_(bh_staged, (None, None, 0))
         epi_tile = (64, self.epi_n)
         d_staged = sm90_utils.make_smem_layout_epi(
             self.d_dtype, LayoutEnum.ROW_MAJOR, epi_tile, cfg.epi_stages * self.num_consumer_wg)
 
-        tma_a, gA_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (cfg.tile_m, cfg.tile_k))
-        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        mcast, plain = cpasync.CopyBulkTensorTileG2SMulticastOp(), cpasync.CopyBulkTensorTileG2SOp()
+        a_op = mcast if cfg.cluster_n > 1 else plain
+        tma_a, gA_tma = cpasync.make_tiled_tma_atom(a_op, mA, ap_smem, (self.a_rows, cfg.tile_k))
+        b_op = mcast if cfg.cluster_m > 1 else plain
         tma_b, gB_tma = cpasync.make_tiled_tma_atom(b_op, mB, bh_smem, (self.half_n, cfg.tile_k))
         tma_d, gD_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_staged, (None, None, 0)), epi_tile)
-        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + 2 * cute.size_in_bytes(self.ab_dtype, bh_smem)
+        self.tma_bytes = (cfg.cluster_n * cute.size_in_bytes(self.ab_dtype, ap_smem)
+                          + 2 * cute.size_in_bytes(self.ab_dtype, bh_smem))
 
         epi_floats = max(1, self.epi_floats())
 
@@ -256,27 +273,34 @@ class PrefillGemm:
                              f"or a narrower epilogue subtile")
         self.shared_storage = SharedStorage
 
-        # Persistent grid: at most one CTA per SM, in clusters of cluster_m along M.
-        n_cluster_m, n_tile_n = self.tile_counts(mA.shape[0], mB.shape[0])
-        units = n_cluster_m * n_tile_n
+        # Persistent grid: at most one CTA per SM, in clusters of cluster_m x cluster_n. `num_sms`: the CTAs that
+        # can run at once in such clusters (futx.hardware.cluster_slots), so that every cluster is resident.
+        n_cluster_m, n_cluster_n = self.tile_counts(mA.shape[0], mB.shape[0])
+        units = n_cluster_m * n_cluster_n
         if const_expr(self.split_k):
             units = units * split_args[2]
-        num_clusters = cutlass.min(units, num_sms // cfg.cluster_m)
+        num_clusters = cutlass.min(units, num_sms // cfg.cluster_size)
         self.kernel(
             tma_a, gA_tma, tma_b, gB_tma, tma_d, gD_tma, tuple(epi_args), tuple(split_args),
-            a_staged, b_staged, bh_staged, d_staged,
+            a_staged, ap_staged, b_staged, bh_staged, d_staged,
         ).launch(
-            grid=(cfg.cluster_m, 1, num_clusters),
+            grid=(cfg.cluster_m, cfg.cluster_n, num_clusters),
             block=(self.threads, 1, 1),
-            cluster=(cfg.cluster_m, 1, 1),
+            cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             stream=stream,
         )
 
+    def tile_cols(self, n):
+        """CTA tile columns of the problem."""
+        if self.split:
+            return (n // 2 + self.half_n - 1) // self.half_n
+        return (n + self.cfg.tile_n - 1) // self.cfg.tile_n
+
     def tile_counts(self, m, n):
-        """(cluster rows, tile columns) of the problem."""
+        """(cluster rows, cluster columns) of the problem."""
         rows = self.cfg.tile_m * self.cfg.cluster_m
-        n_tile_n = (n // 2 + self.half_n - 1) // self.half_n if self.split else (n + self.cfg.tile_n - 1) // self.cfg.tile_n
-        return (m + rows - 1) // rows, n_tile_n
+        cn = self.cfg.cluster_n
+        return (m + rows - 1) // rows, (self.tile_cols(n) + cn - 1) // cn
 
     def make_mmas(self):
         """(the CTA tile's MMA: both consumer warpgroups in coop, one in pingpong; one warpgroup's MMA
@@ -307,10 +331,10 @@ class PrefillGemm:
         return (cutlass.select_(split_tile, whole + tail, work), s, k0, (s + 1) * k_tiles // ts - k0, ts, tail)
 
     @cute.jit
-    def tile_coords(self, work: Int32, n_cluster_m: Int32, n_tile_n: Int32):
-        """Linear cluster-work index -> (cluster row, tile column), grouped raster (see module doc)."""
+    def tile_coords(self, work: Int32, n_cluster_m: Int32, n_cluster_n: Int32):
+        """Linear cluster-work index -> (cluster row, cluster column), grouped raster (see module doc)."""
         g = self.cfg.group_m
-        group_size = g * n_tile_n
+        group_size = g * n_cluster_n
         group = work // group_size
         first = group * g
         rows = cutlass.min(n_cluster_m - first, g)
@@ -325,8 +349,8 @@ class PrefillGemm:
         tma_d: cute.CopyAtom, gD_tma: cute.Tensor,
         epi_args: tuple,
         split_args: tuple,
-        a_staged: cute.ComposedLayout, b_staged: cute.ComposedLayout, bh_staged: cute.ComposedLayout,
-        d_staged: cute.ComposedLayout,
+        a_staged: cute.ComposedLayout, ap_staged: cute.ComposedLayout, b_staged: cute.ComposedLayout,
+        bh_staged: cute.ComposedLayout, d_staged: cute.ComposedLayout,
     ):
         cfg = self.cfg
         tiled_mma, wg_mma = self.make_mmas()
@@ -339,6 +363,7 @@ class PrefillGemm:
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_d)
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        rank_m, rank_n = cta_rank % cfg.cluster_m, cta_rank // cfg.cluster_m   # cluster dims (cluster_m, cluster_n)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -349,27 +374,30 @@ class PrefillGemm:
             num_stages=cfg.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                # one arrive per consumer warp of the stage's tile, from every CTA that shares the stage
-                pipeline.Agent.Thread, cfg.cluster_m * self.slabs_per_tile * 4),
+                # one arrive per consumer warp of the stage's tile, from every CTA that writes into the stage:
+                # the CTAs of its cluster column (B) and row (A), itself once
+                pipeline.Agent.Thread, (cfg.cluster_m + cfg.cluster_n - 1) * self.slabs_per_tile * 4),
             tx_count=self.tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, cfg.cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, cfg.cluster_m, cfg.cluster_n, 1)),
             defer_sync=True,
         )
-        pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_staged.outer, swizzle=a_staged.inner)
         sB = storage.sB.get_tensor(b_staged.outer, swizzle=b_staged.inner)
         sBh = storage.sB.get_tensor(bh_staged.outer, swizzle=bh_staged.inner)
+        sAp = storage.sA.get_tensor(ap_staged.outer, swizzle=ap_staged.inner)
 
         m, n = gA_tma.shape[0], gB_tma.shape[0]
-        gA = cute.local_tile(gA_tma, (cfg.tile_m, cfg.tile_k), (None, None))    # (bm, bk, m tiles, k tiles)
+        gA = cute.local_tile(gA_tma, (self.a_rows, cfg.tile_k), (None, None))  # (bm/cn, bk, m parts, k tiles)
         gBh = cute.local_tile(gB_tma, (self.half_n, cfg.tile_k), (None, None))  # (bn/2, bk, n halves, k tiles)
         k_tiles = cute.size(gA, mode=[3])
-        n_cluster_m, n_tile_n = self.tile_counts(m, n)
+        n_cluster_m, n_cluster_n = self.tile_counts(m, n)
+        cols = self.tile_cols(n)
         _, _, first_work = cute.arch.block_idx()
         _, _, work_stride = cute.arch.grid_dim()
         splits = 1
-        tiles = n_cluster_m * n_tile_n
+        tiles = n_cluster_m * n_cluster_n
         whole = tiles
         if const_expr(self.split_k):
             splits = cutlass.max(cutlass.min(split_args[2], k_tiles), 1)   # every split gets >= 1 k-tile
@@ -377,14 +405,14 @@ class PrefillGemm:
             whole = tiles // work_stride * work_stride
         num_work = whole + (tiles - whole) * splits
 
-        pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, 1))
+        pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n))
 
         if wg_idx == 0:
             # ======================= producer warpgroup =======================
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.producer(ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, whole, cta_rank,
-                              n_cluster_m, n_tile_n, num_work, first_work, work_stride, n)
+                self.producer(ab_pipe, tma_a, tma_b, sAp, sBh, gA, gBh, k_tiles, splits, whole, cta_rank,
+                              n_cluster_m, n_cluster_n, num_work, first_work, work_stride, n)
         else:
             # ======================= consumer warpgroups =======================
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -430,8 +458,9 @@ class PrefillGemm:
                     mma_turn.arrive()
             while work < num_work:
                 tile_work, split_i, k0, kn, tile_splits, split_tile = self.unit(work, splits, k_tiles, whole)
-                cm, tn = self.tile_coords(tile_work, n_cluster_m, n_tile_n)
-                tm = cm * cfg.cluster_m + cta_rank
+                cm, cn = self.tile_coords(tile_work, n_cluster_m, n_cluster_n)
+                tm = cm * cfg.cluster_m + rank_m
+                tn = cn * cfg.cluster_n + rank_n
                 slab = tm * self.slabs_per_tile + (0 if const_expr(self.pingpong) else cwg)
                 WarpgroupEpilogue.prefetch(epi, slab, tn, parity)
                 if const_expr(self.pingpong):
@@ -470,16 +499,20 @@ class PrefillGemm:
                 ab_pipe.consumer_release(release)
                 release.advance()
 
-                if const_expr(self.split_k):
-                    reduces = Int32(1)
-                    if tile_splits > 1:
-                        flag = storage.split_flag.get_tensor(cute.make_layout(4))
-                        reduces = self.exchange_partials(acc, split_args, flag, epi, split_tile * cfg.cluster_m + cta_rank,
-                                                         split_i, tile_splits, cwg, wg_tid)
-                    if reduces != 0:
+                # a cluster_n = 2 cluster's last column may lie wholly right of N: that CTA only loads and
+                # multicasts its part of A
+                if tn < cols:
+                    if const_expr(self.split_k):
+                        reduces = Int32(1)
+                        if tile_splits > 1:
+                            flag = storage.split_flag.get_tensor(cute.make_layout(4))
+                            reduces = self.exchange_partials(acc, split_args, flag, epi,
+                                                             split_tile * cfg.cluster_size + cta_rank,
+                                                             split_i, tile_splits, cwg, wg_tid)
+                        if reduces != 0:
+                            WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
+                    else:
                         WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
-                else:
-                    WarpgroupEpilogue.run_tile(epi, acc, slab, tn, parity)
                 parity = 1 - parity
                 work += my_stride
                 if const_expr(self.pingpong):     # skip the other warpgroup's tile in the ring
@@ -534,43 +567,50 @@ class PrefillGemm:
         return reduces
 
     @cute.jit
-    def producer(self, ab_pipe, tma_a, tma_b, sA, sBh, gA, gBh, k_tiles, splits, whole, cta_rank,
-                 n_cluster_m, n_tile_n, num_work, first_work, work_stride, n):
+    def producer(self, ab_pipe, tma_a, tma_b, sAp, sBh, gA, gBh, k_tiles, splits, whole, cta_rank,
+                 n_cluster_m, n_cluster_n, num_work, first_work, work_stride, n):
         """One warp: for every tile of this cluster, stream its k-tiles of A and B into the ring.
 
-        B arrives as two half tiles (rows [0, bn/2) and [bn/2, bn) of the stage). In a 2-CTA cluster
-        CTA h loads half h and multicasts it to both CTAs; alone, a CTA loads both halves. With a
-        split SwiGLU the halves come from the gate rows and the up rows (I = N/2 further down).
+        B arrives as two half tiles (rows [0, bn/2) and [bn/2, bn) of the stage). With cluster_m = 2 the
+        CTA at cluster row h loads half h and multicasts it to both CTAs of its cluster column; alone, a
+        CTA loads both halves. With a split SwiGLU the halves come from the gate rows and the up rows
+        (I = N/2 further down). A arrives as cluster_n parts of rows: with cluster_n = 2 the CTA at cluster
+        column p loads part p and multicasts it to both CTAs of its cluster row.
         """
         cfg = self.cfg
         tAsA, tAgA = cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sAp, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sBh, 0, 2), cute.group_modes(gBh, 0, 2))
-        mcast = None
+        cluster = cute.make_layout((cfg.cluster_m, cfg.cluster_n, 1))
+        rank_m, rank_n = cta_rank % cfg.cluster_m, cta_rank // cfg.cluster_m
+        b_mcast = a_mcast = None
         halves = (0, 1)
         if const_expr(cfg.cluster_m > 1):
-            cluster = cute.make_layout((cfg.cluster_m, 1, 1))
-            mcast = cute.make_layout_image_mask(cluster, cluster.get_flat_coord(cta_rank), mode=0)
+            b_mcast = cute.make_layout_image_mask(cluster, cluster.get_flat_coord(cta_rank), mode=0)
             halves = (None,)
+        if const_expr(cfg.cluster_n > 1):
+            a_mcast = cute.make_layout_image_mask(cluster, cluster.get_flat_coord(cta_rank), mode=1)
         up_offset = (n // 2) // self.half_n   # split SwiGLU: first half-tile of the up rows
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         work = first_work
         while work < num_work:
             tile_work, _, k0, kn, _, _ = self.unit(work, splits, k_tiles, whole)
-            cm, tn = self.tile_coords(tile_work, n_cluster_m, n_tile_n)
-            tAgA_t = tAgA[(None, cm * cfg.cluster_m + cta_rank, None)]
+            cm, cn = self.tile_coords(tile_work, n_cluster_m, n_cluster_n)
+            tn = cn * cfg.cluster_n + rank_n
+            tAgA_t = tAgA[(None, (cm * cfg.cluster_m + rank_m) * cfg.cluster_n + rank_n, None)]
             for kt in cutlass.range(k0, k0 + kn, unroll=1):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index * cfg.cluster_n + rank_n)],
+                          tma_bar_ptr=bar, mcast_mask=a_mcast)
                 for hc in cutlass.range_constexpr(len(halves)):
-                    h = cta_rank if const_expr(halves[hc] is None) else halves[hc]
+                    h = rank_m if const_expr(halves[hc] is None) else halves[hc]
                     src = tn * 2 + h
                     if const_expr(self.split):
                         src = tn + h * up_offset
                     cute.copy(tma_b, tBgB[(None, src, kt)], tBsB[(None, state.index * 2 + h)],
-                              tma_bar_ptr=bar, mcast_mask=mcast)
+                              tma_bar_ptr=bar, mcast_mask=b_mcast)
                 ab_pipe.producer_commit(state)
                 state.advance()
             work += work_stride
@@ -836,7 +876,7 @@ def _quad_permute_pairs(src: cute.Tensor, dst: cute.Tensor):
 
 
 def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cluster_m: int = 2,
-                   schedule: str = "coop", group_m: int = 8, extra=None):
+                   schedule: str = "coop", group_m: int = 8, extra=None, cluster_n: int = 1):
     """Factory for the futx runtime: (jit_callable, fake_args) of one variant.
 
     M, N, K are symbolic (K, N multiples of 16 elements for TMA); the caller passes
@@ -852,7 +892,7 @@ def compile_target(ab: str = "e4m3", policy: str = "bf16", tile_n: int = 256, cl
         chain = extra
     else:
         chain = resolve(policy)
-    cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m, schedule=schedule, group_m=group_m)
+    cfg = tile_config(ab, tile_n=tile_n, cluster_m=cluster_m, schedule=schedule, group_m=group_m, cluster_n=cluster_n)
     gemm = PrefillGemm(ab, chain, cfg)
     dt = AB_DTYPES[ab]
     m = cute.sym_int()

@@ -23,6 +23,7 @@ scripts/tuning_space.py and compiled on demand: JIT, or `python scripts/tuning_s
   futx-int4-r2        the persistent GEMV exactly as measured in run 2 (scales converted at the load)
   futx-int4-nofold    the persistent GEMV without the folded nibble bias
   futx-int4-skinny    the skinny kernel (the plan's choice from M = 9)
+  futx-int4-split<S>  the plan's skinny kernel with S split-K CTAs per tile instead of the rule's (1, 2, 4, 8, 16)
 and the peers: torch._weight_int4pack_mm (g128, the gpt-fast/torchao kernel), torch BF16 matmul, and
 quack's gemm_w4a16 `int4` (optional: --quack, needs quack-kernels and the DSL).
 A candidate equal to the plan's choice is not timed twice. `futx-int4-best` (per projection, the fastest
@@ -54,6 +55,7 @@ FLOOR_TBPS = 4.36
 GROUP = 128
 PROJS = ("qkv", "o", "gate_up", "down")
 EPILOGUE = {"qkv": "store", "o": "residual", "gate_up": "swiglu", "down": "residual"}
+SKINNY_SPLITS = (1, 2, 4, 8, 16)
 
 
 # ---- candidates ---------------------------------------------------------------------------------
@@ -87,8 +89,14 @@ def _int4_designs(n, k, m, proj) -> dict:
         for v in plan.SKINNY_VARIANTS:
             if v:
                 out[f"futx-int4-skinny-{v}"] = dict(kernel="skinny", variant=v)
-    return {name: kw for name, kw in out.items()
-            if plan.choose("int4", GROUP, epi, m, n, k, **kw).key != choice.key}
+        if choice.kind == "skinny":
+            for s in SKINNY_SPLITS:
+                out[f"futx-int4-split{s}"] = dict(kernel="skinny", variant=plan.skinny_variant("int4", GROUP, m),
+                                                  split=s)
+
+    def same(c):
+        return (c.key, c.split) == (choice.key, choice.split)
+    return {name: kw for name, kw in out.items() if not same(plan.choose("int4", GROUP, epi, m, n, k, **kw))}
 
 
 def futx_candidates(n, k, m, proj, gen):

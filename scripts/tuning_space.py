@@ -17,9 +17,10 @@ measurable, but are not shipped and not built by the default `futx build`:
                                               router runs its register-weights form, P15), shorter rings (more CTAs
                                               per SM), two MMA chains
     decode.skinny.int4.m16.*.{rw1,rw4}, .m32.*.{rw,rw4}   the register-weights skinny kernel the bucket does not route
-    decode.skinny.int4[g64].m{16,32}.*.{wg,wgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
+    decode.skinny.int4[g64].m{16,32}.*.{wg,wgo,rwg,rwgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
-    prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1]   prefill schedules (catalog prefill.TUNING)
+    prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1|.n256.pp.c2x2|.n256.c2x2]   prefill schedules
+                                              and clusters (catalog prefill.TUNING)
 
 Use from Python (benchmarks, GPU tests), before naming a key:
 
@@ -77,8 +78,8 @@ def linear_specs() -> list[KernelSpec]:
     specs += linear_catalog.nblocks_tile_specs()
     specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for m in plan.SKINNY_M_TILES
               for v in plan.SKINNY_VARIANTS if v != plan.skinny_variant("int4", 128, m) for e in plan.EPILOGUES]
-    specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo") for e in plan.EPILOGUES
-              for m in plan.SKINNY_M_TILES]
+    specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo", "rwg", "rwgo")
+              for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]
     return specs
 
 

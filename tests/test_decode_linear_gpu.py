@@ -488,11 +488,12 @@ def test_skinny_register_weights(n, k, epilogue, variant):
 WG_CASES = [(4096, 14336, 128), (2096, 4096, 128), (576, 576, 64), (1536, 576, 64), (6144, 4096, 128)]
 
 
-@pytest.mark.parametrize("variant", ["wg", "wgo"])
+@pytest.mark.parametrize("variant", ["wg", "wgo", "rwg", "rwgo"])
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
 @pytest.mark.parametrize("n,k,group", WG_CASES, ids=[f"{c[0]}x{c[1]}g{c[2]}" for c in WG_CASES])
 def test_skinny_wgmma(n, k, group, epilogue, variant):
-    """The skinny kernel on warpgroup MMA (variants "wg", "wgo") at odd M in both token buckets."""
+    """The skinny kernel on warpgroup MMA (variants "wg", "wgo"; "rwg", "rwgo" with the weights streamed into registers)
+    at odd M in both token buckets."""
     stored, w_ref = _weights("int4", n, k, group, n + k + group)
     for m in (2, 3, 9, 16, 17, 31, 32):
         x, r = _inputs(m, k, n, m + n)
@@ -501,7 +502,7 @@ def test_skinny_wgmma(n, k, group, epilogue, variant):
         _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} g{group} {epilogue}")
 
 
-@pytest.mark.parametrize("variant", ["wg", "wgo"])
+@pytest.mark.parametrize("variant", ["wg", "wgo", "rwg", "rwgo"])
 @pytest.mark.parametrize("split", [1, 2, 3, 7, 32])
 def test_skinny_wgmma_split_k(split, variant):
     from futx.ops import split_counters

@@ -56,7 +56,12 @@ def test_variant_names():
     assert cat.Variant.parse("n256.pp.c1").name == "n256.pp.c1"
     assert cat.kernel_key("e4m3", "scale_bf16", "n256.pp") == "prefill.gemm.e4m3.scale_bf16.n256.pp"
     assert "group_m" not in dict(cat._spec("e4m3", "scale_bf16", "n256.pp").params)  # default: key unchanged
-    for bad in ("256", "n64", "n256.xx", "n256.c4", "n256.pp.pp2", "n256.g8", "n256.g3", "n256.g16.pp"):
+    v = cat.Variant.parse("n256.pp.c2x2")
+    assert (v.cluster_m, v.cluster_n, v.cluster_size, v.name) == (2, 2, 4, "n256.pp.c2x2")
+    assert dict(cat._spec("e4m3", "scale_bf16", "n256.pp.c2x2").params)["cluster_n"] == 2
+    assert "cluster_n" not in dict(cat._spec("e4m3", "scale_bf16", "n256.pp").params)
+    for bad in ("256", "n64", "n256.xx", "n256.c4", "n256.pp.pp2", "n256.g8", "n256.g3", "n256.g16.pp",
+                "n256.c2x1", "n256.c2x4", "n256.cx2"):
         with pytest.raises(ValueError, match="bad prefill variant"):
             cat.Variant.parse(bad)
 
@@ -383,6 +388,25 @@ def test_sass_of_fused_fp8_swiglu(tmp_path):
     assert count("MUFU.EX2") >= 64 and count("MUFU.RCP") >= 64   # SiLU via ex2 + rcp
     assert count("UTMALDG.2D.MULTICAST") == 1 and count("UTMASTG") == 4
     assert count("USETMAXREG") == 2                              # producer down, consumers up
+
+
+@pytest.mark.slow
+def test_sass_of_2x2_cluster(tmp_path):
+    """The 2x2-cluster pingpong kernel multicasts both operands (one TMA load each of A and B per k-tile)."""
+    pytest.importorskip("cutlass")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        import cutlass.cute as cute
+        from futx import mainloop
+        fn, args = mainloop.compile_target(ab="e4m3", policy="scale_bf16", schedule="pingpong", cluster_n=2)
+        cute.compile(fn, *args, options="--enable-tvm-ffi")
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=900, capture_output=True)
+    sass = "\n".join(p.read_text() for p in tmp_path.glob("*.sass"))
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    assert sum(op == "UTMALDG.2D.MULTICAST" for op in ops) == 2 and "UTMALDG.2D" not in ops
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)
 
 
 @pytest.mark.slow

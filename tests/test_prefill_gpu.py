@@ -239,6 +239,9 @@ MANY = [("e4m3", "scale_bf16", "n256"), ("e4m3", "scale_bf16", "n256.pp"), ("bf1
         ("e4m3", "scale_rho_swiglu_fp8", "n256.pp"), ("bf16", "rho_swiglu_bf16", "n128"),
         # the raster / cluster experiments (18 pingpong cluster rows: one group of 16 + a group of 2)
         ("e4m3", "scale_bf16", "n256.pp.g16"), ("e4m3", "scale_bf16", "n256.pp.c1"),
+        # 2x2 clusters (A multicast too): 17 tile columns, so the last cluster column's second CTA lies right of N
+        ("e4m3", "scale_bf16", "n256.pp.c2x2"), ("e4m3", "scale_res_rms_bf16", "n256.pp.c2x2"),
+        ("bf16", "bf16", "n256.c2x2"), ("e4m3", "scale_rho_swiglu_split_fp8", "n256.pp.c2x2"),
         # pingpong with every other epilogue kind, both warpgroups busy (QKV: test_qkv_rope_and_cache_placement)
         ("e4m3", "scale_fp8", "n256.pp"), ("e4m3", "scale_rho_swiglu_split_fp8", "n256.pp"),
         ("e4m3", "scale_res_bf16", "n256.pp"), ("e4m3", "scale_res_rms_bf16", "n256.pp"),
@@ -434,6 +437,23 @@ def test_split_k_on_the_last_partial_wave(prefill, ab, pol, splits):
     H200): the full wave runs whole tiles, the remaining tiles are split (futx/mainloop.py `unit`)."""
     n = 2048 + 32 * chain_of(pol).n_ratio
     _split_twice_and_check(prefill, ab, pol, "n128", 1100, n, splits, seed=splits, tile_n=128)
+
+
+@pytest.mark.parametrize("ab,pol", [("bf16", "bf16"), ("e4m3", "scale_res_rms_bf16")])
+def test_split_k_with_2x2_clusters(prefill, ab, pol):
+    """Split-K on the coop 2x2-cluster kernel (tuning space): the workspace and counters are per CTA tile of a
+    cluster of 4; 9 tile columns of 256, so one cluster column is half right of N."""
+    _split_twice_and_check(prefill, ab, pol, "n256.c2x2", 300, 2048 + 256, 3, seed=23, tile_n=256)
+
+
+def test_cluster_slots():
+    """Clusters of 1 or 2 CTAs use every SM; clusters of 4 fit whole into the GPCs, so at most every SM."""
+    from futx.hardware import cluster_slots, sm_count
+
+    sms = sm_count(0)
+    assert cluster_slots(0, 1) == cluster_slots(0, 2) == sms
+    four = cluster_slots(0, 4)
+    assert four % 4 == 0 and sms - 4 * 8 <= four <= sms, (four, sms)   # <= 3 idle SMs in each of ~8 GPCs
 
 
 def test_split_k_in_a_cuda_graph(prefill):

@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import torch
 
-from futx.hardware import sm_count
+from futx.hardware import cluster_slots, sm_count
 from futx.ops import checks, split_counters
 from futx.ops.registration import futx_op
 from futx.runtime import get_kernel
@@ -109,13 +109,14 @@ def _split_args(a: torch.Tensor, w: torch.Tensor, key: str, splits: int) -> tupl
     if splits == 1:
         return _NO_WORKSPACE.setdefault(a.device, torch.empty(4, dtype=torch.float32, device=a.device)), \
             split_counters.counters(a.device), 1
-    tile_m, tile_n, cluster_m = 128, p["tile_n"], p["cluster_m"]
+    tile_m, tile_n, cluster_m, cluster_n = 128, p["tile_n"], p["cluster_m"], p.get("cluster_n", 1)
     chain = chain_of(p["policy"])
     n = w.shape[0]
     cols = -(-(n // 2) // (tile_n // 2)) if chain.pair is not None and chain.pair.layout == "split" else -(-n // tile_n)
     # as the kernel does (futx/mainloop.py): the full waves of cluster tiles run whole, the rest is split
-    tiles = -(-m // (tile_m * cluster_m)) * cols
-    split_tiles = (tiles - whole_tiles(tiles, splits, sm_count(a.device) // cluster_m)) * cluster_m
+    size = cluster_m * cluster_n
+    tiles = -(-m // (tile_m * cluster_m)) * -(-cols // cluster_n)
+    split_tiles = (tiles - whole_tiles(tiles, splits, cluster_slots(a.device, size) // size)) * size
     if split_tiles > split_counters.SLOTS:
         raise ValueError(f"split-K over {split_tiles} output tiles (> {split_counters.SLOTS} arrival counters)")
     ws = torch.empty(max(1, split_tiles * splits * tile_m * tile_n), dtype=torch.float32, device=a.device)
@@ -135,7 +136,8 @@ def prefill_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, key: str, 
     extra = _split_args(a, w, key, splits)
     if a.shape[0] == 0:
         return
-    get_kernel(key)(a, w, out, *args, *extra, sm_count(a.device))
+    p = dict(_params(key))
+    get_kernel(key)(a, w, out, *args, *extra, cluster_slots(a.device, p["cluster_m"] * p.get("cluster_n", 1)))
 
 
 @prefill_gemm.register_fake

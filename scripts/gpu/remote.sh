@@ -1,7 +1,8 @@
 # source scripts/gpu/remote.sh   -- on the GPU machine, in AOT mode: installs the TVM-FFI wheel, unpacks the
 # DSL runtime library next to the staged kernels, and points futx at them. Safe to source twice.
 _site="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-python3 -c 'import tvm_ffi' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile .gpu/wheels/*.whl
+python3 -c 'import tvm_ffi' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile .gpu/wheels/apache_tvm_ffi-*.whl
+python3 -c 'import cuda.bindings.driver' 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile .gpu/wheels/cuda_*.whl
 if [ ! -s .gpu/aot-stage/lib/libcute_dsl_runtime.so ]; then
   xz -d -c .gpu/rt/libcute_dsl_runtime.so.xz > .gpu/aot-stage/lib/libcute_dsl_runtime.so
   cp .gpu/rt/VERSION .gpu/aot-stage/lib/CUTE_DSL_RUNTIME_VERSION

@@ -25,6 +25,11 @@ if ! ls .gpu/wheels/apache_tvm_ffi-*cp312*.whl >/dev/null 2>&1; then
   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 -d .gpu/wheels "apache-tvm-ffi>=0.1.6,<0.2"
 fi
+# cuda-python's driver bindings (futx.hardware.cluster_slots), in case that machine's torch lacks them
+if ! ls .gpu/wheels/cuda_bindings-*cp312*.whl >/dev/null 2>&1; then
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d .gpu/wheels "cuda-bindings>=13,<14" "cuda-pathfinder>=1.1,<2"
+fi
 rm -rf .gpu/aot-stage && mv .gpu/aot-carry .gpu/aot-stage
 du -sh .gpu/aot-stage .gpu/rt .gpu/wheels
 echo "tree that travels (tracked + untracked):"; git ls-files -co --exclude-standard | xargs du -cb 2>/dev/null | tail -1

@@ -32,7 +32,7 @@ AB = ("e4m3", "bf16")
 # (launches with few tiles: each CTA's share of the work halves).
 VARIANTS = ("n256.pp", "n128", "n128.pp")
 # The tuning space the benchmarks compile on demand (scripts/tuning_space.py).
-TUNING = ("n256", "n256.st", "n256.pp.g16", "n256.pp.c1")
+TUNING = ("n256", "n256.st", "n256.pp.g16", "n256.pp.c1", "n256.pp.c2x2", "n256.c2x2")
 
 # The shipped chains per operand dtype (names of epilogues/catalog.py).
 SHIPPED = {
@@ -61,11 +61,18 @@ class Variant:
     schedule: str = "coop"
     cluster_m: int = 2
     group_m: int = 8      # cluster rows per raster group (L2 reuse; futx/mainloop.py); ".g<N>" if not 8
+    cluster_n: int = 1    # ".c<M>x2": clusters of cluster_m x 2 CTAs that also share the activation tile
 
     @property
     def name(self) -> str:
-        return (f"n{self.tile_n}" + _SCHED_SUFFIX[self.schedule] + ("" if self.cluster_m == 2 else f".c{self.cluster_m}")
+        cluster = ("" if self.cluster_m == 2 else f".c{self.cluster_m}") if self.cluster_n == 1 \
+            else f".c{self.cluster_m}x{self.cluster_n}"
+        return (f"n{self.tile_n}" + _SCHED_SUFFIX[self.schedule] + cluster
                 + ("" if self.group_m == 8 else f".g{self.group_m}"))
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
 
     @property
     def tile_m(self) -> int:
@@ -74,24 +81,27 @@ class Variant:
     @classmethod
     def parse(cls, name: str) -> "Variant":
         parts = name.split(".")
-        bad = f"bad prefill variant name {name!r} (e.g. 'n256.pp', 'n128', 'n256', 'n256.pp.c1', 'n256.pp.g16')"
+        bad = (f"bad prefill variant name {name!r} (e.g. 'n256.pp', 'n128', 'n256', 'n256.pp.c1', 'n256.pp.c2x2', "
+               "'n256.pp.g16')")
         try:
             if not parts[0].startswith("n"):
                 raise ValueError
-            tile_n, schedule, cluster, group = int(parts[0][1:]), "coop", 2, 8
+            tile_n, schedule, cluster, cluster_n, group = int(parts[0][1:]), "coop", 2, 1, 8
             for p in parts[1:]:
                 if p in ("pp", "st"):
                     schedule = {"pp": "pingpong", "st": "stagger"}[p]
                 elif p.startswith("c"):
-                    cluster = int(p[1:])
+                    cm, _, cn = p[1:].partition("x")
+                    cluster, cluster_n = int(cm), int(cn or 1)
                 elif p.startswith("g"):
                     group = int(p[1:])
                 else:
                     raise ValueError
         except ValueError:
             raise ValueError(bad) from None
-        v = cls(tile_n, schedule, cluster, group)
-        if v.name != name or tile_n not in (128, 256) or cluster not in (1, 2) or group not in (4, 8, 16, 32):
+        v = cls(tile_n, schedule, cluster, group, cluster_n)
+        if (v.name != name or tile_n not in (128, 256) or cluster not in (1, 2) or cluster_n not in (1, 2)
+                or group not in (4, 8, 16, 32)):
             raise ValueError(bad)
         return v
 
@@ -141,7 +151,8 @@ def chain_of(name: str):
 def _spec(ab: str, name: str, variant: str, chain=None) -> KernelSpec:
     v = Variant.parse(variant)
     params = (("ab", ab), ("policy", name), ("tile_n", v.tile_n), ("schedule", v.schedule),
-              ("cluster_m", v.cluster_m)) + ((("group_m", v.group_m),) if v.group_m != 8 else ())
+              ("cluster_m", v.cluster_m)) + ((("group_m", v.group_m),) if v.group_m != 8 else ()) \
+        + ((("cluster_n", v.cluster_n),) if v.cluster_n != 1 else ())
     # (shipped names end in their output dtype: naming them must not import the policies, and with them the DSL)
     out = chain.out if chain is not None else ("e4m3" if name.endswith("_fp8") else "bf16")
     return KernelSpec(
@@ -151,7 +162,7 @@ def _spec(ab: str, name: str, variant: str, chain=None) -> KernelSpec:
         sources=SOURCES,
         expect_sass=("QGMMA",) if ab == "e4m3" else ("HGMMA",),
         doc=f"prefill GEMM {ab} x {ab} -> {out}, epilogue {name}{' ' + repr(chain) if chain else ''}, "
-            f"{v.schedule} {v.tile_m}x{v.tile_n} tiles, cluster {v.cluster_m}x1"
+            f"{v.schedule} {v.tile_m}x{v.tile_n} tiles, cluster {v.cluster_m}x{v.cluster_n}"
             + ("" if v.group_m == 8 else f", raster groups of {v.group_m} cluster rows"),
         extra=chain,
     )
@@ -248,8 +259,9 @@ def whole_tiles(tiles: int, splits: int, slots: int) -> int:
 def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 64, splits: int = 1, costs: Costs = Costs()) -> float:
     """Estimated time of a persistent launch in k-tile times (`K_TILE_COST`); `kt` = k-tiles of the K loop.
 
-    Work items are clusters of `cluster_m` CTA tiles over one weight tile, dealt round-robin to the
-    num_sms / cluster_m resident clusters, so the busiest CTA runs `rounds` tiles. A coop CTA runs its tiles
+    Work items are clusters of cluster_m x cluster_n CTA tiles, dealt round-robin to the num_sms / cluster size
+    resident clusters (`num_sms`: the CTAs that run at once in such clusters), so the busiest CTA runs `rounds`
+    tiles. A coop CTA runs its tiles
     one after another, each with its fixed cost (first loads, epilogue). A pingpong CTA's warpgroups take
     turns, so one tile's epilogue hides under the other's mainloop and the fixed cost is paid once; a lone
     warpgroup (one tile per CTA) issues its k-tiles as fast as two taking turns (measured at long K).
@@ -259,8 +271,8 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 64, splits: int =
     it fills idle SMs over a long K).
     """
     sched = "coop" if v.schedule == "stagger" else v.schedule
-    clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / v.tile_n)
-    slots = max(1, num_sms // v.cluster_m)
+    clusters = math.ceil(m / (v.cluster_m * v.tile_m)) * math.ceil(n / (v.cluster_n * v.tile_n))
+    slots = max(1, num_sms // v.cluster_size)
     cost, fixed = costs.k_tile[sched, v.tile_n], costs.fixed[sched, v.tile_n]
     rounds = math.ceil(clusters / slots)
     if sched == "pingpong":
