@@ -14,13 +14,14 @@ docs/routing.md:
   multi-token tile GEMV (`gemv_tile.py` with 8 token columns, n-blocks per CTA), with its fused-RMSNorm variant.
 * INT4, M <= INT4_GEMV_MAX_M -> the persistent GEMV (`gemv.py`, one 8-token group, folded nibble bias)
   where the activation rows fit in shared memory, else the skinny kernel.
-* INT4, INT4_GEMV_MAX_M < M <= 32 -> the skinny kernel (a second token group doubles the GEMV's MMA and
+* INT4, INT4_GEMV_MAX_M < M <= MAX_M -> the skinny kernel (a second token group doubles the GEMV's MMA and
   dequantization work and turns the fold off).
 * BF16 and E4M3, M <= GEMV_MAX_M -> the persistent GEMV where the activation rows fit, else the skinny kernel.
-* otherwise (up to M = 32) -> the skinny kernel: 128-channel tiles and an activation ring, split K across
+* otherwise (up to M = MAX_M) -> the skinny kernel: 128-channel tiles and an activation ring, split K across
   CTAs until the resident CTA slots are filled (never a partial second wave), at least `MIN_UNITS` units
   per CTA. For INT4 g128 its register-weights form (`skinny_regs.py`, SKINNY_ROUTED_VARIANTS by token bucket,
-  P15): the weights streamed into registers, only the activations in the ring.
+  P15): the weights streamed into registers, only the activations in the ring. The 64-row bucket runs the
+  register-weights form for every format (P16: the ring kernel's accumulators for 8 token groups spill).
 
 The package registry (futx/runtime/catalog/decode_linear.py) holds exactly the variants this router picks.
 The `*_VARIANTS` tables below (and the INT4 GEMV M bucket 16) describe the tuning space: design comparisons
@@ -40,11 +41,11 @@ FORMATS = ("int4", "e4m3", "bf16")
 GROUP_SIZES = (64, 128)           # INT4 group sizes with compiled variants
 EPILOGUES = ("store", "residual", "swiglu")
 KERNELS = ("auto", "tile", "gemv", "skinny")
-MAX_M = 32
+MAX_M = 64
 GEMV_MAX_M = 16
 GEMV_M_TILES = {8: 1, 16: 2}      # token columns -> 8-token MMA groups
 INT4_GEMV_MAX_M = 8               # INT4 with two token groups: the skinny kernel measured faster
-SKINNY_M_TILES = {16: 2, 32: 4}  # M <= 16 reaches the skinny kernel only where the GEMV cannot run
+SKINNY_M_TILES = {16: 2, 32: 4, 64: 8}  # M <= 16 reaches the skinny kernel only where the GEMV cannot run
 GEMV_WARPS = 16
 # tuning space of the GEMV (key suffix -> changed compile parameters): without the fold, and with the
 # scales converted at the load
@@ -115,13 +116,18 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
                    "rw1c": {"weights": "regs", "warps": 8, "nb_per_warp": 1, "prefetch": 1, "reduce": "cluster"},
                    "rwg": {"weights": "regs", "mma": "wgmma", "warps": 8, "nb_per_warp": 1},
                    "rwgo": {"weights": "regs", "mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True,
-                            "ctas_per_sm": 1}}
+                            "ctas_per_sm": 1},
+                   **{v: {"weights": "regs", "warps": 8, "nb_per_warp": 1, "ctas_per_sm": 1, **kw}
+                      for v, kw in (("rww", {}), ("rww1", {"prefetch": 1}))}}
+# the 64-row bucket's variants: the register-weights kernel at 148-198 registers, one CTA (8 warps) per SM, which
+# the split rule counts (ctas_per_sm); "rww" batches 2 units, "rww1" 1
+WIDE_VARIANTS = ("rww", "rww1")
 CLUSTER_MAX = 8   # CTAs per tile of the cluster split-K ("reduce": "cluster"): the portable cluster size
 # the register-weights skinny kernel (decode/skinny_regs.py: "rw" batches of 2 units, "rw1" of 1, 8 warps of one
 # n-block; "rw4": 4 warps of two n-blocks, 1 unit) is what the router runs for INT4 g128 (routing rule P15), by token
 # bucket: batches of 2 units at M <= 16 (~120 registers, 2 CTAs per SM); of 1 at M <= 32, where 2 units take 148
 # registers and leave one CTA per SM
-SKINNY_ROUTED_VARIANTS = {16: "rw", 32: "rw1"}
+SKINNY_ROUTED_VARIANTS = {16: "rw", 32: "rw1", 64: "rww"}
 MIN_UNITS = 4
 # the tile GEMV variant and small-grid rule the router applies (route_tile_variant lets a benchmark time a tuning
 # variant or another threshold in the decode step as the router would launch it)
@@ -210,10 +216,12 @@ def skinny_key(fmt: str, group_size: int, epilogue: str, m: int, variant: str = 
 
 def skinny_variant(fmt: str, group_size: int, m: int) -> str:
     """The skinny variant the router runs: for INT4 g128 the register-weights kernel of M's token bucket
-    (SKINNY_ROUTED_VARIANTS, P15, or the variant a benchmark forces), else the ring kernel ("")."""
+    (SKINNY_ROUTED_VARIANTS, P15, or the variant a benchmark forces); for the other formats the ring kernel ("")
+    up to 32 rows and the register-weights kernel in the 64-row bucket (P16)."""
+    bucket = m_bucket(m)
     if (fmt, group_size) != ("int4", 128):
-        return ""
-    return SKINNY_ROUTED_VARIANTS[m_bucket(m)] if SKINNY_ROUTED is None else SKINNY_ROUTED
+        return SKINNY_ROUTED_VARIANTS[bucket] if bucket == 64 else ""
+    return SKINNY_ROUTED_VARIANTS[bucket] if SKINNY_ROUTED is None else SKINNY_ROUTED
 
 
 def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: str = "") -> int:

@@ -1,4 +1,4 @@
-"""Decode projection for up to M = 32 rows (used where the GEMV's resident activations do not fit):
+"""Decode projection for up to M = 64 rows (used where the GEMV's resident activations do not fit):
 y[M, N] = x[M, K] @ W[N, K]^T.
 
 A CTA of `WARPS` warps owns `WARPS * NB_PER_WARP` 16-channel n-blocks (decode.plan.TILE_N) and one K

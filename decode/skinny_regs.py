@@ -1,4 +1,4 @@
-"""The skinny decode projection (M up to 32 rows) with the weights streamed straight into registers:
+"""The skinny decode projection (M up to 64 rows) with the weights streamed straight into registers:
 y[M, N] = x[M, K] @ W[N, K]^T.
 
 The skinny kernel (skinny.py) sends the weights through its shared-memory ring with the activations, which
@@ -11,7 +11,8 @@ meets at one barrier per batch instead of per unit. The first batch of weights i
 wait (weights never depend on the previous kernel). The same 128-channel tiles (routed: 8 warps of one
 n-block; `rw4`: 4 warps of two), split-K, MMAs per unit and epilogues as the skinny kernel, so the outputs are
 bitwise its outputs. Routed for INT4 g128 at 9..32 rows (decode.plan.SKINNY_ROUTED_VARIANTS, docs/routing.md
-P15); at M = 16 it is issue-bound on the INT4 expansion (docs/results-decode-linear.md run 21).
+P15) and for every format at 33..64 rows (P16: there the ring kernel spills); at M = 16 it is issue-bound on the
+INT4 expansion (docs/results-decode-linear.md run 21).
 """
 
 from __future__ import annotations

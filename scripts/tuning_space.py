@@ -16,7 +16,8 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.skinny.int4.m{16,32}.*[.s3|.s4|.c2]  the skinny kernel with its weights through the ring (the INT4 g128
                                               router runs its register-weights form, P15), shorter rings (more CTAs
                                               per SM), two MMA chains
-    decode.skinny.int4.m16.*.{rw1,rw4}, .m32.*.{rw,rw4}   the register-weights skinny kernel the bucket does not route
+    decode.skinny.int4.m16.*.{rw1,rw4}, .m32.*.{rw,rw4}, .m64.*.rww1   the register-weights skinny kernel the bucket
+                                              does not route
     decode.skinny.int4[g64].m{16,32}.*.{wg,wgo,rwg,rwgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
     prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1|.n256.pp.c2x2|.n256.c2x2]   prefill schedules
@@ -76,10 +77,12 @@ def linear_specs() -> list[KernelSpec]:
     specs += linear_catalog.multi_token_tile_specs(routed=False)
     specs += linear_catalog.fill_tile_specs()
     specs += linear_catalog.nblocks_tile_specs()
+    # the 64-row bucket has its own (one CTA per SM) variants, the smaller buckets every other one
     specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for m in plan.SKINNY_M_TILES
-              for v in plan.SKINNY_VARIANTS if v != plan.skinny_variant("int4", 128, m) for e in plan.EPILOGUES]
+              for v in plan.SKINNY_VARIANTS if v != plan.skinny_variant("int4", 128, m)
+              and (v in plan.WIDE_VARIANTS) == (m == 64) for e in plan.EPILOGUES]
     specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo", "rwg", "rwgo")
-              for e in plan.EPILOGUES for m in plan.SKINNY_M_TILES]
+              for e in plan.EPILOGUES for m in (16, 32)]
     return specs
 
 

@@ -159,11 +159,11 @@ GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344, 65536)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
 
 
-TUNING_COUNT = 309
+TUNING_COUNT = 312
 
 
 def _router_keys() -> set[str]:
-    """Every key decode.plan.choose(kernel="auto") returns over M = 1..32, the formats, group sizes,
+    """Every key decode.plan.choose(kernel="auto") returns over M = 1..64, the formats, group sizes,
     epilogues and the (N, K) grid."""
     keys = set()
     for fmt, group in (("int4", 128), ("int4", 64), ("e4m3", 128), ("bf16", 128)):
@@ -187,7 +187,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 95 and len(tuning) == TUNING_COUNT
+    assert len(registry) == 107 and len(tuning) == TUNING_COUNT
 
 
 def test_fused_norm_routes_only_the_tile_gemv():
@@ -253,7 +253,7 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
             forced.add(plan.choose("int4", 128, e, 1, n, k, kernel="gemv", variant=v).key)
         for group in plan.GROUP_SIZES:
             forced.add(plan.choose("int4", group, e, 16, n, k, kernel="gemv").key)
-        for m in (16, 32):
+        for m in (16, 32, 64):
             for v in plan.SKINNY_VARIANTS:
                 for group in plan.GROUP_SIZES:
                     forced.add(plan.choose("int4", group, e, m, n, k, kernel="skinny", variant=v).key)
@@ -273,9 +273,9 @@ def test_gemv_smem_layout_is_aligned_and_bounded():
 
 
 def test_plan_rejects_what_no_kernel_serves():
-    with pytest.raises(ValueError, match="1 <= M <= 32"):
-        plan.m_bucket(33)
-    with pytest.raises(ValueError, match="1 <= M <= 32"):
+    with pytest.raises(ValueError, match="1 <= M <= 64"):
+        plan.m_bucket(65)
+    with pytest.raises(ValueError, match="1 <= M <= 64"):
         plan.m_bucket(0)
     with pytest.raises(ValueError, match="group size 256"):
         plan.fmt_tag("int4", 256)

@@ -15,7 +15,7 @@ from futx.config import preset
 
 pytestmark = pytest.mark.gpu
 
-M_VALUES = (1, 2, 3, 8, 16, 31, 32)
+M_VALUES = (1, 2, 3, 8, 16, 31, 32, 33, 64)
 SHAPES = [(name, proj, *preset(name).projection_shapes()[proj])
           for name in ("layer-1b", "layer-8b", "layer-70b", "smollm2-135m")
           for proj in ("qkv", "o", "gate_up", "down")]
@@ -104,7 +104,7 @@ def _run(fmt, stored, x, group, epilogue, r, split=None, kernel="auto", variant=
     n = r.shape[1]
     out = torch.full((x.shape[0], n // 2 if epilogue == "swiglu" else n), float("nan"), dtype=torch.bfloat16,
                      device="cuda")
-    ws = torch.full((32 * n * 32,), float("nan"), device="cuda")
+    ws = torch.full((32 * n * 64,), float("nan"), device="cuda")
     return run_variant(fmt, x, w, s, group, epilogue, r if epilogue == "residual" else None, kernel, variant,
                        tiles, split, out=out, workspace=ws, warps=warps)
 
@@ -136,7 +136,7 @@ def test_projection_matches_simulated_quantization(name, proj, n, k, fmt):
 def test_every_epilogue(fmt, epilogue):
     n, k = 4096, 4096
     stored, w_ref = _weights(fmt, n, k, 128, 7)
-    for m in (1, 5, 16, 32):
+    for m in (1, 5, 16, 32, 47, 64):
         x, r = _inputs(m, k, n, 100 + m)
         y = _run(fmt, stored, x, 128, epilogue, r)
         torch.cuda.synchronize()
@@ -155,6 +155,25 @@ def test_split_k_is_exact_and_leaves_counters_zero(split):
     torch.cuda.synchronize()
     _check(y, _reference(x, w_ref, "store", r), f"split={split}")
     assert torch.equal(y, y2), "split-K result is not deterministic"
+    assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+
+
+@pytest.mark.parametrize("fmt,group,variant", [("int4", 128, "rww"), ("int4", 128, "rww1"), ("int4", 64, "rww"),
+                                               ("e4m3", 128, "rww"), ("bf16", 128, "rww")])
+@pytest.mark.parametrize("split", [1, 3, 7])
+def test_64_row_bucket(fmt, group, variant, split):
+    """The 64-row bucket (register-weights skinny kernel for every format, P16) at odd M, split K deterministic."""
+    from futx.ops import split_counters
+
+    n, k = 2096, 4096
+    stored, w_ref = _weights(fmt, n, k, group, 13 + split)
+    for m, epilogue in ((33, "store"), (50, "residual"), (63, "swiglu"), (64, "store")):
+        x, r = _inputs(m, k, n, m + split)
+        y = _run(fmt, stored, x, group, epilogue, r, kernel="skinny", variant=variant, split=split)
+        y2 = _run(fmt, stored, x, group, epilogue, r, kernel="skinny", variant=variant, split=split)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"{fmt} g{group} {variant} M={m} split={split} {epilogue}")
+        assert torch.equal(y, y2), "split-K result is not deterministic"
     assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
 
 
@@ -671,7 +690,7 @@ def test_bad_inputs_raise_before_launch():
     scales = torch.ones(64, 32, 16, dtype=torch.float16, device="cuda")
     x = torch.zeros(2, 4096, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="M"):
-        ops.decode_linear_int4(torch.zeros(33, 4096, dtype=torch.bfloat16, device="cuda"), packed, scales, 128)
+        ops.decode_linear_int4(torch.zeros(65, 4096, dtype=torch.bfloat16, device="cuda"), packed, scales, 128)
     with pytest.raises(TypeError, match="dtype"):
         ops.decode_linear_int4(x.float(), packed, scales, 128)
     with pytest.raises(ValueError, match="K"):

@@ -13,7 +13,7 @@ import torch
 
 from .model import DecodeModel
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def buckets_for(max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:

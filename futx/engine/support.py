@@ -6,13 +6,14 @@ cannot run fails with a message, never with wrong numbers.
 
 from __future__ import annotations
 
+from decode import plan
 from futx.config import LlamaConfig
 
 WEIGHT_FORMATS = ("int4", "e4m3", "bf16")
 CACHE_FORMATS = ("int4", "e4m3", "bf16")   # "int4" is the Hadamard-rotated INT4 mirror
 HEAD_DIMS = (64, 128)                       # decode attention kernels
 MAX_GQA_GROUP = 8                           # query heads per KV head (decode.attn_plan.MAX_GROUP)
-MAX_BATCH = 32                              # rows of one decode projection launch (decode.plan.MAX_M)
+MAX_BATCH = plan.MAX_M                      # rows of one decode projection launch
 INT4_GROUPS = (64, 128)                     # INT4 group sizes with compiled decode kernels
 BLOCK_K, BLOCK_N = 64, 16                   # projection K and N granularity (futx.quant.layouts)
 CACHE_ALIGN = 8                             # capacity granularity of the INT4/E4M3 mirrors

@@ -1,4 +1,4 @@
-"""Decode projections as torch ops: y = x @ W^T (+ fused epilogue) for 1 <= M <= 32 rows.
+"""Decode projections as torch ops: y = x @ W^T (+ fused epilogue) for 1 <= M <= 64 rows (decode.plan.MAX_M).
 
     torch.ops.futx.decode_linear_int4(x, packed, scales, group_size, epilogue, residual) -> y
     torch.ops.futx.decode_linear_e4m3(x, data, scale, epilogue, residual) -> y
