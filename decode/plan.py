@@ -118,10 +118,13 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
                    "rwgo": {"weights": "regs", "mma": "wgmma", "warps": 8, "nb_per_warp": 1, "overlap": True,
                             "ctas_per_sm": 1},
                    **{v: {"weights": "regs", "warps": 8, "nb_per_warp": 1, "ctas_per_sm": 1, **kw}
-                      for v, kw in (("rww", {}), ("rww1", {"prefetch": 1}))}}
+                      for v, kw in (("rww", {}), ("rww1", {"prefetch": 1}),
+                                    ("rwwb", {"prefetch": 1, "ctas_per_sm": 2, "min_ctas": 2}))}}
 # the 64-row bucket's variants: the register-weights kernel at 148-198 registers, one CTA (8 warps) per SM, which
-# the split rule counts (ctas_per_sm); "rww" batches 2 units, "rww1" 1
-WIDE_VARIANTS = ("rww", "rww1")
+# the split rule counts (ctas_per_sm); "rww" batches 2 units, "rww1" 1; "rwwb" 1, bounded to 128 registers for two
+# CTAs per SM: faster on projections of >= 64 tiles (70B QKV 55 vs 81 us at M = 64) but it spills (18-33 local loads),
+# and a shipped kernel must not (tests/test_kernel_compile.py), so it stays tuning space (routing rule P16)
+WIDE_VARIANTS = ("rww", "rww1", "rwwb")
 CLUSTER_MAX = 8   # CTAs per tile of the cluster split-K ("reduce": "cluster"): the portable cluster size
 # the register-weights skinny kernel (decode/skinny_regs.py: "rw" batches of 2 units, "rw1" of 1, 8 warps of one
 # n-block; "rw4": 4 warps of two n-blocks, 1 unit) is what the router runs for INT4 g128 (routing rule P15), by token

@@ -339,7 +339,7 @@ class Skinny:
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                    warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0,
                    mma: str = "sync", overlap: bool = False, chains: int = 0, weights: str = "ring",
-                   prefetch: int = 0, reduce: str = "global"):
+                   prefetch: int = 0, reduce: str = "global", min_ctas: int = 0):
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
     are registry parameters with one value per `mma`: "sync" (this kernel) or "wgmma" (the tuning space's
@@ -347,7 +347,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     per token group (0: stream.mma_unit's default). `weights`: "ring" (this kernel: through the shared-memory ring) or
     "regs" (streamed into registers in batches of `prefetch` units: decode/skinny_regs.py, or with "wgmma"
     skinny_wgmma.SkinnyRegsWgmma). `reduce`: how
-    split-K CTAs combine (REDUCES; "cluster": mma.sync only, at most decode.plan.CLUSTER_MAX CTAs per tile)."""
+    split-K CTAs combine (REDUCES; "cluster": mma.sync only, at most decode.plan.CLUSTER_MAX CTAs per tile).
+    `min_ctas` ("regs", mma.sync): CTAs per SM that ptxas must fit (a register bound; 0: none)."""
     from .signature import fake_args, fake_split_args
 
     if mma == "wgmma":
@@ -376,7 +377,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     elif weights == "regs":
         from .skinny_regs import SkinnyRegs
 
-        op = SkinnyRegs(fmt, group_size, epilogue, m_tiles, stages, warps, nb_per_warp, prefetch, chains, reduce)
+        op = SkinnyRegs(fmt, group_size, epilogue, m_tiles, stages, warps, nb_per_warp, prefetch, chains, reduce,
+                        min_ctas)
     else:
         op = Skinny(fmt, group_size, epilogue, m_tiles, stages, chains=chains, reduce=reduce)
     x, w, s, r, y, stream_ = fake_args(fmt, epilogue)

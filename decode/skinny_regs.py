@@ -29,12 +29,15 @@ DEFAULT_STAGES = 3     # activation batches in the ring (two in flight while one
 
 
 class SkinnyRegs(Skinny):
-    tensor_cores_read_ring = False   # the ring's activation tiles are read by wgmma (async proxy): fence the copies
+    tensor_cores_read_ring = False   # True where wgmma (the async proxy) reads the ring: the copies are then fenced
+
     def __init__(self, fmt: str, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                  stages: int = 0, warps: int = 4, nb_per_warp: int = 2, prefetch: int = 0, chains: int = 0,
-                 reduce: str = "global"):
+                 reduce: str = "global", min_ctas: int = 0):
         super().__init__(fmt, group_size, epilogue, m_tiles, stages or DEFAULT_STAGES, warps, nb_per_warp, chains,
                          reduce)
+        if min_ctas:   # a register bound for ptxas (the 64-row bucket's tuning variant "rwwb": two CTAs per SM)
+            self.launch_hints = {"min_blocks_per_mp": min_ctas, "preferred_smem_carveout": 100}
         if self.stages < 2:
             raise ValueError("the register-weights skinny kernel needs a ring of at least 2 stages")
         self.prefetch = prefetch or DEFAULT_PREFETCH

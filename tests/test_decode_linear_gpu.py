@@ -158,8 +158,8 @@ def test_split_k_is_exact_and_leaves_counters_zero(split):
     assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
 
 
-@pytest.mark.parametrize("fmt,group,variant", [("int4", 128, "rww"), ("int4", 128, "rww1"), ("int4", 64, "rww"),
-                                               ("e4m3", 128, "rww"), ("bf16", 128, "rww")])
+@pytest.mark.parametrize("fmt,group,variant", [("int4", 128, "rww"), ("int4", 128, "rww1"), ("int4", 128, "rwwb"),
+                                               ("int4", 64, "rww"), ("e4m3", 128, "rww"), ("bf16", 128, "rww")])
 @pytest.mark.parametrize("split", [1, 3, 7])
 def test_64_row_bucket(fmt, group, variant, split):
     """The 64-row bucket (register-weights skinny kernel for every format, P16) at odd M, split K deterministic."""
