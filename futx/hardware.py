@@ -18,13 +18,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (a torch.device, an index or a string), queried once."""
+def _device_index(device) -> int:
+    """The CUDA index of a torch.device, an index or a string (no index: the current device)."""
     import torch
 
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (a torch.device, an index or a string), queried once."""
+    return _sm_count(_device_index(device))
 
 
 # A kernel with no body, loaded from PTX by the driver: the cluster-occupancy query needs a function whose
@@ -76,8 +80,4 @@ def cluster_slots(device, cluster_size: int, threads: int = 384) -> int:
     1 or 2 (one TPC) take every SM."""
     if cluster_size <= 2:
         return sm_count(device)
-    import torch
-
-    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cluster_slots(index, cluster_size, threads)
+    return _cluster_slots(_device_index(device), cluster_size, threads)

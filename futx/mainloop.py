@@ -302,6 +302,10 @@ class PrefillGemm:
         cn = self.cfg.cluster_n
         return (m + rows - 1) // rows, (self.tile_cols(n) + cn - 1) // cn
 
+    def cluster_coord(self, cta_rank):
+        """(cluster row, cluster column) of a CTA's rank in its cluster of dims (cluster_m, cluster_n, 1)."""
+        return cta_rank % self.cfg.cluster_m, cta_rank // self.cfg.cluster_m
+
     def make_mmas(self):
         """(the CTA tile's MMA: both consumer warpgroups in coop, one in pingpong; one warpgroup's MMA
         for the epilogue)."""
@@ -363,7 +367,7 @@ class PrefillGemm:
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_d)
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        rank_m, rank_n = cta_rank % cfg.cluster_m, cta_rank // cfg.cluster_m   # cluster dims (cluster_m, cluster_n)
+        rank_m, rank_n = self.cluster_coord(cta_rank)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -583,7 +587,7 @@ class PrefillGemm:
         tBsB, tBgB = cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sBh, 0, 2), cute.group_modes(gBh, 0, 2))
         cluster = cute.make_layout((cfg.cluster_m, cfg.cluster_n, 1))
-        rank_m, rank_n = cta_rank % cfg.cluster_m, cta_rank // cfg.cluster_m
+        rank_m, rank_n = self.cluster_coord(cta_rank)
         b_mcast = a_mcast = None
         halves = (0, 1)
         if const_expr(cfg.cluster_m > 1):

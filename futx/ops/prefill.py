@@ -90,6 +90,11 @@ def _check(a, b, out, key, args):
     chain.check(sizes, tensors, tile_n)
 
 
+def _cluster_dims(params: dict) -> tuple:
+    """(cluster_m, cluster_n) of a prefill kernel from its registry parameters (cluster_n only where it is not 1)."""
+    return params["cluster_m"], params.get("cluster_n", 1)
+
+
 @lru_cache(maxsize=None)
 def _params(key: str) -> tuple:
     from futx.runtime.registry import get_spec
@@ -109,7 +114,7 @@ def _split_args(a: torch.Tensor, w: torch.Tensor, key: str, splits: int) -> tupl
     if splits == 1:
         return _NO_WORKSPACE.setdefault(a.device, torch.empty(4, dtype=torch.float32, device=a.device)), \
             split_counters.counters(a.device), 1
-    tile_m, tile_n, cluster_m, cluster_n = 128, p["tile_n"], p["cluster_m"], p.get("cluster_n", 1)
+    tile_m, tile_n, (cluster_m, cluster_n) = 128, p["tile_n"], _cluster_dims(p)
     chain = chain_of(p["policy"])
     n = w.shape[0]
     cols = -(-(n // 2) // (tile_n // 2)) if chain.pair is not None and chain.pair.layout == "split" else -(-n // tile_n)
@@ -136,8 +141,8 @@ def prefill_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, key: str, 
     extra = _split_args(a, w, key, splits)
     if a.shape[0] == 0:
         return
-    p = dict(_params(key))
-    get_kernel(key)(a, w, out, *args, *extra, cluster_slots(a.device, p["cluster_m"] * p.get("cluster_n", 1)))
+    cluster_m, cluster_n = _cluster_dims(dict(_params(key)))
+    get_kernel(key)(a, w, out, *args, *extra, cluster_slots(a.device, cluster_m * cluster_n))
 
 
 @prefill_gemm.register_fake
