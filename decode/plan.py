@@ -119,7 +119,16 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
                             "ctas_per_sm": 1},
                    **{v: {"weights": "regs", "warps": 8, "nb_per_warp": 1, "ctas_per_sm": 1, **kw}
                       for v, kw in (("rww", {}), ("rww1", {"prefetch": 1}),
-                                    ("rwwb", {"prefetch": 1, "ctas_per_sm": 2, "min_ctas": 2}))}}
+                                    ("rwwb", {"prefetch": 1, "ctas_per_sm": 2, "min_ctas": 2}))},
+                   **{v: {"mma": "ws", "warps": 8, "nb_per_warp": 1, "ctas_per_sm": 1, **kw}
+                      for v, kw in (("ws", {}), ("wsk", {"schedule": "stream"}))}}
+# "ws": the warp-specialized mixed-input warpgroup GEMM (decode/skinny_ws.py, INT4 g128): a producer warp streams the
+# weights, scales and activations into a mbarrier ring by bulk copies and TMA, two consumer warpgroups run wgmma with
+# the expanded weights as the register A operand and fold each unit's partial one unit behind; one CTA per SM, every
+# token bucket (ANY_BUCKET_VARIANTS). "wsk": the same kernel persistent, one CTA per SM over an even share of all
+# (tile, unit) pairs (stream-K: no partial wave; a tile split between CTAs is summed by the last to finish it), its
+# `split` the CTA count
+ANY_BUCKET_VARIANTS = ("ws", "wsk")
 # the 64-row bucket's variants: the register-weights kernel at 148-198 registers, one CTA (8 warps) per SM, which
 # the split rule counts (ctas_per_sm); "rww" batches 2 units, "rww1" 1; "rwwb" 1, bounded to 128 registers for two
 # CTAs per SM: faster on projections of >= 64 tiles (70B QKV 55 vs 81 us at M = 64) but it spills (18-33 local loads),
@@ -227,9 +236,30 @@ def skinny_variant(fmt: str, group_size: int, m: int) -> str:
     return SKINNY_ROUTED_VARIANTS[bucket] if SKINNY_ROUTED is None else SKINNY_ROUTED
 
 
+def is_stream_k(variant: str) -> bool:
+    """Whether the skinny variant is persistent over (tile, unit) pairs ("schedule": "stream"; its split = CTAs)."""
+    return SKINNY_VARIANTS[variant].get("schedule") == "stream"
+
+
+def skinny_max_split(fmt: str, group_size: int, n: int, k: int, variant: str = "") -> int:
+    """The largest split a skinny launch takes: one unit per CTA (stream-K: per (tile, unit) pair)."""
+    units = k // unit_k(fmt, group_size)
+    return units * -(-n // TILE_N) if is_stream_k(variant) else units
+
+
+def skinny_workspace(variant: str, split: int, n: int, m: int) -> int:
+    """float32 values of a skinny launch's split-K workspace: [split][n][token bucket], or for stream-K two partial
+    128-channel tiles per CTA, [CTA][2][TILE_N][token bucket]."""
+    if is_stream_k(variant):
+        return split * 2 * TILE_N * m_bucket(m)
+    return split * n * m_bucket(m) if split > 1 else 4
+
+
 def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: str = "") -> int:
     n_tiles = -(-n // TILE_N)
     units = k // unit_k(fmt, group_size)
+    if is_stream_k(variant):   # one CTA per SM (fewer if there are fewer pairs)
+        return min(sms, n_tiles * units)
     ctas = SKINNY_VARIANTS[variant].get("ctas_per_sm", CTAS_PER_SM)
     most = CLUSTER_MAX if SKINNY_VARIANTS[variant].get("reduce") == "cluster" else units
     return max(1, min(ctas * sms // n_tiles, units // MIN_UNITS, most))
@@ -448,7 +478,8 @@ class Launch:
     key: str
     kind: str               # "tile", "gemv" or "skinny" (a fused-norm tile GEMV takes eps: key ".norm")
     tiles: int = 0          # gemv: n-blocks per CTA
-    split: int = 1          # skinny: CTAs along K
+    split: int = 1          # skinny: CTAs along K (stream-K variants: the persistent CTAs)
+    variant: str = ""       # skinny: the SKINNY_VARIANTS entry
 
 
 @lru_cache(maxsize=4096)
@@ -508,4 +539,4 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
     key = skinny_key(fmt, group_size, epilogue, m, variant)
     if split and SKINNY_VARIANTS[variant].get("reduce") == "cluster" and split > CLUSTER_MAX:
         raise ValueError(f"the cluster split-K takes at most {CLUSTER_MAX} CTAs per tile, got split = {split}")
-    return Launch(key, "skinny", split=split or skinny_split(fmt, group_size, n, k, sms, variant))
+    return Launch(key, "skinny", split=split or skinny_split(fmt, group_size, n, k, sms, variant), variant=variant)

@@ -22,6 +22,7 @@ class Barrier(IntEnum):
     """Named CTA barrier ids of the decode kernels (0 is __syncthreads)."""
 
     GEMV_ROUND = 1  # decode/gemv.py: the warps of a round meet before its epilogue
+    WS_CONSUMERS = 2  # decode/skinny_ws.py: the consumer warpgroups' split-K exchange (the producer has left)
 
 
 def _struct(n: int, ty: str = "i32") -> ir.Type:
@@ -337,15 +338,44 @@ def mma_16816(a, b, c, kind: str = "f16", *, loc=None, ip=None):
 GMMA_CORE_BYTES = 128   # one 8 x 16-byte core matrix, stored contiguously (no swizzle)
 
 
+GMMA_SWIZZLE_128B = 1  # descriptor layout type of a K-major tile in the 128-byte swizzle (TMA's SWIZZLE_128B)
+
+
+def gmma_desc_lo(saddr: Int32, lbo: int) -> Int32:
+    """The low word of `gmma_desc`: the start address field of a shared address below 256 KB (so a later start
+    `saddr + d` is this word + d >> 4 for d a multiple of 16) and the LBO field."""
+    return ((Int32(saddr) >> 4) & 0x3FFF) | ((lbo >> 4) << 16)
+
+
 @dsl_user_op
-def gmma_desc(saddr: Int32, lbo: int, sbo: int, *, loc=None, ip=None) -> Int64:
-    """Shared-memory matrix descriptor of a no-swizzle tile starting at `saddr` (16-byte aligned): `lbo` bytes
-    between core matrices adjacent along K, `sbo` along M/N (bits 0-13 start >> 4, 16-29 LBO >> 4,
-    32-45 SBO >> 4, layout type 0 in bits 62-63)."""
+def gmma_desc_from_lo(lo: Int32, sbo: int, layout: int = 0, *, loc=None, ip=None) -> Int64:
+    """The descriptor of `gmma_desc_lo`'s word `lo` (possibly advanced) with its SBO and layout type."""
+    res = _asm(T.i64(), [_i32(lo, loc, ip), _i32((sbo >> 4) | (layout << 30), loc, ip)], "mov.b64 $0, {$1, $2};",
+               "=l,r,r", False, loc, ip)
+    return Int64(res)
+
+
+@dsl_user_op
+def gmma_desc(saddr: Int32, lbo: int, sbo: int, layout: int = 0, *, loc=None, ip=None) -> Int64:
+    """Shared-memory matrix descriptor of a tile starting at `saddr` (16-byte aligned): `lbo` bytes between core
+    matrices adjacent along K, `sbo` along M/N (bits 0-13 start >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, the layout
+    type in bits 62-63: 0 no swizzle, GMMA_SWIZZLE_128B: rows of 128 bytes whose 16-byte chunks are XOR-permuted by
+    the row within each 1024-byte atom, `sbo` = 1024 between 8-row groups; a k16 step inside the atom moves the
+    start by 32 bytes)."""
     lo = ((Int32(saddr) >> 4) & 0x3FFF) | ((lbo >> 4) << 16)
-    res = _asm(T.i64(), [_i32(lo, loc, ip), _i32(sbo >> 4, loc, ip)], "mov.b64 $0, {$1, $2};", "=l,r,r",
+    hi = (sbo >> 4) | (layout << 30)
+    res = _asm(T.i64(), [_i32(lo, loc, ip), _i32(hi, loc, ip)], "mov.b64 $0, {$1, $2};", "=l,r,r",
                False, loc, ip)
     return Int64(res)
+
+
+@dsl_user_op
+def cp_async_bulk_g2s(saddr: Int32, gaddr: Int64, nbytes: int, mbar: Int32, *, loc=None, ip=None) -> None:
+    """Bulk copy of `nbytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared by the copy
+    engine, completing `nbytes` transaction bytes on the mbarrier at shared address `mbar`. One thread issues it."""
+    _asm(None, [_i32(saddr, loc, ip), Int64(gaddr).ir_value(loc=loc, ip=ip), _i32(mbar, loc, ip)],
+         f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {nbytes}, [$2];",
+         "r,l,r", True, loc, ip)
 
 
 @dsl_user_op

@@ -228,6 +228,14 @@ class Skinny:
         return accs
 
     # ---- epilogue ----------------------------------------------------------------------------
+    def _cta_sync(self):
+        """The barrier of the threads that run the epilogue (here: the whole CTA)."""
+        cute.arch.sync_threads()
+
+    def _split_flag(self, xs):
+        """Shared address of the split-K "this CTA reduces" flag (after the ring)."""
+        return xs + self.stages * self.stage_bytes
+
     @cute.jit
     def _split_k(self, accs, nb0, lane, n_blocks, m, n, s, r, y, ws, counters, split, tile, sy, tid, xs):
         mpad = self.m_tiles * TOKENS
@@ -241,11 +249,11 @@ class Skinny:
                     if nb0 + i < n_blocks:
                         ptx.stg_f32x2(addr, accs[i][mt][2 * h], accs[i][mt][2 * h + 1])
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        flag = xs + self.stages * self.stage_bytes
+        self._cta_sync()
+        flag = self._split_flag(xs)
         if tid == 0:
             ptx.sts_f32(flag, Float32(split_arrival.arrive(counters.iterator + tile, split)))
-        cute.arch.sync_threads()
+        self._cta_sync()
         if ptx.lds_f32(flag) != Float32(0.0):
             cute.arch.fence_acq_rel_gpu()
             total = [[(Float32(0.0),) * 4 for _ in range(self.m_tiles)] for _ in range(self.nbw)]
@@ -339,18 +347,27 @@ class Skinny:
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                    warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0,
                    mma: str = "sync", overlap: bool = False, chains: int = 0, weights: str = "ring",
-                   prefetch: int = 0, reduce: str = "global", min_ctas: int = 0):
+                   prefetch: int = 0, reduce: str = "global", min_ctas: int = 0, schedule: str = "grid"):
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
-    are registry parameters with one value per `mma`: "sync" (this kernel) or "wgmma" (the tuning space's
-    decode/skinny_wgmma.py, INT4; `overlap` is its option). `chains`: the mma.sync kernel's accumulation chains
+    are registry parameters with one value per `mma`: "sync" (this kernel), "wgmma" (the tuning space's
+    decode/skinny_wgmma.py, INT4; `overlap` is its option) or "ws" (decode/skinny_ws.py, INT4 g128). `chains`: the mma.sync kernel's accumulation chains
     per token group (0: stream.mma_unit's default). `weights`: "ring" (this kernel: through the shared-memory ring) or
     "regs" (streamed into registers in batches of `prefetch` units: decode/skinny_regs.py, or with "wgmma"
     skinny_wgmma.SkinnyRegsWgmma). `reduce`: how
     split-K CTAs combine (REDUCES; "cluster": mma.sync only, at most decode.plan.CLUSTER_MAX CTAs per tile).
-    `min_ctas` ("regs", mma.sync): CTAs per SM that ptxas must fit (a register bound; 0: none)."""
+    `min_ctas` ("regs", mma.sync): CTAs per SM that ptxas must fit (a register bound; 0: none). `schedule` ("ws"
+    only): "grid" (tiles x split CTAs) or "stream" (persistent stream-K, decode/skinny_ws.py)."""
     from .signature import fake_args, fake_split_args
 
+    if mma == "ws":
+        from . import skinny_ws
+
+        if (fmt, warps, nb_per_warp, weights, reduce, chains, prefetch, overlap, min_ctas) != (
+                "int4", skinny_ws.CONSUMER_WARPS, 1, "ring", "global", 0, 0, False, 0):
+            raise ValueError("the warp-specialized skinny kernel serves INT4 with its own 8 consumer warps of one "
+                             "n-block and no other option")
+        return skinny_ws.make_target(group_size, epilogue, m_tiles, stages, schedule=schedule)
     if mma == "wgmma":
         from . import skinny_wgmma as wg
 
@@ -361,6 +378,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
         shape = (WARPS, NB_PER_WARP)
     else:
         raise ValueError(f"mma must be 'sync' or 'wgmma', got {mma!r}")
+    if schedule != "grid":
+        raise ValueError(f"only the warp-specialized kernel (mma='ws') has a {schedule!r} schedule")
     if weights not in ("ring", "regs"):
         raise ValueError(f"weights must be 'ring' or 'regs', got {weights!r}")
     if reduce == "cluster" and mma != "sync":

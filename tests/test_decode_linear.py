@@ -159,7 +159,7 @@ GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344, 65536)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
 
 
-TUNING_COUNT = 315
+TUNING_COUNT = 333
 
 
 def _router_keys() -> set[str]:
@@ -576,3 +576,33 @@ def test_tile_split_is_tuning_space():
     finally:
         plan.route_tile_variant("")
     assert plan.choose("int4", 128, "residual", 1, 8192, 28672) == down70
+
+
+@pytest.mark.parametrize("tiles,units,ctas", [(16, 32, 1), (16, 32, 5), (16, 32, 37), (16, 32, 132), (16, 32, 512),
+                                              (224, 32, 132), (48, 32, 132), (1, 2, 2), (80, 64, 132)])
+def test_stream_k_shares(tiles, units, ctas):
+    """decode/stream_k.py (the persistent ws kernel's work split): the shares cover every (tile, unit) pair once, each
+    tile's CTAs are exactly those whose shares meet it, and a tile is partial only as the first or last of a share,
+    so two workspace slots per CTA hold every partial without collision."""
+    from decode import stream_k
+
+    pairs = tiles * units
+    covered = []
+    slots = set()
+    for c in range(ctas):
+        a, b = stream_k.start(c, ctas, pairs), stream_k.start(c + 1, ctas, pairs)
+        assert b > a, "every CTA gets work (the plan caps ctas at the pair count)"
+        covered += list(range(a, b))
+        assert all(stream_k.owner(p, ctas, pairs) == c for p in range(a, b))
+        for t in range(a // units, (b - 1) // units + 1):
+            lo, hi = max(a, t * units), min(b, (t + 1) * units)
+            first, last = stream_k.tile_ctas(t, units, ctas, pairs)
+            assert first <= c <= last
+            if hi - lo < units:   # partial: the share's first or last tile
+                assert t in (a // units, (b - 1) // units)
+                slot = 0 if t == stream_k.first_tile(c, units, ctas, pairs) else 1
+                assert (c, slot) not in slots
+                slots.add((c, slot))
+            else:
+                assert first == last == c
+    assert covered == list(range(pairs))

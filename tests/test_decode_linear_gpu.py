@@ -104,7 +104,7 @@ def _run(fmt, stored, x, group, epilogue, r, split=None, kernel="auto", variant=
     n = r.shape[1]
     out = torch.full((x.shape[0], n // 2 if epilogue == "swiglu" else n), float("nan"), dtype=torch.bfloat16,
                      device="cuda")
-    ws = torch.full((32 * n * 64,), float("nan"), device="cuda")
+    ws = torch.full((max(32 * n, 512 * 2 * 128) * 64,), float("nan"), device="cuda")   # stream-K: 2 tiles per CTA
     return run_variant(fmt, x, w, s, group, epilogue, r if epilogue == "residual" else None, kernel, variant,
                        tiles, split, out=out, workspace=ws, warps=warps)
 
@@ -535,6 +535,81 @@ def test_skinny_wgmma_split_k(split, variant):
     _check(y, _reference(x, w_ref, "store", r), f"{variant} split={split}")
     assert torch.equal(y, y2), "split-K result is not deterministic"
     assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+
+
+# the warp-specialized wgmma kernel ("ws", decode/skinny_ws.py): the 8B down (split K, 112 units), a partial last
+# 128-channel tile (N/16 = 131), the 8B QKV and a 2-unit K (a ring longer than the work)
+WS_CASES = [(4096, 14336), (2096, 4096), (6144, 4096), (1024, 256)]
+WS_M = (2, 9, 16, 17, 31, 32, 33, 50, 63, 64)   # every token bucket, partly and wholly filled
+
+
+@pytest.mark.parametrize("variant", ["ws", "wsk"])
+@pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
+@pytest.mark.parametrize("n,k", WS_CASES, ids=[f"{c[0]}x{c[1]}" for c in WS_CASES])
+def test_skinny_ws(n, k, epilogue, variant):
+    """The warp-specialized kernel (grid and stream-K schedules) against float32 x @ dequant(W)^T at odd M in every
+    token bucket, the split the rule picks, NaN-poisoned outputs."""
+    stored, w_ref = _weights("int4", n, k, 128, n + k)
+    for m in WS_M:
+        x, r = _inputs(m, k, n, m + n)
+        y = _run("int4", stored, x, 128, epilogue, r, kernel="skinny", variant=variant)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} {epilogue}")
+
+
+@pytest.mark.parametrize("m", [16, 32, 64])
+@pytest.mark.parametrize("ctas", [1, 5, 37, 132, 512])
+def test_skinny_ws_stream_k(ctas, m):
+    """Stream-K with any CTA count (1: every tile whole in one CTA; 512: one unit per CTA, a tile summed from 32
+    partials): exact, deterministic, the arrival counters left zero."""
+    from futx.ops import split_counters
+
+    n, k = 2048, 4096   # 16 tiles x 32 units
+    stored, w_ref = _weights("int4", n, k, 128, 12)
+    x, r = _inputs(m - 5, k, n, 4)
+    y = _run("int4", stored, x, 128, "swiglu", r, split=ctas, kernel="skinny", variant="wsk")
+    y2 = _run("int4", stored, x, 128, "swiglu", r, split=ctas, kernel="skinny", variant="wsk")
+    torch.cuda.synchronize()
+    _check(y, _reference(x, w_ref, "swiglu", r), f"wsk M={m - 5} ctas={ctas}")
+    assert torch.equal(y, y2), "stream-K result is not deterministic"
+    assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+
+
+@pytest.mark.parametrize("m", [16, 32, 64])
+@pytest.mark.parametrize("split", [1, 2, 3, 7, 32])
+def test_skinny_ws_split_k(split, m):
+    """Every split count (32: one unit per CTA) is exact, deterministic and leaves the arrival counters zero."""
+    from futx.ops import split_counters
+
+    n, k = 2048, 4096
+    stored, w_ref = _weights("int4", n, k, 128, 11)
+    x, r = _inputs(m - 3, k, n, 3)
+    y = _run("int4", stored, x, 128, "residual", r, split=split, kernel="skinny", variant="ws")
+    y2 = _run("int4", stored, x, 128, "residual", r, split=split, kernel="skinny", variant="ws")
+    torch.cuda.synchronize()
+    _check(y, _reference(x, w_ref, "residual", r), f"ws M={m - 3} split={split}")
+    assert torch.equal(y, y2), "split-K result is not deterministic"
+    assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+
+
+def test_skinny_ws_chain_respects_the_dependency():
+    """PDL: the warp-specialized kernel requests its first weights before it waits for the previous kernel; its
+    activations must still be the previous kernel's finished output (a chain into NaN-poisoned buffers)."""
+    from futx.ops.decode_linear import run_variant
+
+    k, m = 2048, 24
+    stored, w_ref = _weights("int4", k, k, 128, 9)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    y, want = x, x.float()
+    for i in range(6):   # the ws kernels (both schedules) alternating with the routed one
+        o = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = run_variant("int4", y, stored[0], stored[1], 128, out=o, kernel=("skinny", "auto", "skinny")[i % 3],
+                        variant=("ws", "", "wsk")[i % 3])
+        want = (want @ w_ref.T).bfloat16().float()
+    torch.cuda.synchronize()
+    assert not torch.isnan(y).any(), "a kernel read its input before the previous kernel wrote it"
+    err = (y.float() - want).abs().max().item()
+    assert err <= 5e-2 * want.abs().max().item(), f"chained projections off by {err:.3g}"
 
 
 # the fused-RMSNorm tile GEMV (M = 1): the 8B QKV and gate/up, the 70B QKV (K = 8192), one n-block with one unit,

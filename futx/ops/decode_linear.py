@@ -72,7 +72,9 @@ def _plan(fmt: str, group: int, epilogue: str, x: torch.Tensor, n: int, kernel: 
                          norm, nblocks)
     if choice.kind == "gemv":
         checks.in_range("tiles", choice.tiles, 1, n // layouts.INT4_WEIGHT.block_n)
-    elif choice.kind == "skinny" or choice.split > 1:
+    elif choice.kind == "skinny":
+        checks.in_range("split", choice.split, 1, plan.skinny_max_split(fmt, group, n, k, choice.variant))
+    elif choice.split > 1:
         checks.in_range("split", choice.split, 1, k // plan.unit_k(fmt, group))
     return choice, get_kernel(choice.key)
 
@@ -95,8 +97,12 @@ def _launch(planned, epilogue: str, x, w, s, residual, n: int, out: Optional[tor
     if choice.kind == "gemv":
         fn(x, w, s, residual, out, choice.tiles)
         return out
-    # split-K partials: [split][n][token bucket] (skinny), [n / 16][split][16] (tile GEMV, M = 1)
-    need = choice.split * n * (1 if choice.kind == "tile" else plan.m_bucket(m)) if choice.split > 1 else 4
+    # split-K partials: [split][n][token bucket] (skinny; stream-K: two 128-channel tiles per CTA), [n / 16][split][16]
+    # (tile GEMV, M = 1)
+    if choice.kind == "skinny":
+        need = plan.skinny_workspace(choice.variant, choice.split, n, m)
+    else:
+        need = choice.split * n if choice.split > 1 else 4
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     elif workspace.numel() < need or workspace.dtype != torch.float32:

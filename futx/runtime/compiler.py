@@ -20,7 +20,8 @@ from typing import Any
 from futx.runtime.dsl_libs import installed_runtime_lib, tvm_ffi_lib_dir
 from futx.runtime.fingerprint import COMPILE_OPTIONS
 from futx.runtime.registry import KernelSpec
-SASS_OPCODES = ("QGMMA", "HGMMA", "HMMA", "LDL", "STL", "LDG.E.128", "LDS", "STS", "SHFL", "BAR")
+SASS_OPCODES = ("QGMMA", "HGMMA", "HMMA", "LDL", "STL", "LDG.E.128", "LDS", "STS", "SHFL", "BAR",
+                "WARPGROUP.DEPBAR")   # a wait per wgmma: ptxas serialized them (e.g. short of registers)
 
 
 def compile_spec(spec: KernelSpec, arch: str = "sm_90a"):
