@@ -606,3 +606,16 @@ def test_stream_k_shares(tiles, units, ctas):
             else:
                 assert first == last == c
     assert covered == list(range(pairs))
+
+
+def test_stream_k_launch_shape_and_workspace():
+    """The persistent ws kernel ("wsk") launches one CTA per SM (fewer for fewer pairs); its split is the CTA count,
+    its workspace two 128-channel partial tiles per CTA."""
+    c = plan.choose("int4", 128, "swiglu", 24, 28672, 4096, 132, kernel="skinny", variant="wsk")
+    assert (c.key, c.split, c.variant) == ("decode.skinny.int4.m32.swiglu.wsk", 132, "wsk")
+    assert plan.skinny_workspace("wsk", c.split, 28672, 24) == 132 * 2 * plan.TILE_N * 32
+    small = plan.choose("int4", 128, "store", 9, 128, 256, 132, kernel="skinny", variant="wsk")
+    assert small.split == 2   # one 128-channel tile x 2 units
+    assert plan.skinny_max_split("int4", 128, 2048, 4096, "wsk") == 16 * 32
+    assert plan.skinny_max_split("int4", 128, 2048, 4096, "ws") == 32
+    assert plan.skinny_workspace("ws", 1, 2048, 20) == 4 and plan.skinny_workspace("ws", 3, 2048, 20) == 3 * 2048 * 32

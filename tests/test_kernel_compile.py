@@ -41,3 +41,27 @@ def test_variant_compiles_for_sm90a(built, spec):
     if spec.module == "decode.skinny" and sass["HGMMA"]:
         # the warpgroup decode kernels keep a unit of wgmma in flight: a wait per MMA means ptxas serialized them
         assert sass["WARPGROUP.DEPBAR"] * 2 < sass["HGMMA"], f"{spec.key}: wgmma serialized in SASS: {sass}"
+
+
+# the warp-specialized INT4 projection (decode/skinny_ws.py, tuning space until measured): both schedules, every token
+# bucket, the SwiGLU epilogue (the most registers)
+WS_KEYS = [f"decode.skinny.int4.m{m}.swiglu.{v}" for m in (16, 32, 64) for v in ("ws", "wsk")]
+
+
+@pytest.fixture(scope="module")
+def ws_built(tmp_path_factory):
+    pytest.importorskip("cutlass")
+    from tuning import tuning_space
+
+    out = tmp_path_factory.mktemp("aot-ws")
+    return tuning_space().build(out, only=",".join(WS_KEYS), arch="sm_90a", jobs=os.cpu_count() or 1,
+                                bundle_runtime=False, progress=False)
+
+
+@pytest.mark.parametrize("key", WS_KEYS)
+def test_warp_specialized_projection_compiles(ws_built, key):
+    """Warpgroup MMA, no spills, and the wgmma kept in flight (ptxas serializes them, one wait each, when the
+    in-flight partials and A operands do not fit its 168 registers)."""
+    sass = ws_built["entries"][key]["sass"]
+    assert sass["HGMMA"] > 0 and sass["LDL"] == 0 and sass["STL"] == 0, f"{key}: {sass}"
+    assert sass["WARPGROUP.DEPBAR"] * 2 < sass["HGMMA"], f"{key}: wgmma serialized: {sass}"
