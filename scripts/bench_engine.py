@@ -7,6 +7,9 @@ weights drawn in the kernel format, BF16 LM head, greedy argmax), each row at po
 random-filled cache; candidates are interleaved round by round and the median of the rounds is reported.
 Floor = bytes one step must read (projections, LM head, the cache rows attended) / 4.36 TB/s.
 
+Options are checked before anything loads; results are written atomically as soon as they exist (--out after
+every point).
+
   python scripts/bench_engine.py --points 1x1024,8x1024,32x4096 --out bench.json --md bench.md --plot bench.png
   python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4   (all 80 layers fit in INT4)
   python scripts/bench_engine.py --weights int4 --cache int4 --tile-variants ring4,ring8,@0
@@ -23,14 +26,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from futx import atomic  # noqa: E402
+from futx.cli import validators  # noqa: E402
+from futx.cli.parser import Parser, RawDefaultsFormatter  # noqa: E402
 from futx.config import PRESETS, RopeScaling, LlamaConfig  # noqa: E402
+from futx.engine.support import MAX_BATCH  # noqa: E402
 
+# torch is imported where it is used, so the options are checked in a blink and on any machine
 HBM_BYTES_PER_S = 4.36e12  # measured read-only ceiling of the H200 (docs/results.md)
 FORMATS = ("int4", "e4m3", "bf16")
+SHAPES = ("llama-3.1-8b", "llama-3.1-70b", *sorted(set(PRESETS) - {"llama-3.1-8b"}))
+PEERS = ("gptfast-int4", "gptfast-bf16", "transformers")   # scripts/decode_peers.py: make_peer
 
 
 def config_for(shape: str, layers: int | None) -> LlamaConfig:
@@ -57,6 +65,8 @@ class Timer:
         self.reps, self.rounds = reps, rounds
 
     def run(self, cands: dict) -> dict:
+        import torch
+
         times = {k: [] for k in cands}
         names = list(cands)
         for fn in cands.values():
@@ -76,9 +86,11 @@ class Timer:
                 for k, v in times.items()}
 
 
-def graph_of(fn, stream, copies: int = 1) -> torch.cuda.CUDAGraph:
+def graph_of(fn, stream, copies: int = 1):
     """One CUDA graph of `copies` back-to-back calls (copies > 1: the graph launch is amortized, and each
     call waits for the previous one as inside a step)."""
+    import torch
+
     with torch.cuda.stream(stream):
         fn()
         fn()
@@ -93,6 +105,8 @@ def graph_of(fn, stream, copies: int = 1) -> torch.cuda.CUDAGraph:
 def breakdown(model, rows: int, timer: Timer, stream) -> dict:
     """Per-layer time vs the layer's ops each timed alone: a graph of 16 back-to-back copies of one op (or of
     the whole layer, or of the final norm + LM head + argmax), replayed; us per copy."""
+    import torch
+
     from futx.engine.backends import KernelOps
 
     ops: KernelOps = model.ops
@@ -128,15 +142,58 @@ def breakdown(model, rows: int, timer: Timer, stream) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama-3.1-8b", help="llama-3.1-8b (default) or llama-3.1-70b")
-    p.add_argument("--layers", type=int, default=None, help="layers (default: the model's; fewer to fit memory)")
-    p.add_argument("--points", default="1x1024,8x1024,32x4096", help="BATCHxCONTEXT,...")
-    p.add_argument("--weights", default=",".join(FORMATS))
-    p.add_argument("--cache", default=",".join(FORMATS))
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=7)
+def points(value: str) -> list[tuple[int, int]]:
+    """BATCHxCONTEXT,... with batch 1..MAX_BATCH (the engine's rows per step) and context >= 1."""
+    out = []
+    for item in value.split(","):
+        b, x, c = item.strip().partition("x")
+        if not (x and b.isdigit() and c.isdigit()):
+            raise argparse.ArgumentTypeError(f"{item!r} is not BATCHxCONTEXT (e.g. 32x4096)")
+        if not 1 <= int(b) <= MAX_BATCH or int(c) < 1:
+            raise argparse.ArgumentTypeError(f"{item}: batch must be in 1..{MAX_BATCH} and context at least 1")
+        out.append((int(b), int(c)))
+    return out
+
+
+def peer_list(value: str) -> list[str]:
+    return validators.choice_list(PEERS)(value) if value else []
+
+
+def plot_file(value: str) -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("matplotlib is not installed (pip install matplotlib)")
+    return validators.output_file(value)
+
+
+class BenchParser(Parser):
+    """The options' own types check each value; parse_args then checks how they combine."""
+
+    def parse_args(self, args=None, namespace=None):
+        a = super().parse_args(args, namespace)
+        pairs = [f"{w}/{c}" for w in a.weights for c in a.cache]
+        if a.breakdown and a.breakdown not in pairs:
+            self.error(f"argument --breakdown: {a.breakdown!r} is not one of the measured formats "
+                       f"{', '.join(pairs)} ('' for none)")
+        if (a.glue or a.tile_variants) and "int4/int4" not in pairs:
+            self.error("argument --glue/--tile-variants: measures int4/int4; add int4 to --weights and --cache")
+        return a
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    p = BenchParser(prog=prog, description=__doc__, formatter_class=RawDefaultsFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES, help="model shape (random weights)")
+    p.add_argument("--layers", type=validators.positive_int, default=None,
+                   help="layers (default: the model's; fewer to fit memory)")
+    p.add_argument("--points", type=points, default="1x1024,8x1024,32x4096", help="BATCHxCONTEXT,...")
+    p.add_argument("--weights", type=validators.choice_list(FORMATS), default=",".join(FORMATS),
+                   help="weight formats, comma-separated")
+    p.add_argument("--cache", type=validators.choice_list(FORMATS), default=",".join(FORMATS),
+                   help="cache formats, comma-separated")
+    p.add_argument("--reps", type=validators.positive_int, default=20, help="graph replays per timing")
+    p.add_argument("--rounds", type=validators.positive_int, default=7,
+                   help="interleaved rounds; the median is reported")
     p.add_argument("--breakdown", default="int4/int4", help="weights/cache whose per-layer breakdown to measure "
                                                            "('' for none)")
     p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
@@ -151,11 +208,20 @@ def main(argv=None) -> int:
                    "from R rows) and a final $V (skinny variant V where the router picks the skinny kernel), e.g. "
                    "'/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3', '$rw': also "
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
-    p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
-    p.add_argument("--out", default=None, help="JSON results")
-    p.add_argument("--md", default=None, help="Markdown table")
-    p.add_argument("--plot", default=None, help="PNG plot of ms per step")
-    a = p.parse_args(argv)
+    p.add_argument("--peers", type=peer_list, default="",
+                   help=f"comma-separated: {', '.join(PEERS)} (scripts/decode_peers.py)")
+    p.add_argument("--out", "--json", dest="out", type=validators.output_file, default=None, help="JSON results")
+    p.add_argument("--md", type=validators.output_file, default=None, help="Markdown table")
+    p.add_argument("--plot", type=plot_file, default=None, help="PNG plot of ms per step (needs matplotlib)")
+    return p
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
 
     from futx.engine import DecodeModel, random_packed
     from futx.engine.cache import EngineCache
@@ -192,8 +258,7 @@ def main(argv=None) -> int:
                                     nblocks, int(fill_min_k or 0), rows_nblocks,
                                     int(rows_w8) if rows_w8 else None, skinny)
     cfg = config_for(a.shape, a.layers)
-    points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
-    wfs, cfs = a.weights.split(","), a.cache.split(",")
+    wfs, cfs = a.weights, a.cache
     timer = Timer(a.reps, a.rounds)
     stream = torch.cuda.Stream()
     t0 = time.perf_counter()
@@ -205,7 +270,7 @@ def main(argv=None) -> int:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": cfg.name,
                "layers": cfg.num_hidden_layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": " ".join(sys.argv), "points": []}
-    for batch, context in points:
+    for batch, context in a.points:
         cap = -(-context // 8) * 8
         caches = {cf: EngineCache(cfg, cf, batch, cap, "cuda") for cf in cfs}
         for i, c in enumerate(caches.values()):
@@ -241,7 +306,7 @@ def main(argv=None) -> int:
         if a.peers:
             from scripts.decode_peers import make_peer
 
-            for name in a.peers.split(","):
+            for name in a.peers:
                 try:
                     peers[name] = make_peer(name, cfg, batch, context)
                     cands[name] = peers[name].replay
@@ -257,9 +322,7 @@ def main(argv=None) -> int:
                 floor = step_bytes(models[key], batch, context) / HBM_BYTES_PER_S * 1e3
                 row.update(floor_ms=floor, of_floor=floor / r["ms"])
             point["rows"].append(row)
-            print(f"B={batch:3d} ctx={context:5d} {name:24s} {r['ms']:8.3f} ms  {row['tokens_per_s']:9.0f} tok/s"
-                  + (f"  {100 * row['of_floor']:5.1f}% of floor {row['floor_ms']:.3f} ms" if "floor_ms" in row
-                     else ""), flush=True)
+            print_row(batch, context, row)
         if a.breakdown:
             wf, cf = a.breakdown.split("/")
             bd = breakdown(models[(wf, cf)], batch, timer, stream)
@@ -276,17 +339,30 @@ def main(argv=None) -> int:
             point.setdefault("breakdown_tile_variants", {})[v] = bd
             print(f"  per layer, tile {v} (us): " + ", ".join(f"{k} {x:.1f}" for k, x in bd.items()), flush=True)
         results["points"].append(point)
+        save(results, a)
         del models, cands, caches, peers, variant_models
         torch.cuda.empty_cache()
-    if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=1))
     md = render(results)
     print(md)
-    if a.md:
-        Path(a.md).write_text(md + "\n")
-    if a.plot:
-        plot(results, a.plot)
+    save(results, a, final=True)
     return 0
+
+
+def print_row(batch: int, context: int, row: dict) -> None:
+    print(f"B={batch:3d} ctx={context:5d} {row['candidate']:24s} {row['ms']:8.3f} ms  {row['tokens_per_s']:9.0f} tok/s"
+          + (f"  {100 * row['of_floor']:5.1f}% of floor {row['floor_ms']:.3f} ms" if "floor_ms" in row else ""),
+          flush=True)
+
+
+def save(results: dict, a: argparse.Namespace, final: bool = False) -> None:
+    """--out after every point (atomically, so a crash later keeps it whole); --md and --plot at the end."""
+    if a.out:
+        atomic.write_text(a.out, json.dumps(results, indent=1))
+    if final and a.md:
+        atomic.write_text(a.md, render(results) + "\n")
+    if final and a.plot:
+        with atomic.replacing(a.plot) as tmp:
+            plot(results, str(tmp))
 
 
 def render(results: dict) -> str:

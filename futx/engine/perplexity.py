@@ -18,13 +18,12 @@ from typing import Callable, Optional
 import torch
 
 from futx.eval.perplexity import PerplexityResult, scored_per_window
+from futx.eval.protocols import ENGINE_PROTOCOLS as PROTOCOLS
 from futx.kvcache import KVCache
 from futx.reference import PackedBatch, forward_hidden, rms_norm
 from futx.reference.weights import ModelWeights
 
 from .model import DecodeModel
-
-PROTOCOLS = ("all-decode", "serving")
 
 
 def _nll(hidden: torch.Tensor, targets: torch.Tensor, head: ModelWeights) -> torch.Tensor:
