@@ -1,14 +1,16 @@
 """Whole-model decode step on the H200 (`futx bench decode`): ms per step of the kernel-path engine for every
 weight x cache format at several (batch, context) points, against the bytes floor, per-layer breakdown,
-and the peers in the same process.
+and the peers (scripts/decode_peers.py).
 
 Every candidate is one CUDA graph of the complete step (32 layers of the Llama-3.1-8B shape with random
 weights drawn in the kernel format, BF16 LM head, greedy argmax), each row at position context - 1 of a
 random-filled cache; candidates are interleaved round by round and the median of the rounds is reported.
 Floor = bytes one step must read (projections, LM head, the cache rows attended) / 4.36 TB/s.
 
-Options are checked before anything loads; results are written atomically as soon as they exist (--out after
-every point).
+The engine's points are measured (and --out written) first; each peer then runs at each point in a process of
+its own, so a peer that fails, even with a device-side assert that ends its CUDA context, costs only its own
+row ("peer failed: <reason>"). Options are checked before anything loads; results are written atomically as
+soon as they exist (--out after every point).
 
   python scripts/bench_engine.py --points 1x1024,8x1024,32x4096 --out bench.json --md bench.md --plot bench.png
   python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4   (all 80 layers fit in INT4)
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -209,7 +212,10 @@ def build_parser(prog: str | None = None) -> Parser:
                    "'/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3', '$rw': also "
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
     p.add_argument("--peers", type=peer_list, default="",
-                   help=f"comma-separated: {', '.join(PEERS)} (scripts/decode_peers.py)")
+                   help=f"comma-separated, each timed in a process of its own after the engine: {', '.join(PEERS)} "
+                        "(scripts/decode_peers.py)")
+    p.add_argument("--peer-timeout", type=validators.positive_int, default=1800,
+                   help="seconds one peer may take at one point")
     p.add_argument("--out", "--json", dest="out", type=validators.output_file, default=None, help="JSON results")
     p.add_argument("--md", type=validators.output_file, default=None, help="Markdown table")
     p.add_argument("--plot", type=plot_file, default=None, help="PNG plot of ms per step (needs matplotlib)")
@@ -302,17 +308,6 @@ def run(a: argparse.Namespace) -> int:
                 plan.route_tile_variant("")
             variant_models[v] = m
             cands[f"int4/int4 tile {v}"] = lambda g=g: g.replay(batch)
-        peers = {}
-        if a.peers:
-            from scripts.decode_peers import make_peer
-
-            for name in a.peers:
-                try:
-                    peers[name] = make_peer(name, cfg, batch, context)
-                    cands[name] = peers[name].replay
-                except Exception as exc:  # noqa: BLE001 - report and keep measuring the others
-                    print(f"peer {name} unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-                          flush=True)
         t = timer.run(cands)
         point = {"batch": batch, "context": context, "rows": []}
         for name, r in t.items():
@@ -340,15 +335,47 @@ def run(a: argparse.Namespace) -> int:
             print(f"  per layer, tile {v} (us): " + ", ".join(f"{k} {x:.1f}" for k, x in bd.items()), flush=True)
         results["points"].append(point)
         save(results, a)
-        del models, cands, caches, peers, variant_models
+        del models, cands, caches, variant_models
         torch.cuda.empty_cache()
+    # Peers after every engine measurement is recorded, each in its own process (see the module's docstring).
+    for point in results["points"]:
+        for name in a.peers:
+            row = measure_peer(name, a, point["batch"], point["context"])
+            point["rows"].append(row)
+            print_row(point["batch"], point["context"], row)
+            save(results, a)
     md = render(results)
     print(md)
     save(results, a, final=True)
     return 0
 
 
+def measure_peer(name: str, a: argparse.Namespace, batch: int, context: int) -> dict:
+    """A peer's row at one point, timed by `python scripts/decode_peers.py` in a child process; a failure (an
+    exception, a crash, a timeout) is the row's "failed" reason."""
+    cmd = [sys.executable, str(Path(__file__).with_name("decode_peers.py")), name, "--shape", a.shape,
+           "--point", f"{batch}x{context}", "--reps", str(a.reps), "--rounds", str(a.rounds)]
+    if a.layers is not None:
+        cmd += ["--layers", str(a.layers)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.peer_timeout)
+    except subprocess.TimeoutExpired:
+        return {"candidate": name, "failed": f"no result within --peer-timeout {a.peer_timeout} s"}
+    if proc.returncode == 0:
+        try:
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            return {"candidate": name, "ms": r["ms"], "spread": r["spread"], "tokens_per_s": batch / r["ms"] * 1e3}
+        except (IndexError, KeyError, ValueError):
+            pass
+    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    reason = lines[-1].strip()[:300] if lines else f"exit status {proc.returncode}"
+    return {"candidate": name, "failed": reason}
+
+
 def print_row(batch: int, context: int, row: dict) -> None:
+    if "failed" in row:
+        print(f"B={batch:3d} ctx={context:5d} {row['candidate']:24s} peer failed: {row['failed']}", flush=True)
+        return
     print(f"B={batch:3d} ctx={context:5d} {row['candidate']:24s} {row['ms']:8.3f} ms  {row['tokens_per_s']:9.0f} tok/s"
           + (f"  {100 * row['of_floor']:5.1f}% of floor {row['floor_ms']:.3f} ms" if "floor_ms" in row else ""),
           flush=True)
@@ -371,6 +398,11 @@ def render(results: dict) -> str:
              "|---:|---:|---|---:|---:|---:|---:|"]
     for pt in results["points"]:
         for r in pt["rows"]:
+            if "failed" in r:
+                reason = r["failed"].replace("|", "/")
+                lines.append(f"| {pt['batch']} | {pt['context']} | {r['candidate']} | peer failed: {reason} "
+                             "| – | – | – |")
+                continue
             fl = f"{r['floor_ms']:.3f} | {100 * r['of_floor']:.0f}%" if "floor_ms" in r else "– | –"
             lines.append(f"| {pt['batch']} | {pt['context']} | {r['candidate']} | {r['ms']:.3f} | "
                          f"{r['tokens_per_s']:.0f} | {fl} |")
@@ -393,9 +425,10 @@ def plot(results: dict, path: str) -> None:
     pts = results["points"]
     fig, axes = plt.subplots(1, len(pts), figsize=(5 * len(pts), 4), squeeze=False)
     for ax, pt in zip(axes[0], pts):
-        names = [r["candidate"] for r in pt["rows"]]
-        ax.barh(names, [r["ms"] for r in pt["rows"]], color="tab:blue", label="measured")
-        ax.barh(names, [r.get("floor_ms", 0) for r in pt["rows"]], color="tab:gray", alpha=0.6, label="bytes floor")
+        rows = [r for r in pt["rows"] if "ms" in r]   # a failed peer has no bar
+        names = [r["candidate"] for r in rows]
+        ax.barh(names, [r["ms"] for r in rows], color="tab:blue", label="measured")
+        ax.barh(names, [r.get("floor_ms", 0) for r in rows], color="tab:gray", alpha=0.6, label="bytes floor")
         ax.set_title(f"B={pt['batch']}, context {pt['context']}")
         ax.set_xlabel("ms per step")
         ax.invert_yaxis()
