@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from futx import gpus
+from futx.checkpoint import resolve
 from futx.engine.support import CACHE_FORMATS, INT4_GROUPS, MAX_BATCH, WEIGHT_FORMATS
 
 from . import validators as v
@@ -60,8 +61,6 @@ def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None
 def check_model_options(args: argparse.Namespace) -> None:
     """The default model must be at hand (an explicit --model was checked as it was parsed)."""
     if args.model is None:
-        from futx.checkpoint import resolve
-
         resolve(None)
 
 

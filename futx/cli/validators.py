@@ -11,10 +11,11 @@ from argparse import ArgumentTypeError
 from typing import Callable, Iterable, Optional
 
 from futx import files, gpus
+from futx.checkpoint import resolve
 
 
 def _checked(check: Callable[[str], object], name: str) -> Callable[[str], str]:
-    """A type that runs `check` (a futx.files check raising ValueError) and keeps the string."""
+    """A type that runs `check` (raising ValueError, as futx.files does) and keeps the string."""
 
     def parse(value: str) -> str:
         try:
@@ -31,6 +32,8 @@ input_file = _checked(files.input_file, "input_file")
 text_file = _checked(files.read_text, "text_file")      # UTF-8: the message names the first bad byte
 output_file = _checked(files.output_file, "output_file")
 output_dir = _checked(files.output_dir, "output_dir")
+# a checkpoint directory, a .gguf file, a packed directory or a known model name
+model = _checked(resolve, "model")
 
 
 def int_in(lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
@@ -86,17 +89,6 @@ def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
 def nonempty(value: str) -> str:
     if not value.strip():
         raise ArgumentTypeError("must not be empty")
-    return value
-
-
-def model(value: str) -> str:
-    """A checkpoint directory, a .gguf file, a packed directory or a known model name (futx.checkpoint)."""
-    from futx.checkpoint import resolve
-
-    try:
-        resolve(value)
-    except ValueError as e:
-        raise ArgumentTypeError(str(e)) from None
     return value
 
 
