@@ -44,6 +44,7 @@ CASES = {
         (["--device", "cuda:7"], "--device"),
         (["--batch-size", "0"], "--batch-size"),
         (["--window", "1"], "--window"),
+        (["--window", "3", "--protocol", "gptq", "serving", "--text", "{text}"], "--window"),
         (["--max-windows", "0"], "--max-windows"),
         (["--decode-chunk", "0"], "--decode-chunk"),
         (["--max-batch", "0"], "--max-batch"),

@@ -49,6 +49,8 @@ def validate(args: argparse.Namespace) -> None:
             files.read_text(args.text)
         except ValueError as e:
             raise ValueError(f"--text (default): {e}") from None
+    if "serving" in args.protocol and args.window < 4:   # half prefilled, the rest decoded: w/2 - 1 scored
+        raise ValueError(f"--window {args.window} scores no token under --protocol serving (it needs at least 4)")
     check_model_options(args)
     check_engine_options(args)
     if args.backend != "reference":
