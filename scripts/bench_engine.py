@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -367,9 +368,15 @@ def measure_peer(name: str, a: argparse.Namespace, batch: int, context: int) -> 
             return {"candidate": name, "ms": r["ms"], "spread": r["spread"], "tokens_per_s": batch / r["ms"] * 1e3}
         except (IndexError, KeyError, ValueError):
             pass
-    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-    reason = lines[-1].strip()[:300] if lines else f"exit status {proc.returncode}"
-    return {"candidate": name, "failed": reason}
+    return {"candidate": name, "failed": failure_reason(proc.stderr + proc.stdout) or f"exit status {proc.returncode}"}
+
+
+def failure_reason(output: str) -> str:
+    """The line of a failed child's output that says why: its exception's (torch follows a CUDA error with
+    advice lines), else its last line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception|Interrupt)\b", ln)]
+    return (errors or lines or [""])[-1][:300]
 
 
 def print_row(batch: int, context: int, row: dict) -> None:

@@ -65,6 +65,17 @@ def test_a_failing_peer_is_a_row_and_the_engines_rows_stay(tmp_path, capsys):
     assert "gptfast-int4" in capsys.readouterr().out
 
 
+def test_a_peer_failure_reason_is_its_exception_line():
+    cuda_assert = ("/pytorch/aten/src/ATen/native/cuda/IndexKernel.cu:111: Assertion `idx < size` failed.\n"
+                   "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                   "RuntimeError: CUDA error: device-side assert triggered\n"
+                   "CUDA kernel errors might be asynchronously reported at some other API call.\n"
+                   "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+    assert bench_engine.failure_reason(cuda_assert) == "RuntimeError: CUDA error: device-side assert triggered"
+    assert bench_engine.failure_reason("the peers need a CUDA GPU\n") == "the peers need a CUDA GPU"
+    assert bench_engine.failure_reason("") == ""
+
+
 def test_bench_options_are_checked_without_torch_or_a_gpu():
     a = bench_engine.build_parser().parse_args(["--points", "1x1024,64x1024", "--weights", "int4", "--cache",
                                                 "int4,bf16", "--peers", "gptfast-int4,transformers"])
