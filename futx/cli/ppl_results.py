@@ -44,5 +44,5 @@ class RunningResults:
             print(self.table(model, text), flush=True)
         done = ", ".join(f"{p} {r.windows}" for p, r in self.results.items()) or "none"
         where = f"; partial results in {self.json_path}" if self.json_path and self.results else ""
-        print(f"{command}: interrupted: windows scored of {self.planned}: {done}{where}", file=sys.stderr)
+        print(f"{command}: interrupted; windows scored so far (of {self.planned}): {done}{where}", file=sys.stderr)
         return 130
