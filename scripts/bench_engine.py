@@ -1,11 +1,16 @@
 """Whole-model decode step on the H200 (`futx bench decode`): ms per step of the kernel-path engine for every
 weight x cache format at several (batch, context) points, against the bytes floor, per-layer breakdown,
-and the peers in the same process.
+and the peers (scripts/decode_peers.py).
 
 Every candidate is one CUDA graph of the complete step (32 layers of the Llama-3.1-8B shape with random
 weights drawn in the kernel format, BF16 LM head, greedy argmax), each row at position context - 1 of a
 random-filled cache; candidates are interleaved round by round and the median of the rounds is reported.
 Floor = bytes one step must read (projections, LM head, the cache rows attended) / 4.36 TB/s.
+
+The engine's points are measured (and --out written) first; each peer then runs at each point in a process of
+its own, so a peer that fails, even with a device-side assert that ends its CUDA context, costs only its own
+row ("peer failed: <reason>"). Options are checked before anything loads; results are written atomically as
+soon as they exist (--out after every point).
 
   python scripts/bench_engine.py --points 1x1024,8x1024,32x4096 --out bench.json --md bench.md --plot bench.png
   python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4   (all 80 layers fit in INT4)
@@ -18,19 +23,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from futx import atomic  # noqa: E402
+from futx.cli import validators  # noqa: E402
+from futx.cli.parser import Parser, RawDefaultsFormatter  # noqa: E402
 from futx.config import PRESETS, RopeScaling, LlamaConfig  # noqa: E402
+from futx.engine.support import MAX_BATCH  # noqa: E402
 
+# torch is imported where it is used, so the options are checked in a blink and on any machine
 HBM_BYTES_PER_S = 4.36e12  # measured read-only ceiling of the H200 (docs/results.md)
 FORMATS = ("int4", "e4m3", "bf16")
+SHAPES = ("llama-3.1-8b", "llama-3.1-70b", *sorted(set(PRESETS) - {"llama-3.1-8b"}))
+PEERS = ("gptfast-int4", "gptfast-bf16", "transformers")   # scripts/decode_peers.py: make_peer
 
 
 def config_for(shape: str, layers: int | None) -> LlamaConfig:
@@ -57,6 +69,8 @@ class Timer:
         self.reps, self.rounds = reps, rounds
 
     def run(self, cands: dict) -> dict:
+        import torch
+
         times = {k: [] for k in cands}
         names = list(cands)
         for fn in cands.values():
@@ -76,9 +90,11 @@ class Timer:
                 for k, v in times.items()}
 
 
-def graph_of(fn, stream, copies: int = 1) -> torch.cuda.CUDAGraph:
+def graph_of(fn, stream, copies: int = 1):
     """One CUDA graph of `copies` back-to-back calls (copies > 1: the graph launch is amortized, and each
     call waits for the previous one as inside a step)."""
+    import torch
+
     with torch.cuda.stream(stream):
         fn()
         fn()
@@ -93,6 +109,8 @@ def graph_of(fn, stream, copies: int = 1) -> torch.cuda.CUDAGraph:
 def breakdown(model, rows: int, timer: Timer, stream) -> dict:
     """Per-layer time vs the layer's ops each timed alone: a graph of 16 back-to-back copies of one op (or of
     the whole layer, or of the final norm + LM head + argmax), replayed; us per copy."""
+    import torch
+
     from futx.engine.backends import KernelOps
 
     ops: KernelOps = model.ops
@@ -128,15 +146,58 @@ def breakdown(model, rows: int, timer: Timer, stream) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama-3.1-8b", help="llama-3.1-8b (default) or llama-3.1-70b")
-    p.add_argument("--layers", type=int, default=None, help="layers (default: the model's; fewer to fit memory)")
-    p.add_argument("--points", default="1x1024,8x1024,32x4096", help="BATCHxCONTEXT,...")
-    p.add_argument("--weights", default=",".join(FORMATS))
-    p.add_argument("--cache", default=",".join(FORMATS))
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=7)
+def points(value: str) -> list[tuple[int, int]]:
+    """BATCHxCONTEXT,... with batch 1..MAX_BATCH (the engine's rows per step) and context >= 1."""
+    out = []
+    for item in value.split(","):
+        b, x, c = item.strip().partition("x")
+        if not (x and b.isdigit() and c.isdigit()):
+            raise argparse.ArgumentTypeError(f"{item!r} is not BATCHxCONTEXT (e.g. 32x4096)")
+        if not 1 <= int(b) <= MAX_BATCH or int(c) < 1:
+            raise argparse.ArgumentTypeError(f"{item}: batch must be in 1..{MAX_BATCH} and context at least 1")
+        out.append((int(b), int(c)))
+    return out
+
+
+def peer_list(value: str) -> list[str]:
+    return validators.choice_list(PEERS)(value) if value else []
+
+
+def plot_file(value: str) -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("matplotlib is not installed (pip install matplotlib)")
+    return validators.output_file(value)
+
+
+class BenchParser(Parser):
+    """The options' own types check each value; parse_args then checks how they combine."""
+
+    def parse_args(self, args=None, namespace=None):
+        a = super().parse_args(args, namespace)
+        pairs = [f"{w}/{c}" for w in a.weights for c in a.cache]
+        if a.breakdown and a.breakdown not in pairs:
+            self.error(f"argument --breakdown: {a.breakdown!r} is not one of the measured formats "
+                       f"{', '.join(pairs)} ('' for none)")
+        if (a.glue or a.tile_variants) and "int4/int4" not in pairs:
+            self.error("argument --glue/--tile-variants: measures int4/int4; add int4 to --weights and --cache")
+        return a
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    p = BenchParser(prog=prog, description=__doc__, formatter_class=RawDefaultsFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES, help="model shape (random weights)")
+    p.add_argument("--layers", type=validators.positive_int, default=None,
+                   help="layers (default: the model's; fewer to fit memory)")
+    p.add_argument("--points", type=points, default="1x1024,8x1024,32x4096", help="BATCHxCONTEXT,...")
+    p.add_argument("--weights", type=validators.choice_list(FORMATS), default=",".join(FORMATS),
+                   help="weight formats, comma-separated")
+    p.add_argument("--cache", type=validators.choice_list(FORMATS), default=",".join(FORMATS),
+                   help="cache formats, comma-separated")
+    p.add_argument("--reps", type=validators.positive_int, default=20, help="graph replays per timing")
+    p.add_argument("--rounds", type=validators.positive_int, default=7,
+                   help="interleaved rounds; the median is reported")
     p.add_argument("--breakdown", default="int4/int4", help="weights/cache whose per-layer breakdown to measure "
                                                            "('' for none)")
     p.add_argument("--glue", action="store_true", help="also the step with the RMSNorm row factor as its own kernel "
@@ -151,11 +212,23 @@ def main(argv=None) -> int:
                    "from R rows) and a final $V (skinny variant V where the router picks the skinny kernel), e.g. "
                    "'/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3', '$rw': also "
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
-    p.add_argument("--peers", default="", help="comma-separated: gptfast-int4, gptfast-bf16 (scripts/decode_peers.py)")
-    p.add_argument("--out", default=None, help="JSON results")
-    p.add_argument("--md", default=None, help="Markdown table")
-    p.add_argument("--plot", default=None, help="PNG plot of ms per step")
-    a = p.parse_args(argv)
+    p.add_argument("--peers", type=peer_list, default="",
+                   help=f"comma-separated, each timed in a process of its own after the engine: {', '.join(PEERS)} "
+                        "(scripts/decode_peers.py)")
+    p.add_argument("--peer-timeout", type=validators.positive_int, default=1800,
+                   help="seconds one peer may take at one point")
+    p.add_argument("--out", "--json", dest="out", type=validators.output_file, default=None, help="JSON results")
+    p.add_argument("--md", type=validators.output_file, default=None, help="Markdown table")
+    p.add_argument("--plot", type=plot_file, default=None, help="PNG plot of ms per step (needs matplotlib)")
+    return p
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
 
     from futx.engine import DecodeModel, random_packed
     from futx.engine.cache import EngineCache
@@ -192,8 +265,7 @@ def main(argv=None) -> int:
                                     nblocks, int(fill_min_k or 0), rows_nblocks,
                                     int(rows_w8) if rows_w8 else None, skinny)
     cfg = config_for(a.shape, a.layers)
-    points = [tuple(int(v) for v in s.split("x")) for s in a.points.split(",")]
-    wfs, cfs = a.weights.split(","), a.cache.split(",")
+    wfs, cfs = a.weights, a.cache
     timer = Timer(a.reps, a.rounds)
     stream = torch.cuda.Stream()
     t0 = time.perf_counter()
@@ -205,7 +277,7 @@ def main(argv=None) -> int:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": cfg.name,
                "layers": cfg.num_hidden_layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": " ".join(sys.argv), "points": []}
-    for batch, context in points:
+    for batch, context in a.points:
         cap = -(-context // 8) * 8
         caches = {cf: EngineCache(cfg, cf, batch, cap, "cuda") for cf in cfs}
         for i, c in enumerate(caches.values()):
@@ -237,17 +309,6 @@ def main(argv=None) -> int:
                 plan.route_tile_variant("")
             variant_models[v] = m
             cands[f"int4/int4 tile {v}"] = lambda g=g: g.replay(batch)
-        peers = {}
-        if a.peers:
-            from scripts.decode_peers import make_peer
-
-            for name in a.peers.split(","):
-                try:
-                    peers[name] = make_peer(name, cfg, batch, context)
-                    cands[name] = peers[name].replay
-                except Exception as exc:  # noqa: BLE001 - report and keep measuring the others
-                    print(f"peer {name} unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-                          flush=True)
         t = timer.run(cands)
         point = {"batch": batch, "context": context, "rows": []}
         for name, r in t.items():
@@ -257,9 +318,7 @@ def main(argv=None) -> int:
                 floor = step_bytes(models[key], batch, context) / HBM_BYTES_PER_S * 1e3
                 row.update(floor_ms=floor, of_floor=floor / r["ms"])
             point["rows"].append(row)
-            print(f"B={batch:3d} ctx={context:5d} {name:24s} {r['ms']:8.3f} ms  {row['tokens_per_s']:9.0f} tok/s"
-                  + (f"  {100 * row['of_floor']:5.1f}% of floor {row['floor_ms']:.3f} ms" if "floor_ms" in row
-                     else ""), flush=True)
+            print_row(batch, context, row)
         if a.breakdown:
             wf, cf = a.breakdown.split("/")
             bd = breakdown(models[(wf, cf)], batch, timer, stream)
@@ -276,17 +335,68 @@ def main(argv=None) -> int:
             point.setdefault("breakdown_tile_variants", {})[v] = bd
             print(f"  per layer, tile {v} (us): " + ", ".join(f"{k} {x:.1f}" for k, x in bd.items()), flush=True)
         results["points"].append(point)
-        del models, cands, caches, peers, variant_models
+        save(results, a)
+        del models, cands, caches, variant_models
         torch.cuda.empty_cache()
-    if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=1))
+    # Peers after every engine measurement is recorded, each in its own process (see the module's docstring).
+    for point in results["points"]:
+        for name in a.peers:
+            row = measure_peer(name, a, point["batch"], point["context"])
+            point["rows"].append(row)
+            print_row(point["batch"], point["context"], row)
+            save(results, a)
     md = render(results)
     print(md)
-    if a.md:
-        Path(a.md).write_text(md + "\n")
-    if a.plot:
-        plot(results, a.plot)
+    save(results, a, final=True)
     return 0
+
+
+def measure_peer(name: str, a: argparse.Namespace, batch: int, context: int) -> dict:
+    """A peer's row at one point, timed by `python scripts/decode_peers.py` in a child process; a failure (an
+    exception, a crash, a timeout) is the row's "failed" reason."""
+    cmd = [sys.executable, str(Path(__file__).with_name("decode_peers.py")), name, "--shape", a.shape,
+           "--point", f"{batch}x{context}", "--reps", str(a.reps), "--rounds", str(a.rounds)]
+    if a.layers is not None:
+        cmd += ["--layers", str(a.layers)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.peer_timeout)
+    except subprocess.TimeoutExpired:
+        return {"candidate": name, "failed": f"no result within --peer-timeout {a.peer_timeout} s"}
+    if proc.returncode == 0:
+        try:
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            return {"candidate": name, "ms": r["ms"], "spread": r["spread"], "tokens_per_s": batch / r["ms"] * 1e3}
+        except (IndexError, KeyError, ValueError):
+            pass
+    return {"candidate": name, "failed": failure_reason(proc.stderr + proc.stdout) or f"exit status {proc.returncode}"}
+
+
+def failure_reason(output: str) -> str:
+    """The line of a failed child's output that says why: its exception's (torch follows a CUDA error with
+    advice lines), else its last line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception|Interrupt)\b", ln)]
+    return (errors or lines or [""])[-1][:300]
+
+
+def print_row(batch: int, context: int, row: dict) -> None:
+    if "failed" in row:
+        print(f"B={batch:3d} ctx={context:5d} {row['candidate']:24s} peer failed: {row['failed']}", flush=True)
+        return
+    print(f"B={batch:3d} ctx={context:5d} {row['candidate']:24s} {row['ms']:8.3f} ms  {row['tokens_per_s']:9.0f} tok/s"
+          + (f"  {100 * row['of_floor']:5.1f}% of floor {row['floor_ms']:.3f} ms" if "floor_ms" in row else ""),
+          flush=True)
+
+
+def save(results: dict, a: argparse.Namespace, final: bool = False) -> None:
+    """--out after every point (atomically, so a crash later keeps it whole); --md and --plot at the end."""
+    if a.out:
+        atomic.write_text(a.out, json.dumps(results, indent=1))
+    if final and a.md:
+        atomic.write_text(a.md, render(results) + "\n")
+    if final and a.plot:
+        with atomic.replacing(a.plot) as tmp:
+            plot(results, str(tmp))
 
 
 def render(results: dict) -> str:
@@ -295,6 +405,11 @@ def render(results: dict) -> str:
              "|---:|---:|---|---:|---:|---:|---:|"]
     for pt in results["points"]:
         for r in pt["rows"]:
+            if "failed" in r:
+                reason = r["failed"].replace("|", "/")
+                lines.append(f"| {pt['batch']} | {pt['context']} | {r['candidate']} | peer failed: {reason} "
+                             "| – | – | – |")
+                continue
             fl = f"{r['floor_ms']:.3f} | {100 * r['of_floor']:.0f}%" if "floor_ms" in r else "– | –"
             lines.append(f"| {pt['batch']} | {pt['context']} | {r['candidate']} | {r['ms']:.3f} | "
                          f"{r['tokens_per_s']:.0f} | {fl} |")
@@ -317,9 +432,10 @@ def plot(results: dict, path: str) -> None:
     pts = results["points"]
     fig, axes = plt.subplots(1, len(pts), figsize=(5 * len(pts), 4), squeeze=False)
     for ax, pt in zip(axes[0], pts):
-        names = [r["candidate"] for r in pt["rows"]]
-        ax.barh(names, [r["ms"] for r in pt["rows"]], color="tab:blue", label="measured")
-        ax.barh(names, [r.get("floor_ms", 0) for r in pt["rows"]], color="tab:gray", alpha=0.6, label="bytes floor")
+        rows = [r for r in pt["rows"] if "ms" in r]   # a failed peer has no bar
+        names = [r["candidate"] for r in rows]
+        ax.barh(names, [r["ms"] for r in rows], color="tab:blue", label="measured")
+        ax.barh(names, [r.get("floor_ms", 0) for r in rows], color="tab:gray", alpha=0.6, label="bytes floor")
         ax.set_title(f"B={pt['batch']}, context {pt['context']}")
         ax.set_xlabel("ms per step")
         ax.invert_yaxis()

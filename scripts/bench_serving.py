@@ -1,6 +1,6 @@
 """End-to-end serving throughput of `futx serve`'s scheduler on a synthetic request stream (issue 12, part 5).
 
-The engine `futx serve` builds (futx.serve.cli.build_serving_engine), with random weights instead of a
+The engine `futx serve` builds (futx.cli.models.build_serving_engine), with random weights instead of a
 checkpoint: a DecodeModel over INT4 decode weights drawn in the kernel format (futx.engine.random_packed,
 as scripts/bench_engine.py), an INT4 cache, CUDA graphs (GraphSteps) and the kernel prefill
 (futx.engine.prefill.PrefillModel) in E4M3, its chunks replayed as CUDA graphs (PrefillGraphs), whose random weights come from an E4M3 `random_packed` model

@@ -1,4 +1,10 @@
-"""Peers of the decode engine for scripts/bench_engine.py, timed in the same process.
+"""Peers of the decode engine for scripts/bench_engine.py, each timed in a process of its own:
+
+  python scripts/decode_peers.py gptfast-int4 --point 64x1024 [--shape S --layers L --reps R --rounds N]
+
+prints one JSON line {"ms", "spread"} (bench_engine.Timer over CUDA-graph replays). A process per peer: a
+second compiled peer in one process (new shapes after a graph capture) hit a device-side index assert on the
+H200, and such an assert ends the whole CUDA context, the engine's graphs included.
 
 transformers: see TransformersPeer (BF16, static cache, compiled with CUDA graphs).
 
@@ -11,15 +17,27 @@ final norm, LM head, argmax) captured as one CUDA graph. Weights are random (spe
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 GROUP = 128
+INNER_K_TILES = 8   # tinygemm's packing: K must be a multiple of INNER_K_TILES * 16
 
 
 def _int4_weight(n: int, k: int, gen) -> tuple:
-    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=gen.device, generator=gen)
-    wp = torch.ops.aten._convert_weight_to_int4pack(q, 8)
+    """tinygemm's packed INT4 (the CUDA layout, or on the CPU the CPU kernel's own) and its scales/zeros."""
+    if gen.device.type == "cuda":
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=gen.device, generator=gen)
+        wp = torch.ops.aten._convert_weight_to_int4pack(q, INNER_K_TILES)
+    else:
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, device=gen.device, generator=gen)
+        wp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
     sz = (torch.rand(k // GROUP, n, 2, device=gen.device, generator=gen) * 0.01).bfloat16()
     return (wp, sz)
 
@@ -29,11 +47,31 @@ def _bf16_weight(n: int, k: int, gen) -> tuple:
 
 
 def _linear(x, w: tuple):
-    return torch._weight_int4pack_mm(x, w[0], GROUP, w[1]) if len(w) == 2 else F.linear(x, w[0])
+    if len(w) == 1:
+        return F.linear(x, w[0])
+    if x.device.type == "cuda":
+        return torch._weight_int4pack_mm(x, w[0], GROUP, w[1])
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], GROUP, w[1])
+
+
+def check_shapes(fmt: str, cfg, batch: int, context: int) -> None:
+    """ValueError for a point or a model the peer cannot run, before anything is allocated or launched."""
+    if batch < 1 or context < 1:
+        raise ValueError(f"batch and context must be positive, got {batch}x{context}")
+    if fmt == "int4":
+        c = cfg
+        for name, n, k in (("qkv", c.qkv_size, c.hidden_size), ("o", c.hidden_size, c.q_size),
+                           ("gate/up", 2 * c.intermediate_size, c.hidden_size),
+                           ("down", c.hidden_size, c.intermediate_size)):
+            if k % (INNER_K_TILES * 16) or k % GROUP or n % 8:
+                raise ValueError(f"{name}: K = {k} must be a multiple of {INNER_K_TILES * 16} and {GROUP}, N = {n} "
+                                 "of 8 for torch._weight_int4pack_mm")
 
 
 class GptFastPeer:
-    def __init__(self, fmt: str, cfg, batch: int, context: int, device: str = "cuda", capture: bool = True):
+    def __init__(self, fmt: str, cfg, batch: int, context: int, device: str = "cuda", capture: bool = True,
+                 compile: bool = True):
+        check_shapes(fmt, cfg, batch, context)
         gen = torch.Generator(device=device).manual_seed(0)
         make = _int4_weight if fmt == "int4" else _bf16_weight
         c = cfg
@@ -80,7 +118,8 @@ class GptFastPeer:
             gu = _linear(rms(x), w13_w)
             return x + _linear(F.silu(gu[:, :i]) * gu[:, i:], w2_w)
 
-        compiled = torch.compile(layer, fullgraph=True, dynamic=False)  # one graph serves every layer
+        # one graph serves every layer
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False) if compile else layer
 
         def step():
             x = self.embed[self.tokens]
@@ -89,6 +128,8 @@ class GptFastPeer:
             self.next.copy_((rms(x) @ self.head.T).argmax(-1))
 
         self.step = step
+        self.rows, self.cos_t = rows, cos_t
+        self.check_inputs()
         if not capture:
             return
         stream = torch.cuda.Stream()
@@ -100,6 +141,19 @@ class GptFastPeer:
         with torch.cuda.graph(self.graph, stream=stream):
             step()
         torch.cuda.synchronize()
+
+    def check_inputs(self) -> None:
+        """Every index the step gathers or scatters with, checked on the host before the first launch: an
+        out-of-range index on the GPU is a device-side assert, which no later call in the process survives."""
+        vocab, cap = self.embed.shape[0], self.cos_t.shape[0]
+        batch, kc = self.tokens.shape[0], self.layers[0][4]
+        checks = (("token ids", self.tokens, vocab), ("positions", self.pos, min(cap, kc.shape[2])),
+                  ("cache rows", self.rows, kc.shape[0]))
+        for what, idx, bound in checks:
+            lo, hi = int(idx.min()), int(idx.max())
+            if idx.shape[0] != batch or lo < 0 or hi >= bound:
+                raise ValueError(f"{what}: {idx.shape[0]} values in {lo}..{hi}; the step needs {batch} in "
+                                 f"0..{bound - 1}")
 
     def replay(self) -> None:
         self.graph.replay()
@@ -150,3 +204,33 @@ def make_peer(name: str, cfg, batch: int, context: int):
     if name == "transformers":
         return TransformersPeer(cfg, batch, context)
     raise ValueError(f"unknown peer {name!r}: gptfast-int4, gptfast-bf16, transformers")
+
+
+def main(argv=None) -> int:
+    """Time one peer at one point (bench_engine.measure_peer runs this in a child process)."""
+    from scripts.bench_engine import PEERS, SHAPES, Timer, config_for, points
+
+    from futx.cli import validators
+    from futx.cli.parser import Parser
+
+    p = Parser(prog="decode_peers.py", description=main.__doc__)
+    p.add_argument("peer", choices=PEERS, help="which peer")
+    p.add_argument("--point", type=points, required=True, help="BATCHxCONTEXT")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES, help="model shape")
+    p.add_argument("--layers", type=validators.positive_int, default=None, help="layers (default: the model's)")
+    p.add_argument("--reps", type=validators.positive_int, default=20, help="graph replays per timing")
+    p.add_argument("--rounds", type=validators.positive_int, default=7, help="rounds; the median is reported")
+    a = p.parse_args(argv)
+    if len(a.point) != 1:
+        p.error("argument --point: one point per process")
+    if not torch.cuda.is_available():
+        raise SystemExit("the peers need a CUDA GPU")
+    (batch, context), = a.point
+    peer = make_peer(a.peer, config_for(a.shape, a.layers), batch, context)
+    r = Timer(a.reps, a.rounds).run({a.peer: peer.replay})[a.peer]
+    print(json.dumps({"ms": r["ms"], "spread": r["spread"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

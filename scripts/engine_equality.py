@@ -30,7 +30,7 @@ def run(a) -> None:
     import torch
 
     from futx.checkpoint import load
-    from futx.cli import default_text
+    from futx.eval.data import default_text
     from futx.engine import DecodeModel, pack_model
     from futx.engine.graphs import GraphSteps
     from futx.engine.perplexity import evaluate_engine

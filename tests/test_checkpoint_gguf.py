@@ -123,7 +123,7 @@ def test_smollm2_published_shapes(smollm2):
 
 def test_smollm2_perplexity_in_expected_range(smollm2):
     """Two 256-token WikiText-2 windows: a wrong Q/K order or RoPE gives perplexity in the hundreds."""
-    from futx.cli import default_text
+    from futx.eval.data import default_text
     from futx.eval import Runner, evaluate, join_rows, make_windows, read_rows
     from futx.tokenizer import load_tokenizer
 

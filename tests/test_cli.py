@@ -82,9 +82,9 @@ def test_ppl_table_and_json(model_dir, tmp_path, capsys):
 
 def test_errors_are_one_line(model_dir, tmp_path, capsys):
     assert cli.main(["ppl", "--model", str(tmp_path / "nope"), "--text", str(tmp_path)]) == 2
-    assert "futx ppl: error: model" in capsys.readouterr().err
+    assert "futx ppl: error: argument --model: model" in capsys.readouterr().err
     assert cli.main(["generate", "--model", str(model_dir), "--max-new-tokens", "0"]) == 2
-    assert "--max-new-tokens must be at least 1" in capsys.readouterr().err
+    assert "argument --max-new-tokens: must be at least 1" in capsys.readouterr().err
     (tmp_path / "short.txt").write_text("tiny")
     assert cli.main(["ppl", "--model", str(model_dir), "--text", str(tmp_path / "short.txt")]) == 2
     assert "fewer than one window" in capsys.readouterr().err
@@ -98,6 +98,9 @@ def test_missing_default_model_says_how_to_get_it(monkeypatch):
 
 
 def test_subcommand_registry(capsys):
+    from futx.cli import app
+
+    app.build_parser()   # the built-in commands are registered
     with pytest.raises(ValueError, match="already registered"):
         cli.register("ppl", "again", lambda p: None, lambda a: 0)
     cli.register("hello-test", "say hello", lambda p: p.add_argument("--name", default="x"),
@@ -109,14 +112,23 @@ def test_subcommand_registry(capsys):
         del cli.COMMANDS["hello-test"]
 
 
-def test_parser_hooks(monkeypatch, capsys):
-    def add_parser(subparsers):
-        p = subparsers.add_parser("hook-test")
-        p.set_defaults(func=lambda args: print("hooked") or 3)
+def test_a_command_module_registers_itself(monkeypatch, tmp_path, capsys):
+    (tmp_path / "futx_hook_test.py").write_text(
+        "from futx.cli.registry import register\n"
+        "def check(a):\n"
+        "    if a.n < 0: raise ValueError('--n must not be negative')\n"
+        "register('hook-test', 'a test command', lambda p: p.add_argument('--n', type=int, default=0),\n"
+        "         lambda a: print('hooked') or 3, check)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from futx.cli import app
 
-    monkeypatch.setattr(cli, "_test_hook", add_parser, raising=False)
-    monkeypatch.setattr(cli, "PARSER_HOOKS", ["futx.cli:_test_hook"])
-    assert cli.main(["hook-test"]) == 3 and capsys.readouterr().out == "hooked\n"
+    monkeypatch.setattr(app, "COMMAND_MODULES", app.COMMAND_MODULES + ["futx_hook_test"])
+    try:
+        assert cli.main(["hook-test"]) == 3 and capsys.readouterr().out == "hooked\n"
+        assert cli.main(["hook-test", "--n", "-1"]) == 2
+        assert capsys.readouterr().err == "futx hook-test: error: --n must not be negative\n"
+    finally:
+        cli.COMMANDS.pop("hook-test", None)
 
 
 def test_python_dash_m_futx():

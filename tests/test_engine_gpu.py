@@ -193,7 +193,7 @@ def test_smollm2_windows_follow_the_simulated_model():
     """SmolLM2-135M (head dim 64, 9/3 heads, INT4 group 64): a few WikiText-2 windows, INT4/INT4."""
     pytest.importorskip("gguf")
     from futx.checkpoint import load
-    from futx.cli import default_text
+    from futx.eval.data import default_text
     from futx.engine.perplexity import evaluate_engine
     from futx.eval import Runner, evaluate, join_rows, make_windows, read_rows
     from futx.quant.simulated import QuantSpec, simulate

@@ -415,7 +415,7 @@ def test_user_chain_builds_ahead_of_time(tmp_path):
     same variants as the shipped ones, under keys holding its fingerprint."""
     pytest.importorskip("cutlass")
     out = tmp_path / "aot"
-    res = subprocess.run([sys.executable, "-m", "futx.runtime.cli", "build", "--out", str(out), "--no-runtime",
+    res = subprocess.run([sys.executable, "-m", "futx", "build", "--out", str(out), "--no-runtime",
                           "--chain", "prefill_user_policy:scale_bias_bf16", "--jobs", "2"],
                          cwd=REPO / "tests", timeout=900, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -33,7 +33,7 @@ def test_digits_are_split_one_by_one(smollm2_tok):
 
 
 def test_wikitext_round_trip(smollm2_tok):
-    from futx.cli import default_text
+    from futx.eval.data import default_text
     from futx.eval import join_rows, read_rows
 
     text = default_text()

@@ -1,15 +1,18 @@
 """Checkpoint loading: `load(spec)` for an HF directory, a .gguf file or the name "smollm2-135m".
 
 Submodules: hf (HF safetensors load/save), gguf (GGUF load/save), synthetic (random weights).
+Importing this package does not import torch, so the command line can check `--model` before any loading.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from futx.reference.weights import ModelWeights
+    from futx.reference.weights import ModelWeights
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,8 +56,11 @@ def resolve(spec: str | Path | None) -> Path:
                      f"or {DEFAULT_MODEL!r}")
 
 
-def load(spec: str | Path | None = None, dtype: torch.dtype = torch.float32, device="cpu") -> ModelWeights:
-    """Load weights from an HF directory, a GGUF file or the default name (see resolve)."""
+def load(spec: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu") -> ModelWeights:
+    """Load weights from an HF directory, a GGUF file or the default name (see resolve); dtype default float32."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     path = resolve(spec)
     if path.is_dir():
         from futx.checkpoint.hf import load_hf

@@ -8,10 +8,15 @@
     graphs.py     the step captured per batch-size bucket as a CUDA graph
     generate.py   greedy generation with continuous batching over cache slots
     perplexity.py perplexity through the engine (all-decode and serving protocols)
-    load.py, cli.py  what `futx generate / ppl / pack` call
+    load.py       a packed model from a checkpoint or a packed directory (what the `futx` commands call)
+
+The names below are imported on first use, so `futx.engine.support` stays cheap for the command line.
 """
 
-from .model import DecodeModel, StepBuffers
-from .packed import PackedModel, pack_model, random_packed
+from futx.lazy import lazy_exports
 
-__all__ = ["DecodeModel", "PackedModel", "StepBuffers", "pack_model", "random_packed"]
+_EXPORTS = {"DecodeModel": "model", "StepBuffers": "model", "PackedModel": "packed", "pack_model": "packed",
+            "random_packed": "packed"}
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

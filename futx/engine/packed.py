@@ -25,6 +25,7 @@ from typing import Optional, Union
 
 import torch
 
+from futx import atomic
 from futx.config import LlamaConfig
 from futx.quant import layouts
 from futx.quant.fold import fold_layer
@@ -98,11 +99,15 @@ class PackedModel:
             for p in PROJECTIONS:
                 for suffix, t in _weight_tensors(getattr(layer, p)).items():
                     tensors[f"layers.{i}.{p}.{suffix}"] = t
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / TENSOR_FILE))
+        # The metadata goes first and comes back last: a directory left by an interrupted save (or re-save) is
+        # not taken for a packed model, and neither file is ever half written.
+        (path / META_FILE).unlink(missing_ok=True)
+        with atomic.replacing(path / TENSOR_FILE) as tmp:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
         meta = {"format": FILE_FORMAT, "version": FILE_VERSION, "layout_version": layouts.LAYOUT_VERSION,
                 "config": self.config.to_hf_dict(), "config_name": self.config.name, "weights": self.weights,
                 "group_size": self.group_size, "tied_lm_head": tied, "source": self.source}
-        (path / META_FILE).write_text(json.dumps(meta, indent=1))
+        atomic.write_text(path / META_FILE, json.dumps(meta, indent=1))
         return path
 
     @staticmethod

@@ -13,18 +13,17 @@ both unchanged), so a difference from `futx.quant.simulated` comes from the deco
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from futx.eval.perplexity import PerplexityResult, scored_per_window
+from futx.eval.protocols import ENGINE_PROTOCOLS as PROTOCOLS
 from futx.kvcache import KVCache
 from futx.reference import PackedBatch, forward_hidden, rms_norm
 from futx.reference.weights import ModelWeights
 
 from .model import DecodeModel
-
-PROTOCOLS = ("all-decode", "serving")
 
 
 def _nll(hidden: torch.Tensor, targets: torch.Tensor, head: ModelWeights) -> torch.Tensor:
@@ -58,10 +57,11 @@ def _kernel_prefill(prefill_model, tokens: torch.Tensor, length: int) -> None:
 
 def evaluate_engine(model: DecodeModel, windows: torch.Tensor, protocol: str, head: ModelWeights, *,
                     prefill_weights: Optional[ModelWeights] = None, graphs=None, bar=None,
-                    prefill_model=None) -> PerplexityResult:
+                    prefill_model=None,
+                    on_batch: Optional[Callable[[PerplexityResult], None]] = None) -> PerplexityResult:
     """Perplexity of the engine over windows [n, W] (int64), batches of up to model.max_batch windows.
     The serving protocol prefills with `prefill_model` (kernel prefill) if given, else on the reference path
-    with `prefill_weights`."""
+    with `prefill_weights`. `on_batch` receives the running result (the windows so far) after every batch."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"the engine evaluates protocols {PROTOCOLS} (gptq needs the prefill engine), got "
                          f"{protocol!r}")
@@ -78,6 +78,7 @@ def evaluate_engine(model: DecodeModel, windows: torch.Tensor, protocol: str, he
     total = torch.zeros((), dtype=torch.float64, device=dev)
     t0 = time.perf_counter()
     start = w // 2 if protocol == "serving" else 0
+    per = scored_per_window(protocol, w)
     with torch.inference_mode():
         for i in range(0, n, model.max_batch):
             tok = windows[i:i + model.max_batch]
@@ -101,6 +102,8 @@ def evaluate_engine(model: DecodeModel, windows: torch.Tensor, protocol: str, he
                 total += _nll(buf.hidden[:b], tok[:, s + 1], head).sum()
                 if bar is not None:
                     bar.update(b)
-    per = scored_per_window(protocol, w)
-    return PerplexityResult(protocol, n, w, n * per, float(total), time.perf_counter() - t0,
-                            f"engine-{model.backend}")
+            result = PerplexityResult(protocol, i + b, w, (i + b) * per, float(total), time.perf_counter() - t0,
+                                      f"engine-{model.backend}")
+            if on_batch is not None:
+                on_batch(result)
+    return result

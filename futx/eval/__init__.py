@@ -1,8 +1,14 @@
-"""Evaluation: the perplexity harness (perplexity.py) and the runner interface it drives (runner.py)."""
+"""Evaluation: the perplexity harness (perplexity.py), the runner interface it drives (runner.py) and the
+default text (data.py).
 
-from futx.eval.perplexity import (PROTOCOLS, PerplexityResult, evaluate, format_table, join_rows, make_windows,
-                                  read_rows)
-from futx.eval.runner import Runner
+The names below are imported on first use, so `futx.eval.data` stays cheap for the command line.
+"""
 
-__all__ = ["PROTOCOLS", "PerplexityResult", "Runner", "evaluate", "format_table", "join_rows", "make_windows",
-           "read_rows"]
+from futx.lazy import lazy_exports
+
+_EXPORTS = {"PROTOCOLS": "perplexity", "PerplexityResult": "perplexity", "evaluate": "perplexity",
+            "format_table": "perplexity", "join_rows": "perplexity", "make_windows": "perplexity",
+            "read_rows": "perplexity", "Runner": "runner"}
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

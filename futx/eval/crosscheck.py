@@ -81,7 +81,7 @@ def transformers_nll(model, windows: torch.Tensor, protocol: str, batch_size: in
 
 def main(argv=None) -> int:
     from futx.checkpoint import load, resolve
-    from futx.cli import default_text
+    from futx.eval.data import default_text
     from futx.eval.device import describe, setup_device
     from futx.eval.runner import Runner
     from futx.tokenizer import load_tokenizer

@@ -24,21 +24,16 @@ from typing import Callable, Optional
 
 import torch
 
+from futx import files
+from futx.eval.protocols import PROTOCOLS, WINDOW
 from futx.eval.runner import Runner
 from futx.reference import PackedBatch
 from futx.reference.model import tokens_checked
 
-PROTOCOLS = ("gptq", "serving", "all-decode")
-WINDOW = 2048
-
 
 def read_rows(path: str | Path) -> list[str]:
     """Non-empty lines of a UTF-8 text file, line endings (LF or CRLF) removed."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"text file {path} does not exist")
-    text = path.read_bytes().decode("utf-8")
-    return [line for line in text.splitlines() if line.strip()]
+    return [line for line in files.read_text(path).splitlines() if line.strip()]
 
 
 def join_rows(rows: list[str]) -> str:

@@ -7,7 +7,6 @@
     chat.py       chat messages -> prompt text (the tokenizer's template family)
     protocol.py   OpenAI request validation and response bodies
     server.py     the aiohttp app (/v1/completions, /v1/chat/completions, /v1/models, /health)
-    cli.py        `futx serve`, and the engine builder `futx generate --prompts` shares
 """
 
 from .sampling import SamplingParams

@@ -44,8 +44,8 @@ for part in "$@"; do
     bench)
       TAILN=60 step bench 240 python3 -m futx.cli bench decode ${FUTX_BENCH_ARGS:---rounds 5 --reps 10 \
         --glue --out $OUT/bench.json --md $OUT/bench.md --plot $OUT/bench.png} ;;
-    peers-bf16)  # the gpt-fast-style peers, one process per peer (and per point for INT4: a second compiled
-                 # INT4 peer in one process, new shapes after a graph capture, hits a device-side index assert)
+    peers-bf16)  # the gpt-fast-style peers; bench_engine times each peer at each point in a process of its own
+                 # (two compiled INT4 peers in one process hit a device-side index assert), after the engine
       TAILN=12 step gptfast-bf16 200 python3 -m futx.cli bench decode --weights bf16 --cache int4,bf16 \
         --peers gptfast-bf16 --breakdown "" --rounds 5 --reps 10 --out $OUT/gptfast-bf16.json ;;
     peers-int4)

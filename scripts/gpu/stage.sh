@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 pattern="${1:-*}"
 mkdir -p .gpu/rt .gpu/wheels
-python -m futx.runtime.cli build --out .gpu/aot --only "$pattern" --no-runtime
+python -m futx build --out .gpu/aot --only "$pattern" --no-runtime
 # Only the linked libraries travel; objects stay here.
 rm -rf .gpu/aot-carry && mkdir -p .gpu/aot-carry/lib
 cp .gpu/aot/manifest.json .gpu/aot-carry/

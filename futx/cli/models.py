@@ -1,0 +1,152 @@
+"""What the subcommands run on, built from their parsed options: the reference model, the decode engine (with
+the kernel prefill) and the serving engine `futx serve` and `futx generate` on the engine share.
+
+Called after validation (args.backend resolved); every import of torch and the engine happens in here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .options import DTYPES
+
+
+def set_threads(args) -> None:
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def load_model(args):
+    """(weights, tokenizer) of the reference path for the --model/--dtype/--device/--threads options."""
+    import torch
+
+    from futx.checkpoint import load
+    from futx.eval.device import setup_device
+    from futx.tokenizer import load_tokenizer
+
+    set_threads(args)
+    setup_device(args.device)  # CUDA: TF32 off, so float32 means float32
+    dtype = getattr(torch, DTYPES[args.dtype])
+    return load(args.model, dtype=dtype, device=args.device), load_tokenizer(args.model)
+
+
+def engine_device(args) -> str:
+    return "cuda" if args.backend == "kernels" else args.device
+
+
+def resolve_prefill(args) -> str:
+    """--prefill after defaults: kernels on --backend kernels, else reference."""
+    prefill = getattr(args, "prefill", None)
+    if prefill is None:
+        return "kernels" if args.backend == "kernels" else "reference"
+    return prefill
+
+
+def build_prefill(args, model, float_weights=None):
+    """The kernel prefill (futx.engine.prefill.PrefillModel) over `model`'s cache, from the float checkpoint
+    (gains folded, quantized to --prefill-format) or else from the packed model's own E4M3/BF16 projections;
+    None when neither is at hand."""
+    from futx.engine.prefill import PrefillModel, pack_prefill, prefill_from_packed
+
+    fmt = getattr(args, "prefill_format", None) or "e4m3"
+    packed = model.packed
+    if float_weights is not None:
+        weights = pack_prefill(float_weights, fmt, device=model.device, embed=packed.embed, lm_head=packed.lm_head)
+    elif packed.weights == fmt:
+        weights = prefill_from_packed(packed)
+    else:
+        return None
+    return PrefillModel(weights, model.cache, "kernels" if model.backend == "kernels" else "emulated",
+                        glue=getattr(args, "prefill_glue", None) or "auto")
+
+
+def build_engine(args, capacity: int, float_weights=None):
+    """(DecodeModel, GraphSteps or None) for the engine options."""
+    from futx.engine.graphs import GraphSteps
+    from futx.engine.load import load_packed
+    from futx.engine.model import DecodeModel
+
+    dev = engine_device(args)
+    packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev,
+                         float_weights=float_weights)
+    model = DecodeModel(packed, args.cache, max_batch=args.max_batch, capacity=capacity,
+                        backend="kernels" if args.backend == "kernels" else "emulated", device=dev)
+    graphs = None
+    if model.device.type == "cuda" and not args.no_graphs:
+        graphs = GraphSteps(model)
+    return model, graphs
+
+
+def tokenizer_for(spec):
+    """The tokenizer of a model spec; a packed directory's own tokenizer.json, else its source checkpoint's."""
+    from futx.engine.load import packed_source
+    from futx.engine.packed import is_packed_dir
+    from futx.tokenizer import Tokenizer, load_tokenizer
+
+    if spec is not None and is_packed_dir(spec):
+        if (Path(spec) / "tokenizer.json").is_file():
+            return Tokenizer.from_hf_dir(Path(spec))
+        spec = packed_source(spec)
+    return load_tokenizer(spec)
+
+
+def load_float_weights(args):
+    """The checkpoint's float32 weights for the reference prefill (a packed directory: its recorded source),
+    or None when a packed directory's checkpoint is not at hand."""
+    import torch
+
+    from futx.checkpoint import load
+    from futx.engine.load import packed_source
+    from futx.engine.packed import is_packed_dir
+
+    spec = args.model
+    if spec is not None and is_packed_dir(spec):
+        spec = packed_source(spec)
+        try:
+            return None if spec is None else load(spec, dtype=torch.float32, device=engine_device(args))
+        except ValueError as e:
+            print(f"note: no reference prefill ({e}); prompts are read one token per decode step", file=sys.stderr)
+            return None
+    return load(spec, dtype=torch.float32, device=engine_device(args))
+
+
+def build_serving_engine(args, capacity: int, tokenizer=None):
+    """(engine, tokenizer) for the --backend/--model/engine options."""
+    import torch
+
+    from futx.serve.engines import DecodeEngine, ReferenceEngine
+
+    if capacity < 2:
+        raise ValueError(f"--capacity must be at least 2, got {capacity}")
+    if args.backend == "reference":
+        weights, tok = load_model(args)
+        return ReferenceEngine(weights, args.max_batch, capacity), tok
+    from futx.engine.packed import is_packed_dir
+    from futx.quant.simulated import quantized_weights
+
+    set_threads(args)
+    tok = tokenizer or tokenizer_for(args.model)
+    with torch.inference_mode():
+        if args.model is not None and is_packed_dir(args.model):
+            model, graphs = build_engine(args, capacity)
+            weights = load_float_weights(args)
+        else:
+            weights = load_float_weights(args)
+            model, graphs = build_engine(args, capacity, float_weights=weights)
+        if resolve_prefill(args) == "kernels":
+            prefill_model = build_prefill(args, model, weights)
+            if prefill_model is None:
+                print(f"note: no kernel prefill (no checkpoint, and the packed weights are {model.packed.weights}, "
+                      f"not {args.prefill_format}); prompts are read one token per decode step", file=sys.stderr)
+            prefill_graphs = None
+            if prefill_model is not None and graphs is not None and prefill_model.backend == "kernels":
+                from futx.engine.prefill_graphs import PrefillGraphs
+
+                rows = min(getattr(args, "prefill_chunk", 512), capacity)
+                prefill_graphs = PrefillGraphs(prefill_model, max_rows=rows, max_requests=args.max_batch)
+            return DecodeEngine(model, graphs, None, prefill_model, prefill_graphs), tok
+        prefill = quantized_weights(weights, "bf16") if weights is not None else None
+    return DecodeEngine(model, graphs, prefill), tok

