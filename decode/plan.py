@@ -140,6 +140,12 @@ CLUSTER_MAX = 8   # CTAs per tile of the cluster split-K ("reduce": "cluster"): 
 # bucket: batches of 2 units at M <= 16 (~120 registers, 2 CTAs per SM); of 1 at M <= 32, where 2 units take 148
 # registers and leave one CTA per SM
 SKINNY_ROUTED_VARIANTS = {16: "rw", 32: "rw1", 64: "rww"}
+# rule P17: INT4 g128 in the 32- and 64-token buckets (17..64 rows) runs the warp-specialized kernel instead
+# (decode/skinny_ws.py), on the grid schedule ("ws") where its tiles x split CTAs fill at least WS_STREAM_FILL of
+# their waves, else persistent stream-K ("wsk": the 8B QKV and gate/up, the 70B QKV and gate/up); the 16-token bucket
+# keeps P15 (the register-weights kernel measured faster there)
+WS_BUCKETS = (32, 64)
+WS_STREAM_FILL = 0.9
 MIN_UNITS = 4
 # the tile GEMV variant and small-grid rule the router applies (route_tile_variant lets a benchmark time a tuning
 # variant or another threshold in the decode step as the router would launch it)
@@ -226,14 +232,34 @@ def skinny_key(fmt: str, group_size: int, epilogue: str, m: int, variant: str = 
     return f"decode.skinny.{fmt_tag(fmt, group_size)}.m{m_bucket(m)}.{epilogue}" + (f".{variant}" if variant else "")
 
 
-def skinny_variant(fmt: str, group_size: int, m: int) -> str:
-    """The skinny variant the router runs: for INT4 g128 the register-weights kernel of M's token bucket
-    (SKINNY_ROUTED_VARIANTS, P15, or the variant a benchmark forces); for the other formats the ring kernel ("")
-    up to 32 rows and the register-weights kernel in the 64-row bucket (P16)."""
+def skinny_variant(fmt: str, group_size: int, m: int, n: Optional[int] = None, k: Optional[int] = None,
+                   sms: int = 132) -> str:
+    """The skinny variant the router runs: for INT4 g128 the variant a benchmark forces, else the warp-specialized
+    kernel in the WS_BUCKETS (P17; its schedule by `ws_schedule`, "ws" when the shape is not given) and the
+    register-weights kernel of the 16-token bucket (SKINNY_ROUTED_VARIANTS, P15); for the other formats the ring
+    kernel ("") up to 32 rows and the register-weights kernel in the 64-row bucket (P16)."""
     bucket = m_bucket(m)
     if (fmt, group_size) != ("int4", 128):
         return SKINNY_ROUTED_VARIANTS[bucket] if bucket == 64 else ""
-    return SKINNY_ROUTED_VARIANTS[bucket] if SKINNY_ROUTED is None else SKINNY_ROUTED
+    if SKINNY_ROUTED is not None:
+        return SKINNY_ROUTED
+    if bucket in WS_BUCKETS:
+        return ws_schedule(n, k, sms) if n is not None and k is not None else "ws"
+    return SKINNY_ROUTED_VARIANTS[bucket]
+
+
+def ws_schedule(n: int, k: int, sms: int = 132) -> str:
+    """P17's schedule: "ws" (tiles x split CTAs) where they fill at least WS_STREAM_FILL of their waves, else "wsk"
+    (stream-K)."""
+    ctas = -(-n // TILE_N) * skinny_split("int4", 128, n, k, sms, "ws")
+    return "ws" if ctas >= WS_STREAM_FILL * -(-ctas // sms) * sms else "wsk"
+
+
+def skinny_routed_variants(fmt: str, group_size: int, m: int) -> tuple:
+    """Every skinny variant the router can pick in M's token bucket (the registry holds exactly these)."""
+    if (fmt, group_size) == ("int4", 128) and m_bucket(m) in WS_BUCKETS:
+        return ("ws", "wsk")
+    return (skinny_variant(fmt, group_size, m),)
 
 
 def is_stream_k(variant: str) -> bool:
@@ -258,8 +284,8 @@ def skinny_workspace(variant: str, split: int, n: int, m: int) -> int:
 def skinny_split(fmt: str, group_size: int, n: int, k: int, sms: int, variant: str = "") -> int:
     n_tiles = -(-n // TILE_N)
     units = k // unit_k(fmt, group_size)
-    if is_stream_k(variant):   # one CTA per SM (fewer if there are fewer pairs)
-        return min(sms, n_tiles * units)
+    if is_stream_k(variant):   # one CTA per SM, each with at least MIN_UNITS (tile, unit) pairs where there are fewer
+        return max(1, min(sms, n_tiles * units // MIN_UNITS))
     ctas = SKINNY_VARIANTS[variant].get("ctas_per_sm", CTAS_PER_SM)
     most = CLUSTER_MAX if SKINNY_VARIANTS[variant].get("reduce") == "cluster" else units
     return max(1, min(ctas * sms // n_tiles, units // MIN_UNITS, most))
@@ -501,7 +527,7 @@ def choose(fmt: str, group_size: int, epilogue: str, m: int, n: int, k: int, sms
         if kernel == "tile" and m == 1:
             variant = variant or tile_variant(k, norm, epilogue)
         elif kernel == "skinny":
-            variant = variant or skinny_variant(fmt, group_size, m)
+            variant = variant or skinny_variant(fmt, group_size, m, n, k, sms)
     if norm and kernel != "tile":
         raise ValueError(f"no fused-norm kernel for this projection (M = {m}, {kernel}): use the row-factor kernel")
     if kernel == "tile":

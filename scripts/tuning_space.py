@@ -79,7 +79,7 @@ def linear_specs() -> list[KernelSpec]:
     specs += linear_catalog.nblocks_tile_specs()
     # the 64-row bucket has its own (one CTA per SM) variants, the smaller buckets every other one
     specs += [linear_catalog.skinny_spec("int4", 128, e, m, v) for m in plan.SKINNY_M_TILES
-              for v in plan.SKINNY_VARIANTS if v != plan.skinny_variant("int4", 128, m)
+              for v in plan.SKINNY_VARIANTS if v not in plan.skinny_routed_variants("int4", 128, m)
               and ((v in plan.WIDE_VARIANTS) == (m == 64) or v in plan.ANY_BUCKET_VARIANTS) for e in plan.EPILOGUES]
     specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo", "rwg", "rwgo")
               for e in plan.EPILOGUES for m in (16, 32)]

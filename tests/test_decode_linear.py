@@ -34,6 +34,10 @@ def test_every_shape_picks_a_registered_variant_and_a_valid_shape(fmt, m):
                 assert -(-(n // 16) // choice.tiles) <= 132, "one CTA per SM at most"
             else:
                 units = k // plan.unit_k(fmt, group)
+                if plan.is_stream_k(choice.variant):   # persistent: one CTA per SM at most, a few pairs each
+                    pairs = -(-n // plan.TILE_N) * units
+                    assert 1 <= choice.split <= min(132, max(1, pairs // plan.MIN_UNITS))
+                    continue
                 assert 1 <= choice.split <= max(1, units // plan.MIN_UNITS)  # every CTA keeps a few units
                 if choice.split > 1:
                     assert -(-n // plan.TILE_N) * choice.split <= plan.CTAS_PER_SM * 132, "no partial second wave"
@@ -50,8 +54,8 @@ def test_m1_gemv_has_balanced_tiles():
 def test_routing_rule_follows_the_measurements():
     """decode.plan's rules (docs/routing.md P1-P7): INT4 g128 M = 1 -> tile GEMV (8 warps for K > 8192 and for
     grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV (the
-    multi-token tile GEMV for store/SwiGLU projections whose grid fits one wave, P12/P13), INT4 9..32 -> skinny (g128:
-    its register-weights form, P15);
+    multi-token tile GEMV for store/SwiGLU projections whose grid fits one wave, P12/P13), INT4 9..64 -> skinny (g128:
+    its register-weights form up to 16 rows, P15; the warp-specialized kernel beyond, P17);
     BF16/E4M3 up to 16 -> persistent GEMV where the rows fit."""
     # the down projections (K > 8192): 8 warps; beyond K = 16384 (70B) batches of 3 units (P2, P3)
     for layer, want in (("layer-70b", {"qkv": "", "o": "", "gate_up": "", "down": ".w8.p3"}),):
@@ -66,10 +70,15 @@ def test_routing_rule_follows_the_measurements():
         if proj == "down":   # the fused-norm kernels keep batches of 2
             assert plan.choose("int4", 128, "store", 1, n, k, norm=True).key == "decode.gemv.int4.m1.store.w8.norm"
         assert plan.choose("int4", 64, "store", 1, n, k).kind == "gemv"  # no tile variant for group 64
-        for m in (9, 16, 17, 32):   # P15: the register-weights skinny kernel, batches of 2 units up to 16 rows
+        # P15: the register-weights skinny kernel up to 16 rows; P17: the warp-specialized kernel beyond, stream-K
+        # where the grid schedule fills less than 90% of its waves (8B QKV 96 / 132 CTAs, gate/up 224 / 264)
+        for m in (9, 16, 17, 32, 33, 64):
             c = plan.choose("int4", 128, "store", m, n, k)
-            assert c.kind == "skinny" and c.key == f"decode.skinny.int4.m{16 if m <= 16 else 32}.store." + \
-                ("rw" if m <= 16 else "rw1"), c
+            bucket = 16 if m <= 16 else 32 if m <= 32 else 64
+            want = "rw" if m <= 16 else ("wsk" if proj in ("qkv", "gate_up") else "ws")
+            assert c.kind == "skinny" and c.key == f"decode.skinny.int4.m{bucket}.store.{want}", c
+            if m > 32:
+                continue
             assert plan.choose("int4", 64, "store", m, n, k).key == \
                 f"decode.skinny.int4g64.m{16 if m <= 16 else 32}.store"
             assert plan.choose("int4", 128, "store", m, n, k, kernel="skinny").key == c.key.rsplit(".", 1)[0]
@@ -159,7 +168,7 @@ GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344, 65536)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
 
 
-TUNING_COUNT = 333
+TUNING_COUNT = 327
 
 
 def _router_keys() -> set[str]:
@@ -187,7 +196,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 107 and len(tuning) == TUNING_COUNT
+    assert len(registry) == 113 and len(tuning) == TUNING_COUNT
 
 
 def test_fused_norm_routes_only_the_tile_gemv():
@@ -614,8 +623,8 @@ def test_stream_k_launch_shape_and_workspace():
     c = plan.choose("int4", 128, "swiglu", 24, 28672, 4096, 132, kernel="skinny", variant="wsk")
     assert (c.key, c.split, c.variant) == ("decode.skinny.int4.m32.swiglu.wsk", 132, "wsk")
     assert plan.skinny_workspace("wsk", c.split, 28672, 24) == 132 * 2 * plan.TILE_N * 32
-    small = plan.choose("int4", 128, "store", 9, 128, 256, 132, kernel="skinny", variant="wsk")
-    assert small.split == 2   # one 128-channel tile x 2 units
+    small = plan.choose("int4", 128, "store", 9, 128, 2048, 132, kernel="skinny", variant="wsk")
+    assert small.split == 4   # one 128-channel tile x 16 units, at least 4 per CTA
     assert plan.skinny_max_split("int4", 128, 2048, 4096, "wsk") == 16 * 32
     assert plan.skinny_max_split("int4", 128, 2048, 4096, "ws") == 32
     assert plan.skinny_workspace("ws", 1, 2048, 20) == 4 and plan.skinny_workspace("ws", 3, 2048, 20) == 3 * 2048 * 32

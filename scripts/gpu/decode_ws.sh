@@ -23,9 +23,9 @@ for part in "$@"; do
         --cands "$PROJ_CANDS" --budget-s 110 ;;
     ncu)
       for mm in 16 32 64; do
-        v="ws"; [ "$mm" -le 32 ] && v="rwg,ws"
+        case "$mm" in 16) v="rw,rwg,ws,wsk" ;; 32) v="rw1,rwg,ws,wsk" ;; *) v="rww,ws,wsk" ;; esac   # shipped first
         timeout -k 5 90 ncu --clock-control none -k regex:Skinny --metrics "$M" --csv python3 scripts/profile_decode_linear.py \
-          --n 28672 --k 4096 --m "$mm" --epilogue swiglu --kernel skinny --variants ",$v" \
+          --n 28672 --k 4096 --m "$mm" --epilogue swiglu --kernel skinny --variants "$v" \
           > "$LOGS/ncu_gu$mm.csv" 2> "$LOGS/ncu_gu$mm.err"
         echo "== ncu gate/up M=$mm rc=$? $(wc -l < "$LOGS/ncu_gu$mm.csv") lines"
       done ;;

@@ -54,8 +54,8 @@ def skinny_spec(fmt, group, epilogue, m, variant=""):
 TILE_WARPS = (plan.TILE_WARPS_SMALL_K, plan.TILE_WARPS_LARGE_K)
 # what plan.choose(kernel="auto") can return (tests/test_decode_linear.py checks both directions on a shape grid)
 SPECS = [gemv_spec(f, g, e, m) for f, g in FORMATS for e in plan.EPILOGUES for m in plan.gemv_buckets(f)]
-SPECS += [skinny_spec(f, g, e, m, plan.skinny_variant(f, g, m)) for f, g in FORMATS for e in plan.EPILOGUES
-          for m in plan.SKINNY_M_TILES]
+SPECS += [skinny_spec(f, g, e, m, v) for f, g in FORMATS for e in plan.EPILOGUES
+          for m in plan.SKINNY_M_TILES for v in plan.skinny_routed_variants(f, g, m)]
 SPECS += [tile_spec(f, g, e, w) for f, g in plan.TILE_FORMATS for e in plan.EPILOGUES for w in TILE_WARPS]
 SPECS += [tile_spec(f, g, e, w, norm=True) for f, g in plan.TILE_FORMATS for e in plan.NORM_EPILOGUES
           for w in TILE_WARPS]
