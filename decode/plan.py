@@ -121,14 +121,16 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
                       for v, kw in (("rww", {}), ("rww1", {"prefetch": 1}),
                                     ("rwwb", {"prefetch": 1, "ctas_per_sm": 2, "min_ctas": 2}))},
                    **{v: {"mma": "ws", "warps": 8, "nb_per_warp": 1, "ctas_per_sm": 1, **kw}
-                      for v, kw in (("ws", {}), ("wsk", {"schedule": "stream"}))}}
+                      for v, kw in (("ws", {}), ("wsk", {"schedule": "stream"}), ("wst", {"weights_tma": True}),
+                                    ("wskt", {"schedule": "stream", "weights_tma": True}))}}
 # "ws": the warp-specialized mixed-input warpgroup GEMM (decode/skinny_ws.py, INT4 g128): a producer warp streams the
 # weights, scales and activations into a mbarrier ring by bulk copies and TMA, two consumer warpgroups run wgmma with
 # the expanded weights as the register A operand and fold each unit's partial one unit behind; one CTA per SM, every
 # token bucket (ANY_BUCKET_VARIANTS). "wsk": the same kernel persistent, one CTA per SM over an even share of all
 # (tile, unit) pairs (stream-K: no partial wave; a tile split between CTAs is summed by the last to finish it), its
-# `split` the CTA count
-ANY_BUCKET_VARIANTS = ("ws", "wsk")
+# `split` the CTA count. "wst", "wskt": the same with each stage's weights and scales loaded by one 2D TMA copy each
+# instead of 8 + 8 bulk copies (tuning space)
+ANY_BUCKET_VARIANTS = ("ws", "wsk", "wst", "wskt")
 # the 64-row bucket's variants: the register-weights kernel at 148-198 registers, one CTA (8 warps) per SM, which
 # the split rule counts (ctas_per_sm); "rww" batches 2 units, "rww1" 1; "rwwb" 1, bounded to 128 registers for two
 # CTAs per SM: faster on projections of >= 64 tiles (70B QKV 55 vs 81 us at M = 64) but it spills (18-33 local loads),

@@ -347,7 +347,8 @@ class Skinny:
 def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "store", m_tiles: int = 4,
                    warps: int = WARPS, nb_per_warp: int = NB_PER_WARP, stages: int = 0, ctas_per_sm: int = 0,
                    mma: str = "sync", overlap: bool = False, chains: int = 0, weights: str = "ring",
-                   prefetch: int = 0, reduce: str = "global", min_ctas: int = 0, schedule: str = "grid"):
+                   prefetch: int = 0, reduce: str = "global", min_ctas: int = 0, schedule: str = "grid",
+                   weights_tma: bool = False):
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
     are registry parameters with one value per `mma`: "sync" (this kernel), "wgmma" (the tuning space's
@@ -357,7 +358,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     skinny_wgmma.SkinnyRegsWgmma). `reduce`: how
     split-K CTAs combine (REDUCES; "cluster": mma.sync only, at most decode.plan.CLUSTER_MAX CTAs per tile).
     `min_ctas` ("regs", mma.sync): CTAs per SM that ptxas must fit (a register bound; 0: none). `schedule` ("ws"
-    only): "grid" (tiles x split CTAs) or "stream" (persistent stream-K, decode/skinny_ws.py)."""
+    only): "grid" (tiles x split CTAs) or "stream" (persistent stream-K, decode/skinny_ws.py); `weights_tma` ("ws"
+    only): its weights and scales by 2D TMA."""
     from .signature import fake_args, fake_split_args
 
     if mma == "ws":
@@ -367,7 +369,7 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
                 "int4", skinny_ws.CONSUMER_WARPS, 1, "ring", "global", 0, 0, False, 0):
             raise ValueError("the warp-specialized skinny kernel serves INT4 with its own 8 consumer warps of one "
                              "n-block and no other option")
-        return skinny_ws.make_target(group_size, epilogue, m_tiles, stages, schedule=schedule)
+        return skinny_ws.make_target(group_size, epilogue, m_tiles, stages, schedule=schedule, weights_tma=weights_tma)
     if mma == "wgmma":
         from . import skinny_wgmma as wg
 
@@ -378,8 +380,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
         shape = (WARPS, NB_PER_WARP)
     else:
         raise ValueError(f"mma must be 'sync' or 'wgmma', got {mma!r}")
-    if schedule != "grid":
-        raise ValueError(f"only the warp-specialized kernel (mma='ws') has a {schedule!r} schedule")
+    if schedule != "grid" or weights_tma:
+        raise ValueError("only the warp-specialized kernel (mma='ws') has a schedule and TMA weights")
     if weights not in ("ring", "regs"):
         raise ValueError(f"weights must be 'ring' or 'regs', got {weights!r}")
     if reduce == "cluster" and mma != "sync":

@@ -63,10 +63,13 @@ SCHEDULES = ("grid", "stream")      # tiles x split CTAs, or persistent stream-K
 
 class SkinnyWs(Skinny):
     """`m_tiles` 8-token groups (the wgmma N = 8 * m_tiles); `stages`: ring depth (0: as many as fit, at most
-    MAX_STAGES); `halves`: issue a unit's MMAs as two groups (None: for the 64-token bucket, see `_unit`)."""
+    MAX_STAGES); `halves`: issue a unit's MMAs as two groups (None: for the 64-token bucket, see `_unit`);
+    `weights_tma`: the producer loads a stage's weights and scales with one 2D TMA copy each (the tile's 8 n-block rows
+    of the packed weights / scales seen as [N/16, K/64 * 128] int32 / [N/16, K/G * 16] float16), instead of 8 + 8 bulk
+    copies."""
 
     def __init__(self, group_size: int = 128, epilogue: str = "store", m_tiles: int = 4, stages: int = 0,
-                 halves: Optional[bool] = None, schedule: str = "grid"):
+                 halves: Optional[bool] = None, schedule: str = "grid", weights_tma: bool = False):
         if group_size != UNIT_K:
             raise ValueError(f"the warp-specialized skinny kernel serves INT4 group {UNIT_K}, got {group_size}")
         super().__init__("int4", group_size, epilogue, m_tiles, 3, warps=CONSUMER_WARPS, nb_per_warp=1)
@@ -74,6 +77,7 @@ class SkinnyWs(Skinny):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.stream_k = schedule == "stream"
+        self.weights_tma = weights_tma   # one 2D TMA copy per stage for the weights, one for the scales
         self.tokens = m_tiles * TOKENS
         self.halves = m_tiles == 8 if halves is None else halves   # a unit's MMAs as two groups (see _unit)
         self.xs_bytes = self.tokens * UNIT_K * 2            # a unit's activation tile (two swizzled 64-k halves)
@@ -96,20 +100,39 @@ class SkinnyWs(Skinny):
                                                  self.stages)
         x_one = cute.slice_(x_staged, (None, None, 0))
         tma_x, g_x = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x, x_one, (self.tokens, UNIT_K))
+        tmas = ()
+        if cutlass.const_expr(self.weights_tma):
+            row = w.shape[1] * (WARP * 4)   # int32 of one n-block's packed row
+            w2 = cute.make_tensor(w.iterator, cute.make_layout((w.shape[0], row), stride=(row, 1)))
+            tma_w, g_w = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), w2, self._w_tile(),
+                                                     (CONSUMER_WARPS, UNIT_BYTES // 4))
+            srow = s.shape[1] * BLOCK_N
+            s2 = cute.make_tensor(s.iterator, cute.make_layout((s.shape[0], srow), stride=(srow, 1)))
+            tma_s, g_s = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s2, self._s_tile(),
+                                                     (CONSUMER_WARPS, BLOCK_N))
+            tmas = (tma_w, g_w, tma_s, g_s)
 
         @cute.struct
         class Storage:
             sx: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(x_staged)], 1024]
-            sw: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, self.stages * self.wt_bytes], 128]
-            ss: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, self.stages * self.sc_bytes], 16]
+            sw: cute.struct.Align[cute.struct.MemRange[Int32, self.stages * self.wt_bytes // 4], 128]
+            ss: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.stages * self.sc_bytes // 2], 128]
             bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             flag: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
 
         self.storage = Storage
         grid = (split, 1, 1) if cutlass.const_expr(self.stream_k) else (n_tiles, split, 1)
-        self.kernel(tma_x, g_x, x_staged, x, w, s, r, y, ws, counters, split).launch(
+        self.kernel(tma_x, g_x, x_staged, x, w, s, r, y, ws, counters, split, tmas).launch(
             grid=grid, block=(THREADS, 1, 1), smem=Storage.size_in_bytes(), stream=stream_,
             use_pdl=True)
+
+    def _w_tile(self):
+        """A stage's weights: 8 n-block rows of one unit (256 int32 each), row after row."""
+        return cute.make_layout((CONSUMER_WARPS, UNIT_BYTES // 4), stride=(UNIT_BYTES // 4, 1))
+
+    def _s_tile(self):
+        """A stage's scales: 8 n-block rows of 16 float16."""
+        return cute.make_layout((CONSUMER_WARPS, BLOCK_N), stride=(BLOCK_N, 1))
 
     # ---- device side -------------------------------------------------------------------------
     def _cta_sync(self):
@@ -122,7 +145,7 @@ class SkinnyWs(Skinny):
     @cute.kernel
     def kernel(self, tma_x: cute.CopyAtom, g_x: cute.Tensor, x_staged: cute.ComposedLayout, x: cute.Tensor,
                w: cute.Tensor, s: cute.Tensor, r: Optional[cute.Tensor], y: cute.Tensor, ws: cute.Tensor,
-               counters: cute.Tensor, split: Int32):
+               counters: cute.Tensor, split: Int32, tmas: tuple):
         tid, _, _ = cute.arch.thread_idx()
         bx, sy, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -137,6 +160,9 @@ class SkinnyWs(Skinny):
         w0, w1 = self._share(bx, sy, split, n_blocks, n_units)
         if warp == PRODUCER_WARP:
             cpasync.prefetch_descriptor(tma_x)
+            if cutlass.const_expr(self.weights_tma):
+                cpasync.prefetch_descriptor(tmas[0])
+                cpasync.prefetch_descriptor(tmas[2])
 
         storage = utils.SmemAllocator().allocate(self.storage)
         ring = pipeline.PipelineTmaAsync.create(
@@ -150,7 +176,14 @@ class SkinnyWs(Skinny):
 
         if warp == PRODUCER_WARP:
             sx = storage.sx.get_tensor(x_staged.outer, swizzle=x_staged.inner)
-            self._produce(ring, tma_x, g_x, sx, w, s, k, n_blocks, n_units, w0, w1, ws0, ss0)
+            wt = None
+            if cutlass.const_expr(self.weights_tma):
+                sw = storage.sw.get_tensor(cute.make_layout((self._w_tile().shape, self.stages),
+                                                            stride=(self._w_tile().stride, self.wt_bytes // 4)))
+                ss = storage.ss.get_tensor(cute.make_layout((self._s_tile().shape, self.stages),
+                                                            stride=(self._s_tile().stride, self.sc_bytes // 2)))
+                wt = self._weight_tmas(tmas, sw, ss)
+            self._produce(ring, tma_x, g_x, sx, w, s, k, n_blocks, n_units, w0, w1, ws0, ss0, wt)
         else:
             cw = warp
             consts = self.fmt.consts()
@@ -241,8 +274,19 @@ class SkinnyWs(Skinny):
                                       Int32(1 - phase if producer else phase))
 
     # ---- producer ----------------------------------------------------------------------------
+    def _weight_tmas(self, tmas, sw, ss):
+        """(weights atom, its (8 n-blocks, unit) tiles of global, of the ring; the same for the scales)."""
+        tma_w, g_w, tma_s, g_s = tmas
+        gw = cute.local_tile(g_w, (CONSUMER_WARPS, UNIT_BYTES // 4), (None, None))   # (8, 256, tiles, units)
+        gs = cute.local_tile(g_s, (CONSUMER_WARPS, BLOCK_N), (None, None))           # (8, 16, tiles, units)
+        tws, twg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sw, 0, 1),
+                                         cute.group_modes(gw, 0, 2))
+        tss, tsg = cpasync.tma_partition(tma_s, 0, cute.make_layout(1), cute.group_modes(ss, 0, 1),
+                                         cute.group_modes(gs, 0, 2))
+        return tma_w, twg, tws, tma_s, tsg, tss
+
     @cute.jit
-    def _produce(self, ring, tma_x, g_x, sx, w, s, k, n_blocks, n_units, w0, w1, ws0, ss0):
+    def _produce(self, ring, tma_x, g_x, sx, w, s, k, n_blocks, n_units, w0, w1, ws0, ss0, wt):
         """One warp (TMA issue and the barrier arrives elect their thread): pairs [w0, w1) into the ring."""
         g_units = cute.local_tile(g_x, (self.tokens, UNIT_K), (None, None))   # (tokens, 128, 1, units)
         t_s, t_g = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sx, 0, 2),
@@ -254,7 +298,7 @@ class SkinnyWs(Skinny):
         for i in cutlass.range(first, unroll=1):   # the first ring's weights, before the PDL wait
             st = self._state(i, producer=True)
             ring.producer_acquire(st)
-            self._copy_weights(ring, st, w0 + i, w_base, s_base, k_blocks, n_units, n_blocks, ws0, ss0)
+            self._copy_weights(ring, st, w0 + i, w_base, s_base, k_blocks, n_units, n_blocks, ws0, ss0, wt)
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(first, unroll=1):   # ... and their activations, which may be the previous kernel's
             st = self._state(i, producer=True)
@@ -263,16 +307,23 @@ class SkinnyWs(Skinny):
         for i in cutlass.range(first, w1 - w0, unroll=1):
             st = self._state(i, producer=True)
             ring.producer_acquire(st)
-            self._copy_weights(ring, st, w0 + i, w_base, s_base, k_blocks, n_units, n_blocks, ws0, ss0)
+            self._copy_weights(ring, st, w0 + i, w_base, s_base, k_blocks, n_units, n_blocks, ws0, ss0, wt)
             cute.copy(tma_x, t_g[(None, 0, (w0 + i) % n_units)], t_s[(None, st.index)],
                       tma_bar_ptr=ring.producer_get_barrier(st))
 
     @cute.jit
-    def _copy_weights(self, ring, state, pair, w_base, s_base, k_blocks, n_units, n_blocks, ws0, ss0):
+    def _copy_weights(self, ring, state, pair, w_base, s_base, k_blocks, n_units, n_blocks, ws0, ss0, wt):
         """The packed weights and scales of pair `pair` (its tile's 8 n-blocks, its unit) into the stage (n-blocks past
-        N repeat the last one: their outputs are never stored)."""
+        N repeat the last one, or with `weights_tma` arrive as zeros: their outputs are never stored)."""
         tile = pair // n_units
         u = pair % n_units
+        if cutlass.const_expr(self.weights_tma):
+            tma_w, twg, tws, tma_s, tsg, tss = wt
+            cute.copy(tma_w, twg[(None, tile, u)], tws[(None, state.index)],
+                      tma_bar_ptr=ring.producer_get_barrier(state))
+            cute.copy(tma_s, tsg[(None, tile, u)], tss[(None, state.index)],
+                      tma_bar_ptr=ring.producer_get_barrier(state))
+            return
         bar = ptx.smem_addr(ring.producer_get_barrier(state))
         w_dst = ws0 + state.index * self.wt_bytes
         s_dst = ss0 + state.index * self.sc_bytes
@@ -369,11 +420,11 @@ class SkinnyWs(Skinny):
 
 
 def make_target(group_size: int = 128, epilogue: str = "store", m_tiles: int = 4, stages: int = 0,
-                   halves: Optional[bool] = None, schedule: str = "grid"):
+                   halves: Optional[bool] = None, schedule: str = "grid", weights_tma: bool = False):
     """The kernel and its fake arguments: decode.skinny.compile_target (the registry factory) delegates here for
     mma="ws"."""
     from .signature import fake_args, fake_split_args
 
-    op = SkinnyWs(group_size, epilogue, m_tiles, stages, halves, schedule)
+    op = SkinnyWs(group_size, epilogue, m_tiles, stages, halves, schedule, weights_tma)
     x, w, s, r, y, stream_ = fake_args("int4", epilogue)
     return op, (x, w, s, r, y, *fake_split_args(), Int32(1), stream_)

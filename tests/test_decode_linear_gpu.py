@@ -543,7 +543,7 @@ WS_CASES = [(4096, 14336), (2096, 4096), (6144, 4096), (1024, 256)]
 WS_M = (2, 9, 16, 17, 31, 32, 33, 50, 63, 64)   # every token bucket, partly and wholly filled
 
 
-@pytest.mark.parametrize("variant", ["ws", "wsk"])
+@pytest.mark.parametrize("variant", ["ws", "wsk", "wst", "wskt"])
 @pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
 @pytest.mark.parametrize("n,k", WS_CASES, ids=[f"{c[0]}x{c[1]}" for c in WS_CASES])
 def test_skinny_ws(n, k, epilogue, variant):
@@ -557,9 +557,10 @@ def test_skinny_ws(n, k, epilogue, variant):
         _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} {epilogue}")
 
 
+@pytest.mark.parametrize("variant", ["wsk", "wskt"])
 @pytest.mark.parametrize("m", [16, 32, 64])
 @pytest.mark.parametrize("ctas", [1, 5, 37, 132, 512])
-def test_skinny_ws_stream_k(ctas, m):
+def test_skinny_ws_stream_k(ctas, m, variant):
     """Stream-K with any CTA count (1: every tile whole in one CTA; 512: one unit per CTA, a tile summed from 32
     partials): exact, deterministic, the arrival counters left zero."""
     from futx.ops import split_counters
@@ -567,10 +568,10 @@ def test_skinny_ws_stream_k(ctas, m):
     n, k = 2048, 4096   # 16 tiles x 32 units
     stored, w_ref = _weights("int4", n, k, 128, 12)
     x, r = _inputs(m - 5, k, n, 4)
-    y = _run("int4", stored, x, 128, "swiglu", r, split=ctas, kernel="skinny", variant="wsk")
-    y2 = _run("int4", stored, x, 128, "swiglu", r, split=ctas, kernel="skinny", variant="wsk")
+    y = _run("int4", stored, x, 128, "swiglu", r, split=ctas, kernel="skinny", variant=variant)
+    y2 = _run("int4", stored, x, 128, "swiglu", r, split=ctas, kernel="skinny", variant=variant)
     torch.cuda.synchronize()
-    _check(y, _reference(x, w_ref, "swiglu", r), f"wsk M={m - 5} ctas={ctas}")
+    _check(y, _reference(x, w_ref, "swiglu", r), f"{variant} M={m - 5} ctas={ctas}")
     assert torch.equal(y, y2), "stream-K result is not deterministic"
     assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
 

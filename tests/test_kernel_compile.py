@@ -45,7 +45,7 @@ def test_variant_compiles_for_sm90a(built, spec):
 
 # the warp-specialized INT4 projection (decode/skinny_ws.py, tuning space until measured): both schedules, every token
 # bucket, the SwiGLU epilogue (the most registers)
-WS_KEYS = [f"decode.skinny.int4.m{m}.swiglu.{v}" for m in (16, 32, 64) for v in ("ws", "wsk")]
+WS_KEYS = [f"decode.skinny.int4.m{m}.swiglu.{v}" for m in (16, 32, 64) for v in ("ws", "wsk", "wst", "wskt")]
 
 
 @pytest.fixture(scope="module")
