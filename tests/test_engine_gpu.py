@@ -217,3 +217,33 @@ def test_smollm2_windows_follow_the_simulated_model():
     model = DecodeModel(pack_model(w, "int4", progress=False), "int4", max_batch=4, capacity=2048)
     got = evaluate_engine(model, windows, "all-decode", w, graphs=GraphSteps(model))
     assert abs(got.ppl - ref.ppl) < 0.02 * ref.ppl, (got.ppl, ref.ppl)
+
+
+def _g128_cfg():
+    # every K a multiple of 128 (INT4 group 128: the warp-specialized projections of rule P17), 2 layers
+    return tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, num_hidden_layers=2, vocab_size=512)
+
+
+@pytest.mark.parametrize("batch", [17, 33, 64])
+def test_batched_step_on_the_warp_specialized_projections(batch):
+    """17..64 rows run the INT4 g128 projections on the warp-specialized kernel (P17, here its stream-K schedule):
+    the step equals the emulated step, and the step on the register-weights kernels it replaced (P15/P16) within
+    BF16 rounding (the same arithmetic up to float32 summation order)."""
+    from decode import plan
+    from tuning import tuning_space
+
+    tuning_space().register()   # the replaced kernels are tuning space now
+    weights = random_weights(_g128_cfg(), seed=3, std=0.05).to(device="cuda")
+    toks = torch.randint(0, 512, (batch, 4), generator=torch.Generator().manual_seed(2))
+    starts = [3 * (b % 7) for b in range(batch)]
+    ref = _steps(_model(weights, "int4", "int4", "emulated", batch=batch), toks, starts)
+    got = _steps(_model(weights, "int4", "int4", batch=batch), toks, starts)
+    plan.route_tile_variant("", skinny=plan.SKINNY_ROUTED_VARIANTS[plan.m_bucket(batch)])
+    try:
+        old = _steps(_model(weights, "int4", "int4", batch=batch), toks, starts)
+    finally:
+        plan.route_tile_variant("")
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < 5e-2, "the kernel step left the emulated step"
+    assert _rel(got, old) < 2e-2, "the warp-specialized projections left the kernels they replaced"
