@@ -136,6 +136,12 @@ class EmulatedOps:
         out.copy_((p @ vv).reshape(m, hq, d).to(torch.bfloat16))
         return out
 
+    def attention_block(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
+                        layer: int, table: torch.Tensor, out: torch.Tensor, width: int) -> torch.Tensor:
+        """A block step's attention (`width` rows per request in one slot, causal inside the block): `attention`
+        already is one, since it writes every row's K/V before any row attends over its own [0, pos]."""
+        return self.attention(qkv, positions, slots, cache, layer, table, out)
+
 
 GEMV_HEAD_ROWS = 16
 
@@ -157,6 +163,7 @@ class KernelOps:
         self.glue = glue
         self._dl = dl
         self._padded_heads: dict = {}
+        self.block_attention = "prewrite"   # or "columns": see attention_block
 
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         if self.glue == "torch":
@@ -203,6 +210,45 @@ class KernelOps:
         torch.ops.futx.decode_attention_(q, k, v.contiguous(), positions, slots, *lc.tensors(), out, cache.fmt,
                                          cache.rotate, 0.0, 0, 0, False)
         return out
+
+    def attention_block(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
+                        layer: int, table: torch.Tensor, out: torch.Tensor, width: int) -> torch.Tensor:
+        """A block step's attention: rows i * width + j (j < width) of request i share its slot at consecutive
+        positions, row j attending over [0, its pos], the block's earlier rows included.
+
+        The attention kernel writes each row's own new K/V row (main copy and mirror) and reads [0, pos]; with
+        several rows of one slot in one launch, a row's CTA could read a sibling row's K/V before the sibling's
+        CTA wrote it (a race). "prewrite" (default) therefore writes every row first, as a prefill does
+        (futx.engine.prefill: main copy, then EngineCache.mirror_rows with the mirror kernel, the decode kernel's
+        own quantization code): the main copy gets k with RoPE applied exactly as the kernel applies it (float32
+        rotate-half with the same rope table, rounded to bf16: split_rope, the kernel's specification), v as is.
+        The attention kernel's own rewrite of each row then stores the same bytes, so whichever CTA writes
+        last, every read sees the final values: one launch, the cache read once per layer. "columns": one
+        launch per block column j over the requests' row j (distinct slots, as a decode step), race-free by
+        construction but reading the cache `width` times (kept as the reference the GPU tests compare to)."""
+        c = cache.config
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if self.block_attention == "columns":
+            m = qkv.shape[0]
+            x3 = qkv.view(m // width, width, -1)
+            o3 = out.view(m // width, width, hq, d)
+            for j in range(width):
+                o = torch.empty_like(o3[:, j])
+                self.attention(x3[:, j].contiguous(), positions.view(-1, width)[:, j].contiguous(),
+                               slots.view(-1, width)[:, j].contiguous(), cache, layer, table, o)
+                o3[:, j].copy_(o)
+            return out
+        x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
+        k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)
+        lc = cache.layers[layer]
+        idx_s, idx_p = slots.long(), positions.long()
+        lc.k_cache[idx_s, :, idx_p] = k
+        lc.v_cache[idx_s, :, idx_p] = x[:, hq + hkv:]
+        cache.mirror_rows(layer, slots, positions, kernel=True)
+        return self.attention(qkv, positions, slots, cache, layer, table, out)
+
+
+BLOCK_ATTENTION = ("prewrite", "columns")
 
 
 def make_ops(backend: str, glue: str = "fused"):

@@ -33,7 +33,8 @@ class _Bucket:
 
 @dataclass
 class AcceptanceStats:
-    """record(position, drafted, accepted) per verification; summary() is JSON-able."""
+    """record(position, drafted, accepted) per request row that could emit (a verification where drafted > 0;
+    rows without drafts, plain decode rows, are only counted); summary() is JSON-able."""
 
     edges: Sequence[int] = BUCKETS
     log: list = field(default_factory=list)   # (position, drafted, accepted) per verification
@@ -43,10 +44,14 @@ class AcceptanceStats:
         self._total = _Bucket()
         self._buckets = [_Bucket() for _ in self.edges]
         self._histogram: dict[int, int] = {}
+        self.undrafted = 0
 
     def record(self, position: int, drafted: int, accepted: int) -> None:
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted {accepted} of {drafted} drafts")
+        if drafted == 0:
+            self.undrafted += 1
+            return
         i = max(j for j, lo in enumerate(self.edges) if position >= lo) if position >= self.edges[0] else 0
         for b in (self._total, self._buckets[i]):
             b.verifications += 1
@@ -68,7 +73,7 @@ class AcceptanceStats:
     def summary(self) -> dict:
         his = list(self.edges[1:]) + [None]
         return {**self._total.summary(),
-                "accepted_histogram": {str(a): n for a, n in sorted(self._histogram.items())},
+                "rows_without_draft": self.undrafted, "accepted_histogram": {str(a): n for a, n in sorted(self._histogram.items())},
                 "by_position": {bucket_name(lo, hi): b.summary() for lo, hi, b in zip(self.edges, his, self._buckets)}}
 
     def lines(self) -> list[str]:
@@ -76,7 +81,7 @@ class AcceptanceStats:
         s = self.summary()
         if not s["verifications"]:
             return ["speculative: no verifications"]
-        out = [f"speculative: {s['verifications']} verifications, {s['accepted']}/{s['drafted']} drafts accepted, "
+        out = [f"speculative: {s['verifications']} verifications (+ {self.undrafted} rows without a draft), {s['accepted']}/{s['drafted']} drafts accepted, "
                f"{s['mean_accepted']:.2f} accepted ({s['mean_tokens_per_verification']:.2f} tokens) per verification"]
         for name, b in s["by_position"].items():
             if b["verifications"]:
