@@ -99,3 +99,53 @@ def is_packed(model) -> bool:
     from futx.engine.packed import is_packed_dir
 
     return is_packed_dir(model)
+
+
+# ---- speculative decoding (futx generate / futx serve) ------------------------------------------------------
+SPECULATIVE = ("none", "ngram", "dlite")
+MAX_DRAFT = 7            # futx.speculative.drafter.MAX_DRAFT (not imported: that module is checked without torch)
+DEFAULT_DRAFT = 4
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (decode engine, greedy)")
+    g.add_argument("--speculative", default="none", choices=SPECULATIVE,
+                   help="draft tokens and verify them in one block step of the target: ngram = prompt lookup "
+                        "(no model; the tokens after an earlier occurrence of the text's last 3..1 tokens), dlite "
+                        "= a trained draft head (--draft FILE). The output is the target's greedy decoding, token "
+                        "for token")
+    g.add_argument("--num-draft", type=v.int_in(1, MAX_DRAFT), default=None,
+                   help=f"drafts per verification, 1..{MAX_DRAFT} (default {DEFAULT_DRAFT}); each request takes "
+                        "num-draft + 1 rows of a step, so --max-batch x (num-draft + 1) must fit "
+                        f"{MAX_BATCH} rows")
+    g.add_argument("--draft", default=None, type=v.input_file, help="the draft head's file (--speculative dlite)")
+
+
+def check_speculative_options(args: argparse.Namespace) -> None:
+    """Checks of the speculative options that combine with others (after check_engine_options resolved
+    --backend). Sets args.num_draft to its default where speculation is on."""
+    kind = args.speculative
+    if kind == "none":
+        for name, value in (("--num-draft", args.num_draft), ("--draft", args.draft)):
+            if value is not None:
+                raise ValueError(f"{name} applies to --speculative ngram or dlite")
+        return
+    if args.backend == "reference":
+        raise ValueError(f"--speculative {kind} runs on the decode engine (--backend kernels, or emulated for its "
+                         "PyTorch emulation)")
+    if kind == "dlite":
+        if args.draft is None:
+            raise ValueError("--speculative dlite needs --draft FILE (the trained draft head)")
+        import importlib.util
+
+        if importlib.util.find_spec("futx.speculative.dlite") is None:
+            raise ValueError("--speculative dlite: this futx has no DLite drafter (futx/speculative/dlite.py)")
+    elif args.draft is not None:
+        raise ValueError(f"--draft applies to --speculative dlite (--speculative {kind} takes no draft file)")
+    if args.num_draft is None:
+        args.num_draft = DEFAULT_DRAFT
+    rows = args.max_batch * (args.num_draft + 1)
+    if rows > MAX_BATCH:
+        raise ValueError(f"--max-batch {args.max_batch} x (--num-draft {args.num_draft} + 1) = {rows} rows per step; "
+                         f"a step holds {MAX_BATCH}: use --max-batch <= {MAX_BATCH // (args.num_draft + 1)} or fewer "
+                         "drafts")

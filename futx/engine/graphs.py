@@ -1,4 +1,5 @@
-"""The decode step captured once per batch-size bucket as a CUDA graph, then replayed.
+"""The decode step captured once per batch-size bucket as a CUDA graph, then replayed (`GraphSteps`); the
+speculative block step once per (request bucket, block width) (`BlockGraphs`).
 
 Buckets follow vLLM (1, 2, 4, then steps of 8) up to the model's max batch; a batch is padded up to the
 next bucket, padded rows pointing at the cache's scratch slot. Graphs are captured largest first into
@@ -90,3 +91,53 @@ class GraphSteps:
         rows = self.model.load_inputs(tokens, positions, slots, self.bucket(n))
         self.graphs[rows].replay()
         return self.model.buffers.next_tokens[:n]
+
+
+class BlockGraphs:
+    """CUDA graphs of block (speculative verify) steps: one per (request bucket, width = k + 1), width 1 being the
+    plain decode step. `run(blocks)` takes DecodeModel.verify's blocks, pads the requests to their bucket and the
+    blocks to the step's width (the longest block), replays and returns the BlockStep with its targets."""
+
+    def __init__(self, model: DecodeModel, max_width: int, buckets: Optional[Sequence[int]] = None,
+                 warmup: int = 2, widths: Optional[Sequence[int]] = None, max_requests: Optional[int] = None):
+        if model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if not 1 <= max_width <= model.max_rows:
+            raise ValueError(f"block width must be in [1, {model.max_rows}], got {max_width}")
+        self.model = model
+        widths = sorted(set(widths or range(1, max_width + 1)))
+        requests = min(model.cache.slots, model.max_rows // min(widths), max_requests or model.max_rows)
+        self.buckets = buckets_for(requests, buckets or DEFAULT_BUCKETS)
+        self.stream = torch.cuda.Stream(model.device)
+        # graph key (requests bucket, width) -> rows = requests * width (those within the step's row capacity)
+        self.keys = [(b, w) for w in widths for b in self.buckets if b * w <= model.max_rows]
+        # capture_buckets takes integer keys and captures the largest first: code rows * 100 + width
+        self._key_of = {b * w * 100 + w: (b, w) for b, w in self.keys}
+        graphs = capture_buckets(list(self._key_of), self.stream, self._scratch, self._body, warmup)
+        self.graphs = {self._key_of[code]: g for code, g in graphs.items()}
+        torch.cuda.synchronize(model.device)
+
+    def _scratch(self, code: int) -> None:
+        b, w = self._key_of[code]
+        buf, rows = self.model.buffers, b * w
+        buf.tokens[:rows].zero_()
+        buf.positions[:rows].zero_()
+        buf.slots[:rows].fill_(self.model.cache.scratch_slot)
+
+    def _body(self, code: int) -> None:
+        b, w = self._key_of[code]
+        self.model.step(b * w, w)
+
+    def key(self, n: int, width: int) -> tuple[int, int]:
+        """The captured (requests bucket, width) for n requests of blocks up to `width` tokens."""
+        fits = [(b, w) for b, w in self.keys if b >= n and w >= width]
+        if not fits:
+            raise ValueError(f"no captured block step holds {n} requests of width {width}")
+        return min(fits, key=lambda k: (k[0] * k[1], k[1]))
+
+    def run(self, blocks):
+        width = max(len(t) for _, _, t in blocks)
+        b, w = self.key(len(blocks), width)
+        step = self.model.load_blocks(blocks, w, b)
+        self.graphs[(b, w)].replay()
+        return self.model.read_targets(step, blocks)
