@@ -144,6 +144,7 @@ class EmulatedOps:
 
 
 GEMV_HEAD_ROWS = 16
+BLOCK_ATTENTION = ("prewrite", "columns")   # KernelOps.attention_block's two ways
 
 
 class KernelOps:
@@ -163,7 +164,7 @@ class KernelOps:
         self.glue = glue
         self._dl = dl
         self._padded_heads: dict = {}
-        self.block_attention = "prewrite"   # or "columns": see attention_block
+        self.block_attention = "prewrite"   # or "columns": see attention_block (BLOCK_ATTENTION)
 
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         if self.glue == "torch":
@@ -238,6 +239,17 @@ class KernelOps:
                                slots.view(-1, width)[:, j].contiguous(), cache, layer, table, o)
                 o3[:, j].copy_(o)
             return out
+        self.prewrite_rows(qkv, positions, slots, cache, layer, table)
+        return self.attention(qkv, positions, slots, cache, layer, table, out)
+
+    @staticmethod
+    def prewrite_rows(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache, layer: int,
+                      table: torch.Tensor) -> None:
+        """The new K/V rows of qkv (RoPE on k) into the main copy and, by the mirror kernel, the mirror: the bytes
+        the attention kernel itself stores for these rows (tests/test_speculative_gpu.py checks they are equal).
+        Capturable: no host synchronization (load_blocks checked the indices)."""
+        c = cache.config
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
         k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)
         lc = cache.layers[layer]
@@ -245,10 +257,6 @@ class KernelOps:
         lc.k_cache[idx_s, :, idx_p] = k
         lc.v_cache[idx_s, :, idx_p] = x[:, hq + hkv:]
         cache.mirror_rows(layer, slots, positions, kernel=True)
-        return self.attention(qkv, positions, slots, cache, layer, table, out)
-
-
-BLOCK_ATTENTION = ("prewrite", "columns")
 
 
 def make_ops(backend: str, glue: str = "fused"):

@@ -1,0 +1,162 @@
+"""Speculative decoding on the H200 (issue 27): the verify (block) step on the kernels — its pre-written K/V rows
+are the attention kernel's own bytes, its rows follow the emulated block step and the plain kernel steps, the
+one-launch ("prewrite") and per-column block attention agree, graph replay equals eager — and speculative
+greedy generation on the kernels is token for token plain greedy generation.
+
+    python -m pytest -q -m gpu tests/test_speculative_gpu.py
+"""
+
+import pytest
+import torch
+
+from futx.checkpoint.synthetic import random_weights, tiny_config
+from futx.engine import DecodeModel, pack_model
+from futx.engine.backends import KernelOps
+from futx.engine.generate import generate
+from futx.engine.graphs import BlockGraphs
+from futx.engine.speculative import generate_speculative
+from futx.speculative.ngram import NgramDrafter
+
+pytestmark = pytest.mark.gpu
+FORMATS = ("bf16", "e4m3", "int4")
+
+
+def _cfg(head_dim):
+    # as tests/test_engine_gpu.py: K = 192 / 320, GQA group 3
+    return tiny_config(hidden_size=192, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2,
+                       head_dim=head_dim, num_hidden_layers=3, vocab_size=512)
+
+
+@pytest.fixture(scope="module", params=[64, 128])
+def weights(request):
+    return random_weights(_cfg(request.param), seed=7, std=0.05).to(device="cuda")
+
+
+@pytest.fixture(scope="module")
+def packed(weights):
+    return {f: pack_model(weights, f, progress=False) for f in FORMATS}
+
+
+def _model(packed, wf, cf, backend="kernels", batch=4, capacity=96, rows=None, block="prewrite"):
+    m = DecodeModel(packed[wf], cf, max_batch=batch, capacity=capacity, backend=backend, device="cuda",
+                    max_rows=rows)
+    if backend == "kernels":
+        m.ops.block_attention = block
+    return m
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+SEQ_LEN = 30
+WIDTHS = ([3, 1, 8, 2], [5, 2, 1, 8], [1, 7, 4, 3], [8, 3, 5, 1], [4, 8, 3, 6], [2, 1, 1, 4], [7, 8, 8, 6])
+
+
+def _blocks_hidden(m, seqs):
+    """Hidden states [requests, SEQ_LEN, H] of seqs fed as blocks of WIDTHS (different per request and step)."""
+    out = torch.zeros(len(seqs), SEQ_LEN, m.config.hidden_size, device="cuda")
+    starts = [0] * len(seqs)
+    for widths in WIDTHS:
+        blocks = [(s, starts[s], seqs[s][starts[s]:starts[s] + w]) for s, w in enumerate(widths)]
+        step = m.verify(blocks)
+        for s, (_, _, t) in enumerate(blocks):
+            for j in range(len(t)):
+                out[s, starts[s] + j] = m.buffers.hidden[step.row(s, j)].float()
+            starts[s] += len(t)
+    assert starts == [SEQ_LEN] * len(seqs)
+    return out
+
+
+def _plain_hidden(m, seqs):
+    out = torch.zeros(len(seqs), SEQ_LEN, m.config.hidden_size, device="cuda")
+    for p in range(SEQ_LEN):
+        m.run([s[p] for s in seqs], [p] * len(seqs), list(range(len(seqs))))
+        out[:, p] = m.buffers.hidden[:len(seqs)].float()
+    return out
+
+
+def _seqs():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 512, (SEQ_LEN,), generator=g).tolist() for _ in range(4)]
+
+
+@pytest.mark.parametrize("cf", FORMATS)
+def test_prewritten_rows_are_the_attention_kernels_own_bytes(packed, cf):
+    """KernelOps.prewrite_rows (RoPE'd k into the main copy, v, then the mirror kernel) stores exactly what
+    decode_attention_qkv_ stores for the same rows: main copy, mirror and scales, byte for byte."""
+    m = _model(packed, "int4", cf)
+    c = m.config
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = (torch.randn(4, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, generator=g,
+                       device="cuda")).to(torch.bfloat16)
+    positions = torch.tensor([0, 7, 13, 40], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device="cuda")
+    out = torch.empty(4, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device="cuda")
+    a = _model(packed, "int4", cf)
+    b = _model(packed, "int4", cf)
+    a.ops.attention(qkv, positions, slots, a.cache, 0, a.rope, out)
+    KernelOps.prewrite_rows(qkv, positions, slots, b.cache, 0, b.rope)
+    torch.cuda.synchronize()
+    for ta, tb in zip(a.cache.layers[0].tensors(), b.cache.layers[0].tensors()):
+        if ta is not None:
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+
+
+@pytest.mark.parametrize("wf", ["int4", "bf16"])
+@pytest.mark.parametrize("cf", FORMATS)
+@pytest.mark.parametrize("block", ["prewrite", "columns"])
+def test_kernel_block_step_follows_the_emulated_block_step_and_the_plain_steps(packed, wf, cf, block):
+    """4 requests, blocks of 1..8 rows (different per request and step) up to 30 tokens: the kernel block step
+    against its emulated specification and against plain kernel steps of the same tokens, within the
+    tolerance of test_engine_gpu.test_kernel_step_equals_the_emulated_step (a causality, position or race bug
+    is O(1))."""
+    seqs = _seqs()
+    got = _blocks_hidden(_model(packed, wf, cf, rows=32, block=block), seqs)
+    assert torch.isfinite(got).all()
+    ref = _blocks_hidden(_model(packed, wf, cf, "emulated", rows=32), seqs)
+    plain = _plain_hidden(_model(packed, wf, cf), seqs)
+    tol = 1.5e-2 if cf == "bf16" else 5e-2
+    assert _rel(got, ref) < tol
+    assert _rel(got, plain) < tol
+
+
+def test_prewrite_and_columns_block_attention_agree(packed):
+    seqs = _seqs()
+    a = _blocks_hidden(_model(packed, "int4", "int4", rows=32, block="prewrite"), seqs)
+    b = _blocks_hidden(_model(packed, "int4", "int4", rows=32, block="columns"), seqs)
+    assert _rel(a, b) < 1e-2
+
+
+def test_block_graph_replay_equals_eager(packed):
+    seqs = _seqs()
+    eager = _model(packed, "int4", "int4", rows=32)
+    m = _model(packed, "int4", "int4", rows=32)
+    graphs = BlockGraphs(m, 8)
+    starts = [0] * 4
+    for widths in WIDTHS:
+        blocks = [(s, starts[s], seqs[s][starts[s]:starts[s] + w]) for s, w in enumerate(widths[:3])]
+        e = eager.load_blocks(blocks, graphs.key(3, max(widths[:3]))[1], graphs.key(3, max(widths[:3]))[0])
+        eager.step(e.rows, e.width)
+        eager.read_targets(e, blocks)
+        g = graphs.run(blocks)
+        assert (g.width, g.requests) == (e.width, e.requests) and g.targets == e.targets
+        assert torch.equal(m.buffers.hidden[:g.rows], eager.buffers.hidden[:e.rows])
+        for s, (_, _, t) in enumerate(blocks):
+            starts[s] += len(t)
+
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3], [40, 41, 42, 43, 40, 41, 42], list(range(100, 113)),
+           [9, 9, 9, 9, 9], [17, 18, 17, 18, 17]]
+
+
+@pytest.mark.parametrize("wf, cf", [("int4", "int4"), ("bf16", "bf16"), ("e4m3", "e4m3")])
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_speculative_greedy_equals_plain_greedy_on_the_kernels(packed, wf, cf, k, graphs):
+    want, _ = generate(_model(packed, wf, cf, batch=3), PROMPTS, max_new_tokens=32)
+    m = _model(packed, wf, cf, batch=3, rows=3 * (k + 1))
+    g = BlockGraphs(m, k + 1, max_requests=3) if graphs else None
+    got, stats = generate_speculative(m, PROMPTS, 32, drafter=NgramDrafter(), num_draft=k, graphs=g)
+    assert got == want
+    assert stats.acceptance.summary()["accepted"] > 0
