@@ -17,6 +17,8 @@ soon as they exist (--out after every point).
   python scripts/bench_engine.py --weights int4 --cache int4 --tile-variants ring4,ring8,@0
       (also the int4/int4 step with the router's M = 1 tile GEMV switched to tuning variants, captured alongside;
       "VARIANT@G": with 8 warps up to G CTAs per SM instead of decode.plan.TILE_SMALL_GRID_CTAS)
+  python scripts/bench_engine.py --speculative --weights int4 --cache int4 --points 1x1024,8x1024,32x1024
+      (the speculative verify step instead, k = 0..7 drafts per request: scripts/bench_verify.py)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from futx.cli import validators  # noqa: E402
 from futx.cli.parser import Parser, RawDefaultsFormatter  # noqa: E402
 from futx.config import PRESETS, RopeScaling, LlamaConfig  # noqa: E402
 from futx.engine.support import MAX_BATCH  # noqa: E402
+from scripts import bench_verify  # noqa: E402
 
 # torch is imported where it is used, so the options are checked in a blink and on any machine
 HBM_BYTES_PER_S = 4.36e12  # measured read-only ceiling of the H200 (docs/results.md)
@@ -175,13 +178,21 @@ class BenchParser(Parser):
     """The options' own types check each value; parse_args then checks how they combine."""
 
     def parse_args(self, args=None, namespace=None):
-        a = super().parse_args(args, namespace)
+        a = _defaults(super().parse_args(args, namespace))
         pairs = [f"{w}/{c}" for w in a.weights for c in a.cache]
         if a.breakdown and a.breakdown not in pairs:
             self.error(f"argument --breakdown: {a.breakdown!r} is not one of the measured formats "
                        f"{', '.join(pairs)} ('' for none)")
         if (a.glue or a.tile_variants) and "int4/int4" not in pairs:
             self.error("argument --glue/--tile-variants: measures int4/int4; add int4 to --weights and --cache")
+        if a.speculative:
+            if a.glue or a.tile_variants or a.peers or a.plot:
+                self.error("argument --speculative: measures the verify step alone (no --glue, --tile-variants, "
+                           "--peers or --plot)")
+            if not any(bench_verify.fits(b, k) for b, _ in a.points for k in a.num_draft):
+                self.error(f"argument --num-draft: no point holds BATCH x (k + 1) <= {MAX_BATCH} rows")
+        elif a.num_draft_given:
+            self.error("argument --num-draft: applies to --speculative")
         return a
 
 
@@ -217,10 +228,23 @@ def build_parser(prog: str | None = None) -> Parser:
                         "(scripts/decode_peers.py)")
     p.add_argument("--peer-timeout", type=validators.positive_int, default=1800,
                    help="seconds one peer may take at one point")
+    p.add_argument("--speculative", action="store_true",
+                   help="measure the speculative verify step (BATCH requests x (k + 1) rows, causal blocks) for "
+                        "each k of --num-draft instead of the plain step (scripts/bench_verify.py)")
+    p.add_argument("--num-draft", type=bench_verify.draft_list, default=None,
+                   help="with --speculative: draft counts k, comma-separated, 0..7 (default 0,1,...,7; k = 0 is "
+                        "the plain step)")
     p.add_argument("--out", "--json", dest="out", type=validators.output_file, default=None, help="JSON results")
     p.add_argument("--md", type=validators.output_file, default=None, help="Markdown table")
     p.add_argument("--plot", type=plot_file, default=None, help="PNG plot of ms per step (needs matplotlib)")
     return p
+
+
+def _defaults(a: argparse.Namespace) -> argparse.Namespace:
+    a.num_draft_given = a.num_draft is not None
+    if a.num_draft is None:
+        a.num_draft = list(range(bench_verify.MAX_DRAFT + 1))
+    return a
 
 
 def main(argv=None) -> int:
@@ -234,6 +258,9 @@ def run(a: argparse.Namespace) -> int:
     from futx.engine.cache import EngineCache
     from futx.engine.graphs import GraphSteps
 
+    if a.speculative:
+        bench_verify.run(a)
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("futx bench decode needs a CUDA GPU")
     tile_variants = [v for v in a.tile_variants.split(",") if v]

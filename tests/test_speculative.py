@@ -365,3 +365,36 @@ def test_cli_generate_speculative_on_the_emulated_engine(model_dir, tmp_path, ca
     assert runs[0]["outputs"] == runs[1]["outputs"] and all(len(o) == 10 for o in runs[0]["outputs"])
     assert runs[1]["num_draft"] == 5 and "by_position" in runs[1]["acceptance"]
     assert runs[1]["steps"] < runs[0]["steps"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative", "--num-draft", "0,9"], "argument --num-draft: draft counts must be distinct and in 0..7"),
+    (["--num-draft", "1"], "argument --num-draft: applies to --speculative"),
+    (["--speculative", "--peers", "gptfast-int4"], "argument --speculative: measures the verify step alone"),
+    (["--speculative", "--points", "64x128", "--num-draft", "1,2"], "no point holds BATCH x (k + 1) <= 64 rows"),
+])
+def test_cli_bench_decode_speculative_options(capsys, argv, message):
+    assert cli.main(["bench", "decode", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("futx bench decode: error: ") and message in err[0], err
+
+
+def test_bench_verify_step_on_the_emulated_engine(tmp_path):
+    """The verify benchmark's code path on the tiny model (eager CPU timing: the numbers mean nothing here; the
+    H200 run measures CUDA graphs of the kernel step)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts import bench_engine, bench_verify
+
+    a = bench_engine.build_parser().parse_args(["--speculative", "--points", "1x40,32x20", "--weights", "int4",
+                                                "--cache", "int4", "--num-draft", "0,1,3", "--out",
+                                                str(tmp_path / "v.json"), "--md", str(tmp_path / "v.md")])
+    a.shape = CFG
+    res = bench_verify.run(a, timer=bench_verify.eager_timer(1, 1), backend="emulated", device="cpu")
+    one, many = res["points"]
+    assert [r["k"] for r in one["rows"]] == [0, 1, 3] and [r["rows"] for r in one["rows"]] == [1, 2, 4]
+    assert one["rows"][0]["vs_k0"] == 1.0 and many["skipped"] == [3]
+    assert json.loads((tmp_path / "v.json").read_text())["points"][1]["rows"][1]["rows"] == 64
+    assert "skipped" in (tmp_path / "v.md").read_text()
