@@ -340,7 +340,7 @@ def model_dir(tmp_path_factory, weights):
     (["--speculative", "eagle"], "argument --speculative: invalid choice"),
     (["--speculative", "ngram", "--max-batch", "16", "--num-draft", "7"], "= 128 rows per step; a step holds 64"),
     (["--speculative", "ngram", "--backend", "reference"], "--speculative ngram runs on the decode engine"),
-    (["--json", "{tmp}/s.json"], "--json applies to --speculative"),
+    (["--json", "{tmp}/s.json", "--backend", "reference"], "--json applies to the decode engine"),
 ])
 def test_cli_speculative_options_are_checked_before_any_model_loads(model_dir, tmp_path, capsys, argv, message):
     argv = [a.format(model=model_dir, tmp=tmp_path) for a in argv]
@@ -350,21 +350,25 @@ def test_cli_speculative_options_are_checked_before_any_model_loads(model_dir, t
 
 
 def test_cli_generate_speculative_on_the_emulated_engine(model_dir, tmp_path, capsys):
+    """futx generate --speculative ngram through the serving scheduler (reference prefill, then block steps):
+    the same tokens as futx generate without it, for any --num-draft, in fewer steps."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the heat the heat the heat\nhello there hello there\nx\n")
     runs = []
-    for k in ("1", "5"):
-        out_json = tmp_path / f"s{k}.json"
+    for extra in ([], ["--speculative", "ngram", "--num-draft", "1"], ["--speculative", "ngram", "--num-draft", "5"]):
+        out_json = tmp_path / f"s{len(runs)}.json"
         assert cli.main(["generate", "--model", str(model_dir), "--backend", "emulated", "--prompts", str(prompts),
-                         "--max-new-tokens", "10", "--ignore-eos", "--max-batch", "2", "--speculative", "ngram",
-                         "--num-draft", k, "--json", str(out_json)]) == 0
+                         "--max-new-tokens", "10", "--ignore-eos", "--max-batch", "2", "--json", str(out_json),
+                         *extra]) == 0
         out, err = capsys.readouterr()
-        assert out.count("\n[") == 2 and out.startswith("[0] the heat")
-        assert "generated tokens/s" in err and "accepted per verification" in err
+        assert out.count("\n[") == 2 and out.startswith("[0] the heat") and "generated tokens/s" in err
+        if extra:
+            assert "speculative: " in err and "verifications" in err
         runs.append(json.loads(out_json.read_text()))
-    assert runs[0]["outputs"] == runs[1]["outputs"] and all(len(o) == 10 for o in runs[0]["outputs"])
-    assert runs[1]["num_draft"] == 5 and "by_position" in runs[1]["acceptance"]
-    assert runs[1]["steps"] < runs[0]["steps"]
+    assert runs[0]["acceptance"] is None and runs[0]["outputs"] == runs[1]["outputs"] == runs[2]["outputs"]
+    assert all(len(o) == 10 for o in runs[0]["outputs"]) and runs[0]["texts"] == runs[2]["texts"]
+    assert runs[2]["num_draft"] == 5 and "by_position" in runs[2]["acceptance"]
+    assert runs[2]["steps"] < runs[0]["steps"]
 
 
 @pytest.mark.parametrize("argv, message", [

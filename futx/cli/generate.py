@@ -1,5 +1,6 @@
 """`futx generate`: greedy generation, streamed; on the reference path, or through the serving scheduler on the
-decode engine (several prompts batched with continuous batching)."""
+decode engine (several prompts batched with continuous batching; with --speculative, drafts verified in block
+steps: the same tokens, fewer steps)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, batch_default=8)
     add_speculative_arguments(p)
     p.add_argument("--json", default=None, type=v.output_file,
-                   help="with --speculative: write the outputs, tokens/s and the acceptance summary (per "
-                        "verification and per context-position bucket) to this JSON file")
+                   help="decode engine: write the outputs, steps and tokens/s (with --speculative also the "
+                        "acceptance summary, per verification and per context-position bucket) to this JSON file")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -40,8 +41,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.prompts and not read_prompts(args):
         raise ValueError(f"--prompts: {args.prompts} holds no prompts (one per line)")
     check_speculative_options(args)
-    if args.json and args.speculative == "none":
-        raise ValueError("--json applies to --speculative ngram or dlite")
+    if args.json and args.backend == "reference":
+        raise ValueError("--json applies to the decode engine (--backend kernels or emulated)")
 
 
 def read_prompts(args) -> list[str]:
@@ -51,8 +52,6 @@ def read_prompts(args) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.speculative != "none":
-        return _run_speculative(args)
     return _run_reference(args) if args.backend == "reference" else _run_engine(args)
 
 
@@ -112,7 +111,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     from futx.serve.sampling import SamplingParams
     from futx.serve.scheduler import Scheduler
 
-    from .models import build_serving_engine, tokenizer_for
+    from .models import build_drafter, build_serving_engine, tokenizer_for
 
     tok = tokenizer_for(args.model)
     prompts = read_prompts(args)
@@ -124,7 +123,8 @@ def _run_engine(args: argparse.Namespace) -> int:
     engine, tok = build_serving_engine(args, capacity, tok)
     single = len(prompts) == 1
     out = sys.stdout
-    scheduler = Scheduler(engine, tok, max_queue=len(prompts))
+    drafter = build_drafter(args, engine)
+    scheduler = Scheduler(engine, tok, max_queue=len(prompts), drafter=drafter, num_draft=args.num_draft or 0)
     params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
 
     def stream(ev) -> None:
@@ -153,81 +153,21 @@ def _run_engine(args: argparse.Namespace) -> int:
     print(f"\n[{engine.describe()}] {len(prompts)} prompt(s), {stats.steps} steps ({stats.rows} rows; {read}), "
           f"{stats.generated} tokens generated: {stats.ms_per_step:.3f} ms per step (median, host loop included), "
           f"{stats.tokens_per_s:.1f} generated tokens/s", file=sys.stderr)
-    return 0
-
-
-def _run_speculative(args: argparse.Namespace) -> int:
-    """Greedy generation with drafts verified in block steps (futx.engine.speculative): prompts are read by the
-    decode step num-draft + 1 tokens at a time (no prefill), the output is the target's greedy decoding."""
-    import json
-
-    import torch
-
-    from futx import atomic
-    from futx.engine.graphs import BlockGraphs
-    from futx.engine.load import load_packed
-    from futx.engine.model import DecodeModel
-    from futx.engine.speculative import generate_speculative
-    from futx.speculative.drafter import make_drafter
-
-    from .models import engine_device, set_threads, tokenizer_for
-
-    set_threads(args)
-    tok = tokenizer_for(args.model)
-    prompts = read_prompts(args)
-    ids = [tok.encode(tok.chat_prompt(p) if args.chat else p) for p in prompts]
-    for i, x in enumerate(ids):
-        if not x:
-            raise ValueError(f"prompt {i} encodes to no tokens")
-    k = args.num_draft
-    dev = engine_device(args)
-    with torch.inference_mode():
-        packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev)
-        model = DecodeModel(packed, args.cache, max_batch=args.max_batch,
-                            capacity=max(len(x) for x in ids) + args.max_new_tokens,
-                            backend="kernels" if args.backend == "kernels" else "emulated", device=dev,
-                            max_rows=args.max_batch * (k + 1))
-        graphs = None
-        if model.device.type == "cuda" and not args.no_graphs:
-            graphs = BlockGraphs(model, k + 1, max_requests=args.max_batch)
-        drafter = make_drafter(args.speculative, args.draft, device=model.device)
-        single = len(prompts) == 1
-        out = sys.stdout
-        shown, generated = "", []
-
-        def stream(index: int, token: int) -> None:
-            nonlocal shown
-            generated.append(token)
-            text = tok.decode(generated, skip_special=True)
-            if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-                out.write(text[len(shown):])
-                out.flush()
-                shown = text
-
-        if single and not args.chat:
-            out.write(prompts[0])
-            out.flush()
-        eos = () if args.ignore_eos else tok.eos_ids
-        outputs, stats = generate_speculative(model, ids, args.max_new_tokens, eos_ids=eos, drafter=drafter,
-                                              num_draft=k, graphs=graphs, on_token=stream if single else None)
-    texts = [tok.decode(o, skip_special=True) for o in outputs]
-    if single:
-        out.write(texts[0][len(shown):] + "\n")
-    else:
-        for i, (p, t) in enumerate(zip(prompts, texts)):
-            out.write(f"[{i}] {p}{t}\n")
-    out.flush()
-    print(f"\n[{packed.weights}/{args.cache} on {model.backend}, --speculative {args.speculative} --num-draft {k}] "
-          f"{len(prompts)} prompt(s), {stats.steps} steps ({stats.rows} rows; prompts read up to {k + 1} tokens per "
-          f"step), {stats.generated} tokens generated: {stats.ms_per_step:.3f} ms per step (median), "
-          f"{stats.tokens_per_s:.1f} generated tokens/s", file=sys.stderr)
-    for line in stats.acceptance.lines():
-        print(line, file=sys.stderr)
+    if drafter is not None:
+        print(f"--speculative {args.speculative} --num-draft {args.num_draft}:", file=sys.stderr)
+        for line in scheduler.acceptance.lines():
+            print(line, file=sys.stderr)
     if args.json:
+        import json
+
+        from futx import atomic
+
         atomic.write_text(args.json, json.dumps({
-            "speculative": args.speculative, "num_draft": k, "backend": model.backend, "weights": packed.weights,
-            "cache": args.cache, "prompts": prompts, "outputs": outputs, "texts": texts, **stats.summary()},
-            indent=2) + "\n")
+            "speculative": args.speculative, "num_draft": args.num_draft, "engine": engine.describe(),
+            "prompts": prompts, "outputs": [h.output for h in handles], "texts": [h.text for h in handles],
+            "steps": stats.steps, "rows": stats.rows, "generated": stats.generated, "seconds": stats.seconds,
+            "ms_per_step": stats.ms_per_step, "tokens_per_s": stats.tokens_per_s,
+            "acceptance": scheduler.acceptance.summary() if drafter is not None else None}, indent=1) + "\n")
     return 0
 
 

@@ -63,21 +63,37 @@ def build_prefill(args, model, float_weights=None):
                         glue=getattr(args, "prefill_glue", None) or "auto")
 
 
+def speculating(args) -> bool:
+    return getattr(args, "speculative", "none") != "none"
+
+
 def build_engine(args, capacity: int, float_weights=None):
-    """(DecodeModel, GraphSteps or None) for the engine options."""
-    from futx.engine.graphs import GraphSteps
+    """(DecodeModel, GraphSteps or None) for the engine options; with --speculative the model's steps hold
+    --max-batch x (--num-draft + 1) rows and the graphs are BlockGraphs (one per request bucket and width)."""
+    from futx.engine.graphs import BlockGraphs, GraphSteps
     from futx.engine.load import load_packed
     from futx.engine.model import DecodeModel
 
     dev = engine_device(args)
     packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev,
                          float_weights=float_weights)
+    width = args.num_draft + 1 if speculating(args) else 1
     model = DecodeModel(packed, args.cache, max_batch=args.max_batch, capacity=capacity,
-                        backend="kernels" if args.backend == "kernels" else "emulated", device=dev)
+                        backend="kernels" if args.backend == "kernels" else "emulated", device=dev,
+                        max_rows=args.max_batch * width)
     graphs = None
     if model.device.type == "cuda" and not args.no_graphs:
-        graphs = GraphSteps(model)
+        graphs = BlockGraphs(model, width, max_requests=args.max_batch) if width > 1 else GraphSteps(model)
     return model, graphs
+
+
+def build_drafter(args, engine):
+    """The --speculative drafter (None without speculation)."""
+    if not speculating(args):
+        return None
+    from futx.speculative.drafter import make_drafter
+
+    return make_drafter(args.speculative, args.draft, device=getattr(engine, "model", engine).device)
 
 
 def tokenizer_for(spec):

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from . import validators as v
-from .options import add_engine_arguments, add_model_arguments, check_engine_options, check_model_options
+from .options import (add_engine_arguments, add_model_arguments, add_speculative_arguments, check_engine_options,
+                      check_model_options, check_speculative_options)
 from .registry import register
 
 HELP = "OpenAI-compatible HTTP server with continuous batching (/v1/completions, /v1/chat/completions)"
@@ -16,7 +17,9 @@ PREFILL_NOTE = ("Prompts are prefilled by --prefill: kernels (the default on --b
                 "the decode mirror straight into the engine's cache; reference (the default elsewhere) prefills "
                 "on the BF16 reference path (float32, BF16-valued weights; chunked, request by request) and "
                 "writes the K/V rows into the engine's cache. On --backend reference the whole model is the "
-                "PyTorch reference.")
+                "PyTorch reference. With --speculative ngram|dlite every decode step verifies up to --num-draft "
+                "drafts per request in one block step (greedy requests: the same tokens; sampled requests: "
+                "speculative rejection sampling, the same distribution); /health reports the acceptance.")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -24,6 +27,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                      "with continuous batching on the decode engine. " + PREFILL_NOTE)
     add_model_arguments(p)
     add_engine_arguments(p, batch_default=8)
+    add_speculative_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", type=v.nonempty, help="address to listen on")
     g.add_argument("--port", type=v.int_in(0, 65535), default=8000, help="port (0 picks a free one)")
@@ -40,6 +44,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     check_model_options(args)
     check_engine_options(args)
+    check_speculative_options(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,10 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from futx.serve.scheduler import Scheduler
     from futx.serve.server import App, start_site
 
-    from .models import build_serving_engine
+    from .models import build_drafter, build_serving_engine
 
     engine, tok = build_serving_engine(args, args.capacity)
-    scheduler = Scheduler(engine, tok, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+    scheduler = Scheduler(engine, tok, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                          drafter=build_drafter(args, engine), num_draft=args.num_draft or 0)
     name = args.served_model_name or engine.config.name
     app = App(scheduler, tok, (name,), engine.config.vocab_size).build()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -60,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         runner = await start_site(app, args.host, args.port)
         host, port = runner.addresses[0][:2]
+        spec = (f"; speculative {args.speculative}, up to {args.num_draft} drafts per request and step"
+                if args.speculative != "none" else "")
         print(f"futx serve: {engine.describe()}; up to {engine.max_batch} requests of {engine.capacity} "
-              f"positions; model '{name}'", file=sys.stderr)
+              f"positions; model '{name}'{spec}", file=sys.stderr)
         print(f"futx serve: listening on http://{host}:{port}/v1", flush=True)
         try:
             await asyncio.Event().wait()

@@ -72,17 +72,24 @@ class DecodeEngine:
             raise ValueError("the prefill model must write the decode engine's own cache")
         if prefill_graphs is not None and prefill_graphs.model is not prefill_model:
             raise ValueError("the prefill graphs must be those of the engine's prefill model")
+        from futx.engine.graphs import BlockGraphs
+
+        self.block_graphs = graphs if isinstance(graphs, BlockGraphs) else None   # speculative block steps
+        if self.block_graphs is not None:
+            graphs = None
         self.model, self.graphs, self.prefill_weights = model, graphs, prefill_weights
         self.prefill_model, self.prefill_graphs = prefill_model, prefill_graphs
         self.config = model.config
         self.name = model.backend
         self.max_batch, self.capacity = model.max_batch, model.capacity
+        self.max_rows = model.max_rows
         self.prefills = prefill_weights is not None or prefill_model is not None
         self._ref: dict[int, KVCache] = {}  # per slot: the prompt's reference K/V while it is being prefilled
 
     def describe(self) -> str:
         m = self.model
-        g = "CUDA graphs" if self.graphs is not None else "eager"
+        g = ("CUDA graphs" if self.graphs is not None else
+             "CUDA graphs of block steps" if self.block_graphs is not None else "eager")
         if self.prefill_model is not None:
             pre = self.prefill_model.describe()
             if self.prefill_graphs is not None:
@@ -131,6 +138,21 @@ class DecodeEngine:
                else m.run(tokens, positions, slots))
         logits = m.logits(m.buffers.hidden[:len(tokens)]) if want_logits else None
         return nxt.tolist(), logits
+
+    def verify(self, blocks):
+        """A block (speculative verify) step over blocks of (slot, start, tokens): futx.engine.model.BlockStep."""
+        if self.block_graphs is not None:
+            return self.block_graphs.run(blocks)
+        return self.model.verify(blocks)
+
+    def row_logits(self, rows: list[int]) -> torch.Tensor:
+        """Logits [len(rows), V] of buffer rows of the last step."""
+        m = self.model
+        return m.logits(m.buffers.hidden[torch.tensor(rows, device=m.device)])
+
+    def row_hidden(self, rows: list[int]) -> torch.Tensor:
+        m = self.model
+        return m.buffers.hidden[torch.tensor(rows, device=m.device)].clone()
 
     def release(self, slot: int) -> None:
         self._ref.pop(slot, None)  # the engine's cache rows are simply overwritten by the next request

@@ -12,6 +12,13 @@ A request moves WAITING -> PREFILL -> DECODE -> finished:
 Each tick runs one prefill chunk batch and one decode step over all DECODE rows (any mix of lengths). The
 loop runs in its own thread (`start`) or in the caller's (`run_until_idle`, for `futx generate`). Every new
 piece of text goes to the request's `sink` as an Event, from the loop's thread.
+
+With a `drafter` (speculative decoding, futx.speculative) the decode step is a block (verify) step: each DECODE
+request feeds the tokens of its history not yet in the cache (its last token; without a prefill, up to
+num_draft + 1 prompt tokens at once) and up to `num_draft` drafts, and keeps the prefix the target agrees with
+plus one token of its own: greedy requests by the argmax (the same tokens as without speculation), sampled ones
+by speculative rejection sampling on their own generator (the same distribution as without it; the drafters
+are deterministic, q one-hot). Acceptance per verification, by context position: `Scheduler.acceptance`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from futx.engine.generate import GenerationStats
 from .detok import TextStream
 from .engines import Chunk
 from .sampling import SamplingParams, sample
+
+MAX_DRAFT = 7   # futx.speculative.drafter.MAX_DRAFT
 
 log = logging.getLogger("futx.serve")
 STATS_WINDOW = 1 << 16
@@ -69,6 +78,7 @@ class Handle:
         self.slot = -1
         self.pos = 0                  # next cache position this request writes
         self.steps: list[int] = []    # decode steps it took part in
+        self.hidden = None            # speculative drafters that read hidden states: the row of the last token
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
         self._cancel = threading.Event()
@@ -100,9 +110,24 @@ class Handle:
 
 class Scheduler:
     def __init__(self, engine, tokenizer, *, max_queue: int = 64, prefill_chunk: int = 512,
-                 eos_ids: Optional[Collection[int]] = None):
+                 eos_ids: Optional[Collection[int]] = None, drafter=None, num_draft: int = 0):
+        """drafter: a futx.speculative Drafter (speculative decoding with up to num_draft drafts per request and
+        step; the engine must run block steps: DecodeEngine over a DecodeModel with max_rows >= max_batch x
+        (num_draft + 1))."""
         if max_queue < 1 or prefill_chunk < 1:
             raise ValueError(f"max_queue and prefill_chunk must be positive, got {max_queue} and {prefill_chunk}")
+        self.drafter, self.num_draft = drafter, num_draft
+        self.acceptance = None
+        if drafter is not None:
+            from futx.speculative.stats import AcceptanceStats
+
+            if not 1 <= num_draft <= MAX_DRAFT:
+                raise ValueError(f"num_draft must be in 1..{MAX_DRAFT}, got {num_draft}")
+            rows = getattr(engine, "max_rows", 0)
+            if not hasattr(engine, "verify") or rows < engine.max_batch * (num_draft + 1):
+                raise ValueError(f"speculative decoding needs an engine with block steps of {engine.max_batch} x "
+                                 f"({num_draft} + 1) rows (DecodeEngine over DecodeModel(max_rows=...))")
+            self.acceptance = AcceptanceStats(keep_log=False)   # a server runs for days
         self.engine, self.tokenizer = engine, tokenizer
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
@@ -152,7 +177,12 @@ class Scheduler:
     @property
     def load(self) -> dict:
         with self._cv:
-            return {"waiting": len(self._waiting), "running": len(self._live), "slots": self.engine.max_batch}
+            load = {"waiting": len(self._waiting), "running": len(self._live), "slots": self.engine.max_batch}
+        if self.acceptance is not None:
+            s = self.acceptance.summary()
+            load["speculative"] = {"drafter": self.drafter.name, "num_draft": self.num_draft,
+                                   **{k: s[k] for k in ("verifications", "mean_accepted", "acceptance_rate")}}
+        return load
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -222,6 +252,9 @@ class Scheduler:
         rows = [h for h in self._live if h.pos >= self._prefill_end(h)]
         if not rows:
             return
+        if self.drafter is not None:
+            self._verify(rows)
+            return
         tokens = [h.prompt[h.pos] if h.pos < len(h.prompt) else h.output[-1] for h in rows]
         # rows whose output is a token: the last prompt token onwards; logits only when one of them samples
         emits = [h.pos + 1 >= len(h.prompt) for h in rows]
@@ -247,6 +280,85 @@ class Scheduler:
                     tok = sample(logits[i], h.params, h.gen)
                 self.stats.generated += 1
                 self._emit(h, tok)
+
+    def _verify(self, rows: list[Handle]) -> None:
+        """The speculative decode step: one block per request (see the module's docstring)."""
+        from futx.speculative.accept import greedy_accept, probabilities, rejection_accept
+        from futx.speculative.drafter import check_proposals
+
+        width, drafter = self.num_draft + 1, self.drafter
+        hists = [h.prompt + h.output for h in rows]
+        known = [hist[h.pos:h.pos + width] for h, hist in zip(rows, hists)]
+        room = []
+        for h, hist, kn in zip(rows, hists, known):
+            r = 0
+            if h.pos + len(kn) == len(hist):    # the block reaches the history's end: drafts may follow
+                r = min(width - len(kn), h.params.max_tokens - len(h.output) - 1,
+                        self.engine.capacity - h.pos - len(kn))
+                if drafter.needs_hidden and h.hidden is None:
+                    r = 0
+            room.append(max(0, r))
+        drafts: list[list[int]] = [[] for _ in rows]
+        ask = [i for i, r in enumerate(room) if r > 0]
+        t0 = time.perf_counter()
+        try:
+            if ask:
+                k = max(room[i] for i in ask)
+                hidden = torch.stack([rows[i].hidden for i in ask]) if drafter.needs_hidden else None
+                got = drafter.propose([hists[i] for i in ask], hidden, k)
+                check_proposals(got, len(ask), k, self.engine.config.vocab_size)
+                for i, d in zip(ask, got):
+                    drafts[i] = [int(t) for t in d[:room[i]]]
+            blocks = [(h.slot, h.pos, kn + d) for h, kn, d in zip(rows, known, drafts)]
+            step = self.engine.verify(blocks)
+            # the sampling distributions of the rows that emit, for the requests that sample
+            logits = {}
+            sampled = [i for i, h in enumerate(rows) if not h.params.greedy
+                       and h.pos + len(known[i]) == len(hists[i])]
+            if sampled:
+                idx = [step.row(i, j) for i in sampled for j in range(len(known[i]) - 1, len(blocks[i][2]))]
+                lg = self.engine.row_logits(idx).float().cpu()
+                at = 0
+                for i in sampled:
+                    n = len(blocks[i][2]) - len(known[i]) + 1
+                    logits[i] = lg[at:at + n]
+                    at += n
+        except Exception as e:  # noqa: BLE001 -- the batch's requests fail, the server goes on
+            log.error("verify step failed:\n%s", traceback.format_exc())
+            for h in rows:
+                self._finish(h, "error", f"decode step failed: {e}")
+            return
+        self.stats.step_seconds.append(time.perf_counter() - t0)
+        step_no = self.stats.steps
+        self.stats.steps += 1
+        n_rows = sum(len(b[2]) for b in blocks)
+        self.stats.rows += n_rows
+        self.step_rows.append(n_rows)
+        hidden_rows = []
+        for i, h in enumerate(rows):
+            nk = len(known[i])
+            h.steps.append(step_no)
+            if h.pos + nk < len(hists[i]):    # prompt tokens only: nothing to emit yet
+                h.pos += nk
+                continue
+            if h.params.greedy:
+                a, emitted = greedy_accept(drafts[i], step.targets[i][nk - 1:])
+            else:
+                p = probabilities(logits[i], h.params.temperature, h.params.top_p)
+                a, emitted = rejection_accept(drafts[i], p, None, h.gen)
+            self.acceptance.record(h.pos + nk - 1, len(drafts[i]), a)
+            h.pos += nk + a                   # rejected drafts: past the length, overwritten by the next block
+            for tok in emitted:
+                self.stats.generated += 1
+                self._emit(h, tok)
+                if h.done:
+                    break
+            if not h.done and drafter.needs_hidden:
+                hidden_rows.append((h, step.row(i, nk - 1 + a)))
+        if hidden_rows:
+            hs = self.engine.row_hidden([j for _, j in hidden_rows])
+            for (h, _), x in zip(hidden_rows, hs):
+                h.hidden = x
 
     def _emit(self, h: Handle, tok: int) -> None:
         h.output.append(tok)
