@@ -160,3 +160,58 @@ def test_speculative_greedy_equals_plain_greedy_on_the_kernels(packed, wf, cf, k
     got, stats = generate_speculative(m, PROMPTS, 32, drafter=NgramDrafter(), num_draft=k, graphs=g)
     assert got == want
     assert stats.acceptance.summary()["accepted"] > 0
+
+
+def test_scheduler_with_drafts_on_the_kernels_equals_the_plain_scheduler(weights, tmp_path):
+    """The serving path (BF16 reference prefill, then block steps replayed as CUDA graphs): greedy requests get
+    the plain scheduler's tokens; sampled ones finish with their lengths."""
+    from tiny_checkpoint import save_tiny_hf
+
+    from futx.quant.simulated import quantized_weights
+    from futx.serve import SamplingParams, Scheduler
+    from futx.serve.engines import DecodeEngine
+    from futx.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_dir(save_tiny_hf(tmp_path / "m", weights.to(device="cpu")))
+    packed = pack_model(weights, "int4", progress=False)
+    ids = [tok.encode(p) for p in ("the heat the heat the heat", "abcabcabcab", "x", "hello there hello")]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run(k):
+        m = DecodeModel(packed, "int4", max_batch=2, capacity=96, backend="kernels", device="cuda",
+                        max_rows=2 * (k + 1))
+        g = BlockGraphs(m, k + 1, max_requests=2) if k else None
+        s = Scheduler(DecodeEngine(m, g, quantized_weights(weights, "bf16")), tok,
+                      drafter=NgramDrafter() if k else None, num_draft=k)
+        hs = [s.submit(x, params) for x in ids]
+        hs.append(s.submit(ids[0], SamplingParams(max_tokens=10, temperature=0.7, seed=1, ignore_eos=True)))
+        s.run_until_idle()
+        return hs
+
+    plain, spec = run(0), run(5)
+    assert [h.output for h in spec[:4]] == [h.output for h in plain[:4]]
+    assert len(spec[4].output) == 10
+
+
+@pytest.mark.parametrize("prefill", ["reference", "kernels"])
+def test_cli_generate_speculative_on_the_kernels(tmp_path, capsys, prefill):
+    """futx generate --backend kernels (CUDA graphs, either prefill): --speculative ngram gives the same tokens."""
+    import json
+
+    from futx import cli
+
+    from tiny_checkpoint import save_tiny_hf
+
+    w = random_weights(_cfg(128), seed=7, std=0.05)
+    d = save_tiny_hf(tmp_path / "m", w)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the heat the heat the heat\nhello there hello there\nx\n")
+    runs = []
+    for extra in ([], ["--speculative", "ngram", "--num-draft", "4"]):
+        out = tmp_path / f"r{len(runs)}.json"
+        assert cli.main(["generate", "--model", str(d), "--backend", "kernels", "--prompts", str(prompts),
+                         "--max-new-tokens", "24", "--ignore-eos", "--max-batch", "4", "--json", str(out), "--prefill", prefill,
+                         *extra]) == 0
+        capsys.readouterr()
+        runs.append(json.loads(out.read_text()))
+    assert runs[0]["outputs"] == runs[1]["outputs"]

@@ -5,8 +5,9 @@
     cache.py      the KV cache in the kernels' layout (main copy + mirror, scratch slot)
     backends.py   the step's operations: futx kernels, or their PyTorch emulation
     model.py      the decode step, top to bottom
-    graphs.py     the step captured per batch-size bucket as a CUDA graph
+    graphs.py     the step captured per batch-size bucket as a CUDA graph (block steps: per bucket and width)
     generate.py   greedy generation with continuous batching over cache slots
+    speculative.py speculative greedy generation: drafts verified in block steps (futx.speculative)
     perplexity.py perplexity through the engine (all-decode and serving protocols)
     load.py       a packed model from a checkpoint or a packed directory (what the `futx` commands call)
 
