@@ -93,7 +93,8 @@ def build_drafter(args, engine):
         return None
     from futx.speculative.drafter import make_drafter
 
-    return make_drafter(args.speculative, args.draft, device=getattr(engine, "model", engine).device)
+    model = engine.model   # a DecodeEngine (--speculative needs the decode engine)
+    return make_drafter(args.speculative, args.draft, device=model.device, target=model.packed)
 
 
 def tokenizer_for(spec):

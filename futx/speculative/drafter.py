@@ -67,8 +67,11 @@ def check_proposals(proposals: list[list[int]], n: int, k: int, vocab_size: Opti
             raise ValueError(f"the drafter proposed a token outside [0, {vocab_size}) for request {i}")
 
 
-def make_drafter(kind: str, draft: Optional[str] = None, *, device=None, **options) -> Optional[Drafter]:
-    """The drafter of `futx generate/serve --speculative KIND [--draft FILE]`; None for "none"."""
+def make_drafter(kind: str, draft: Optional[str] = None, *, device=None, target=None,
+                 **options) -> Optional[Drafter]:
+    """The drafter of `futx generate/serve --speculative KIND [--draft FILE]`; None for "none". target: the
+    target model (its PackedModel or ModelWeights) for drafters that borrow its tensors (DLite: embedding, final
+    norm, LM head); None lets such a drafter load the model its file records."""
     if kind == "none":
         return None
     if kind == "ngram":
@@ -78,7 +81,7 @@ def make_drafter(kind: str, draft: Optional[str] = None, *, device=None, **optio
     if kind == "dlite":
         if draft is None:
             raise ValueError("--speculative dlite needs --draft FILE (the trained draft head)")
-        from . import dlite  # built in futx/speculative/dlite.py: load(path, device=...) -> Drafter
+        from . import dlite  # futx/speculative/dlite.py: load(path, target=None, device=None) -> Drafter
 
-        return dlite.load(draft, device=device, **options)
+        return dlite.load(draft, target=target, device=device, **options)
     raise ValueError(f"unknown speculative kind {kind!r}: one of {', '.join(SPECULATIVE_KINDS)}")
