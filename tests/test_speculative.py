@@ -336,7 +336,8 @@ def model_dir(tmp_path_factory, weights):
     (["--draft", "{model}/config.json"], "--draft applies to --speculative ngram or dlite"),
     (["--speculative", "ngram", "--num-draft", "0"], "argument --num-draft: must be in 1..7, got 0"),
     (["--speculative", "ngram", "--num-draft", "8"], "argument --num-draft: must be in 1..7, got 8"),
-    (["--speculative", "dlite", "--draft", "/no/such/head.pt"], "argument --draft"),
+    (["--speculative", "dlite", "--draft", "/no/such/head.pt"], "argument --draft: /no/such/head.pt does not exist"),
+    (["--speculative", "ngram", "--draft", "{model}"], "--draft applies to --speculative dlite"),   # a directory
     (["--speculative", "eagle"], "argument --speculative: invalid choice"),
     (["--speculative", "ngram", "--max-batch", "16", "--num-draft", "7"], "= 128 rows per step; a step holds 64"),
     (["--speculative", "ngram", "--backend", "reference"], "--speculative ngram runs on the decode engine"),

@@ -118,7 +118,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"drafts per verification, 1..{MAX_DRAFT} (default {DEFAULT_DRAFT}); each request takes "
                         "num-draft + 1 rows of a step, so --max-batch x (num-draft + 1) must fit "
                         f"{MAX_BATCH} rows")
-    g.add_argument("--draft", default=None, type=v.input_file, help="the draft head's file (--speculative dlite)")
+    g.add_argument("--draft", default=None, type=v.input_path,
+                   help="the trained draft head, its directory or file (--speculative dlite)")
 
 
 def check_speculative_options(args: argparse.Namespace) -> None:

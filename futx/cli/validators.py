@@ -29,6 +29,16 @@ def _checked(check: Callable[[str], object], name: str) -> Callable[[str], str]:
 
 
 input_file = _checked(files.input_file, "input_file")
+
+
+def _file_or_dir(path: str) -> None:
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        files.input_file(path)
+
+
+input_path = _checked(_file_or_dir, "input_path")     # an existing file, or a directory (a draft head's)
 text_file = _checked(files.read_text, "text_file")      # UTF-8: the message names the first bad byte
 output_file = _checked(files.output_file, "output_file")
 output_dir = _checked(files.output_dir, "output_dir")
