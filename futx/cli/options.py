@@ -108,12 +108,12 @@ DEFAULT_DRAFT = 4
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding (decode engine, greedy)")
+    g = p.add_argument_group("speculative decoding (decode engine)")
     g.add_argument("--speculative", default="none", choices=SPECULATIVE,
                    help="draft tokens and verify them in one block step of the target: ngram = prompt lookup "
                         "(no model; the tokens after an earlier occurrence of the text's last 3..1 tokens), dlite "
-                        "= a trained draft head (--draft FILE). The output is the target's greedy decoding, token "
-                        "for token")
+                        "= a trained draft head (--draft PATH). Greedy output is the target's greedy decoding, token "
+                        "for token; sampled requests (futx serve) keep their distribution by rejection sampling")
     g.add_argument("--num-draft", type=v.int_in(1, MAX_DRAFT), default=None,
                    help=f"drafts per verification, 1..{MAX_DRAFT} (default {DEFAULT_DRAFT}); each request takes "
                         "num-draft + 1 rows of a step, so --max-batch x (num-draft + 1) must fit "
