@@ -1,6 +1,6 @@
 """Epilogue policies: what the prefill GEMM does with its accumulators, chosen at compile time.
 
-The mainloop (`futx/mainloop.py`) finishes a tile of FP32 accumulators in registers (64 rows x tile_n
+The mainloop (`futx/prefill/mainloop.py`) finishes a tile of FP32 accumulators in registers (64 rows x tile_n
 per consumer warpgroup) and walks it in output *subtiles* (64 rows x epi_n columns). For every subtile
 it hands each thread's values to the policy chain as a `Frag`: `frag.vals[i]` is a register, and
 `frag.coord(i)` its global (row, column). Policies compose left to right, e.g.

@@ -1,4 +1,4 @@
-"""Prefill attention (futx/prefill_attention.py, futx.ops.prefill_attention) on the CPU: the float64
+"""Prefill attention (futx/prefill/attention.py, futx.ops.prefill_attention) on the CPU: the float64
 reference of the kernel's exact math agrees with futx's reference model attention on random packed
 batches with chunked-prefill starts; a pure-Python model of the kernel's work tiles and row mapping (row i =
 token i // G, head h G + i % G; T = 128 // G tokens per tile, rows T G .. 127 idle when G does not divide 128)
@@ -100,11 +100,11 @@ def test_reference_matches_futx_reference_attention(lengths, starts, hq, hkv):
 
 
 # ---- a pure-Python model of the kernel's work decomposition and row mapping -----------------------------
-TILE, KEYS = 128, 128   # futx.prefill_attention.TILE_M / TILE_N (no DSL import here)
+TILE, KEYS = 128, 128   # futx.prefill.attention.TILE_M / TILE_N (no DSL import here)
 
 
 def kernel_ctas(cu, starts, hq, hkv):
-    """What each CTA of futx/prefill_attention.py does, restated line by line from the kernel: the grid, the
+    """What each CTA of futx/prefill/attention.py does, restated line by line from the kernel: the grid, the
     (request, query tile) lookup from blockIdx.x, and per CTA row i: token i // G, head h G + i % G, whether Q
     is loaded / O stored (token < the tile's valid tokens), its causal position, the K/V tiles loaded and
     the unmasked ones. Yields one dict per CTA that owns a tile."""
@@ -331,14 +331,14 @@ def test_registry_entries():
     keys = [s.key for s in select("prefill.attn.*")]
     assert keys == sorted(attn_key(d) for d in HEAD_DIMS)
     for s in select("prefill.attn.*"):
-        assert s.expect_sass == ("HGMMA",) and s.module == "futx.prefill_attention"
+        assert s.expect_sass == ("HGMMA",) and s.module == "futx.prefill.attention"
 
 
 def test_stage_rule_fits_shared_memory():
     from futx.hardware import SMEM_PER_CTA
 
     pytest.importorskip("cutlass")
-    from futx.prefill_attention import TILE_M, TILE_N, stages_for
+    from futx.prefill.attention import TILE_M, TILE_N, stages_for
 
     assert stages_for(128) == 3 and stages_for(64) == 4
     for d in HEAD_DIMS:
@@ -358,7 +358,7 @@ def test_compiles_for_sm90a_with_hgmma(tmp_path, d):
     code = (
         "import os, glob, json\n"
         "import cutlass.cute as cute\n"
-        "from futx.prefill_attention import compile_target\n"
+        "from futx.prefill.attention import compile_target\n"
         "from futx.runtime.fingerprint import COMPILE_OPTIONS\n"
         "from futx.runtime.compiler import sass_stats\n"
         f"fn, fake = compile_target({d})\n"

@@ -372,7 +372,7 @@ def test_sass_of_fused_fp8_swiglu(tmp_path):
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
-        from futx import mainloop
+        from futx.prefill import mainloop
         fn, args = mainloop.compile_target(ab="e4m3", policy="scale_rho_swiglu_fp8")
         cute.compile(fn, *args, options="--enable-tvm-ffi")
     """)
@@ -397,7 +397,7 @@ def test_sass_of_2x2_cluster(tmp_path):
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
-        from futx import mainloop
+        from futx.prefill import mainloop
         fn, args = mainloop.compile_target(ab="e4m3", policy="scale_bf16", schedule="pingpong", cluster_n=2)
         cute.compile(fn, *args, options="--enable-tvm-ffi")
     """)

@@ -434,7 +434,7 @@ def _split_twice_and_check(prefill, ab, pol, variant, m, n, splits, seed, tile_n
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_k_on_the_last_partial_wave(prefill, ab, pol, splits):
     """More cluster tiles than clusters (M = 1100: 5 cluster rows x 17+ columns of 128 > 66 clusters on an
-    H200): the full wave runs whole tiles, the remaining tiles are split (futx/mainloop.py `unit`)."""
+    H200): the full wave runs whole tiles, the remaining tiles are split (futx/prefill/mainloop.py `unit`)."""
     n = 2048 + 32 * chain_of(pol).n_ratio
     _split_twice_and_check(prefill, ab, pol, "n128", 1100, n, splits, seed=splits, tile_n=128)
 

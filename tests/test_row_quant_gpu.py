@@ -1,4 +1,4 @@
-"""futx's per-row E4M3 quantization kernel (futx.ops.row_quant, futx/row_quant.py) on a Hopper GPU: bit for bit
+"""futx's per-row E4M3 quantization kernel (futx.ops.row_quant, futx/prefill/row_quant.py) on a Hopper GPU: bit for bit
 futx.engine.prefill.quantize_rows (scales and E4M3 bytes) on random rows with outliers, all-zero rows, ties at
 the E4M3 rounding boundaries, odd row counts and the prefill block's widths; bad inputs raise before the launch.
 

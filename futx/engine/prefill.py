@@ -29,7 +29,7 @@ FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
   * activations into QKV, O and gate/up: per row, a[m] = amax_m / 448 (1 for an all-zero row),
     x8 = e4m3(clamp(x / a)) (IEEE division). One torch pass over the BF16 tensor per GEMM (`quantize_rows`);
     `glue="kernel"` (the default on the kernels backend) runs it as futx's row-quantization kernel
-    (futx/row_quant.py: one launch, bit for bit the torch code); `glue="compiled"` fuses it with torch.compile
+    (futx/prefill/row_quant.py: one launch, bit for bit the torch code); `glue="compiled"` fuses it with torch.compile
     (fewer launches, but not bit for bit: futx.engine.compiled says where Triton rounds differently).
   * the SwiGLU output: delayed per-tensor scaling, one state per layer and per request group
     (`ScaleState`). Call t quantizes with the scale from call t-1's amax: scale = amax * margin / 448

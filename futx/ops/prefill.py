@@ -16,7 +16,7 @@ Alignment rules (TMA): K and N multiples of 16, D's width (N, or N/2 after SwiGL
 M is free (any value >= 0; M = 0 launches nothing). The variant and split-K count follow `choose_plan`
 unless `variant=` names one (the benchmarks' tuning space, e.g. "n256" coop or "n256.pp.g16", compiles on
 demand) or `splits=` sets the count (coop variants: the tiles of the last, partial wave have K cut into
-`splits` ranges whose partial tiles the last CTA to finish sums in split order, futx/mainloop.py; a float32
+`splits` ranges whose partial tiles the last CTA to finish sums in split order, futx/prefill/mainloop.py; a float32
 workspace of splits x those tiles is allocated per call).
 """
 
@@ -118,7 +118,7 @@ def _split_args(a: torch.Tensor, w: torch.Tensor, key: str, splits: int) -> tupl
     chain = chain_of(p["policy"])
     n = w.shape[0]
     cols = -(-(n // 2) // (tile_n // 2)) if chain.pair is not None and chain.pair.layout == "split" else -(-n // tile_n)
-    # as the kernel does (futx/mainloop.py): the full waves of cluster tiles run whole, the rest is split
+    # as the kernel does (futx/prefill/mainloop.py): the full waves of cluster tiles run whole, the rest is split
     size = cluster_m * cluster_n
     tiles = -(-m // (tile_m * cluster_m)) * -(-cols // cluster_n)
     split_tiles = (tiles - whole_tiles(tiles, splits, cluster_slots(a.device, size) // size)) * size

@@ -1,4 +1,4 @@
-"""`futx::row_quant_e4m3_` — per-row dynamic E4M3 quantization of BF16 activations (futx/row_quant.py):
+"""`futx::row_quant_e4m3_` — per-row dynamic E4M3 quantization of BF16 activations (futx/prefill/row_quant.py):
 
     q, scale = futx.ops.row_quant.quantize_rows_e4m3(x)     # x bf16 [M, K] -> float8_e4m3fn [M, K], float32 [M]
 

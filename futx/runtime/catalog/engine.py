@@ -15,8 +15,8 @@ SPECS = [
     KernelSpec(key="engine.rms_rows", module="decode.rms_rows",
                sources=("decode/rms_rows.py", "decode/block_reduce.py"),
                doc="RMSNorm row factor of bf16 rows (gain folded into the next projection)"),
-    KernelSpec(key="engine.row_quant_e4m3", module="futx.row_quant",
-               sources=("futx/row_quant.py", "decode/ptx.py", "decode/block_reduce.py"),
+    KernelSpec(key="engine.row_quant_e4m3", module="futx.prefill.row_quant",
+               sources=("futx/prefill/row_quant.py", "decode/ptx.py", "decode/block_reduce.py"),
                doc="per-row dynamic E4M3 quantization of bf16 activations (the prefill block's glue)"),
 ] + [
     # the engine cache rotates exactly its INT4 mirror (futx.engine.cache.EngineCache.rotate)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from futx.runtime.registry import KernelSpec, get_spec, register
 
-SOURCES = ("futx/mainloop.py", "epilogues/", "decode/ptx.py", "decode/split_arrival.py")
+SOURCES = ("futx/prefill/mainloop.py", "epilogues/", "decode/ptx.py", "decode/split_arrival.py")
 AB = ("e4m3", "bf16")
 
 # What the rule can pick: pingpong 64x256 (never estimated slower than coop 128x256, measured faster at
@@ -60,7 +60,7 @@ class Variant:
     tile_n: int = 256
     schedule: str = "coop"
     cluster_m: int = 2
-    group_m: int = 8      # cluster rows per raster group (L2 reuse; futx/mainloop.py); ".g<N>" if not 8
+    group_m: int = 8      # cluster rows per raster group (L2 reuse; futx/prefill/mainloop.py); ".g<N>" if not 8
     cluster_n: int = 1    # ".c<M>x2": clusters of cluster_m x 2 CTAs that also share the activation tile
 
     @property
@@ -157,7 +157,7 @@ def _spec(ab: str, name: str, variant: str, chain=None) -> KernelSpec:
     out = chain.out if chain is not None else ("e4m3" if name.endswith("_fp8") else "bf16")
     return KernelSpec(
         key=kernel_key(ab, name, variant),
-        module="futx.mainloop",
+        module="futx.prefill.mainloop",
         params=params,
         sources=SOURCES,
         expect_sass=("QGMMA",) if ab == "e4m3" else ("HGMMA",),
@@ -245,12 +245,12 @@ class Costs(NamedTuple):
 
 
 def k_tiles(k: int, ab: str) -> int:
-    """k-tiles of the mainloop: 128 bytes of a row per stage (futx/mainloop.py `tile_config`)."""
+    """k-tiles of the mainloop: 128 bytes of a row per stage (futx/prefill/mainloop.py `tile_config`)."""
     return -(-k // (128 if ab == "e4m3" else 64))
 
 
 def whole_tiles(tiles: int, splits: int, slots: int) -> int:
-    """Cluster tiles of a split-K launch that run whole, as the kernel derives them (futx/mainloop.py): the full
+    """Cluster tiles of a split-K launch that run whole, as the kernel derives them (futx/prefill/mainloop.py): the full
     waves of the persistent grid (min(tiles x splits, slots) clusters); the rest are split."""
     grid = max(1, min(tiles * splits, slots))
     return tiles // grid * grid
@@ -280,7 +280,7 @@ def _waves(v: Variant, m: int, n: int, num_sms: int, kt: int = 64, splits: int =
     empty = costs.empty_cta if m <= v.tile_m * (v.cluster_m - 1) else 1.0
     if splits == 1:
         return rounds * (kt * cost + fixed) * empty
-    # the full waves run whole tiles; the tiles of the last, partial wave are split (futx/mainloop.py)
+    # the full waves run whole tiles; the tiles of the last, partial wave are split (futx/prefill/mainloop.py)
     whole = whole_tiles(clusters, splits, slots)
     unit = kt / splits * cost + fixed + costs.exchange + costs.per_split * (splits - 2)
     return (whole // slots * (kt * cost + fixed) + math.ceil((clusters - whole) * splits / slots) * unit) * empty
