@@ -21,7 +21,7 @@ warpgroup MMA, unit i + 1 dequantized while unit i's MMAs run.
 
 Tuning space only: correct (tests/test_decode_linear_gpu.py), but 1.2-2.1x slower per 8B/70B layer than the
 shipped kernels at every measured M, and not for want of tensor-core time; docs/routing.md P8 has the
-measurements. Built by decode.skinny's registry factory (`mma="wgmma"`).
+measurements. Built by the skinny registry factory (decode/skinny_dispatch.py, `mma="wgmma"`).
 """
 
 from __future__ import annotations

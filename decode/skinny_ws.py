@@ -421,8 +421,8 @@ class SkinnyWs(Skinny):
 
 def make_target(group_size: int = 128, epilogue: str = "store", m_tiles: int = 4, stages: int = 0,
                    halves: Optional[bool] = None, schedule: str = "grid", weights_tma: bool = False):
-    """The kernel and its fake arguments: decode.skinny.compile_target (the registry factory) delegates here for
-    mma="ws"."""
+    """The kernel and its fake arguments: decode.skinny_dispatch.compile_target (the registry factory) delegates
+    here for mma="ws"."""
     from .signature import fake_args, fake_split_args
 
     op = SkinnyWs(group_size, epilogue, m_tiles, stages, halves, schedule, weights_tma)

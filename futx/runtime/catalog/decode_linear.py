@@ -45,7 +45,7 @@ def skinny_spec(fmt, group, epilogue, m, variant=""):
     wgmma = params.get("mma") in ("wgmma", "ws")
     # only the warp-specialized kernel imports its files
     sources = _SOURCES + (("decode/skinny_ws.py", "decode/stream_k.py") if params.get("mma") == "ws" else ())
-    return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny",
+    return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny_dispatch",
                       params=tuple(params.items()), sources=sources, expect_sass=("HGMMA",) if wgmma else ("HMMA",),
                       doc=f"M<={m} skinny GEMM{' on warpgroup MMA' if wgmma else ''}, {plan.fmt_tag(fmt, group)} "
                           f"weights, {epilogue}" + (f"; tuning variant {variant}" if variant else ""))
