@@ -1,0 +1,1 @@
+"""Speculative decoding (issue 27)."""
