@@ -114,8 +114,9 @@ class DLiteConfig:
     depth: int = 2          # SwiGLU MLPs in the cell
     mlp_ratio: float = 2.0  # MLP hidden width / width
     eps: float = 1e-5
-    target: str = "target"
+    target: str = "target"            # the target's config name
     target_fingerprint: str = ""
+    target_model: str = ""            # the model spec it was trained on (what `load` opens when not given one)
     training: dict = field(default_factory=dict)   # how it was trained (recorded, not used)
 
     def __post_init__(self) -> None:
@@ -352,6 +353,7 @@ class DLiteDrafter:
     """The Drafter protocol (futx.speculative.drafter) over a DLite head: greedy drafts of k tokens for each
     request from the target's hidden state of its last accepted position, batched over requests."""
 
+    name = "dlite"
     needs_hidden = True
 
     def __init__(self, head: DLiteHead):
@@ -383,6 +385,26 @@ class DLiteDrafter:
         return drafts
 
 
+def load(path: str | Path, target=None, device=None, **options) -> DLiteDrafter:
+    """The drafter of `--speculative dlite --draft PATH` (futx.speculative.drafter.make_drafter). `target`: the
+    target's ModelWeights or PackedModel (its embedding / final norm / LM head are borrowed, and its fingerprint
+    checked); without one, the model recorded in draft.json (`target_model`) is loaded for those tensors."""
+    if options:
+        raise ValueError(f"the DLite drafter takes no options {', '.join(sorted(options))}")
+    if target is None:
+        p = Path(path)
+        cfg_path = (p if p.is_dir() else p.parent) / CONFIG_FILE
+        if not cfg_path.is_file():
+            raise ValueError(f"draft head {p}: {CONFIG_FILE} is missing")
+        config = DLiteConfig.from_json(cfg_path.read_text(encoding="utf-8"), str(cfg_path))
+        if not config.target_model:
+            raise ValueError(f"{cfg_path} names no target model; pass the target's weights")
+        from futx.checkpoint import load as load_checkpoint
+
+        target = load_checkpoint(config.target_model, dtype=torch.bfloat16, device=device or "cpu")
+    return DLiteDrafter.load(path, target, device=device)
+
+
 def expected_acceptance(accuracies: Sequence[float]) -> float:
     """sum_i prod_{j<=i} a_j: the expected number of accepted draft tokens per verification when position i is
     right with probability a_i given the positions before it were (1 + this = tokens per verification)."""
@@ -394,4 +416,4 @@ def expected_acceptance(accuracies: Sequence[float]) -> float:
 
 
 __all__ = ["CONFIG_FILE", "DLiteConfig", "DLiteDrafter", "DLiteHead", "K_MAX_LIMIT", "TargetTensors",
-           "WEIGHTS_FILE", "expected_acceptance", "fingerprint", "load_head", "unit_rms"]
+           "WEIGHTS_FILE", "expected_acceptance", "fingerprint", "load", "load_head", "unit_rms"]
