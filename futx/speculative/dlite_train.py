@@ -36,17 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from futx.speculative.dlite import DLiteConfig, DLiteHead, TargetTensors, expected_acceptance, fingerprint, unit_rms
-
-DEFAULT_DATA = Path("shared") / "data" / "enwiki-sample" / "enwiki-sample.txt"   # relative to the repo's parent
+from futx.speculative.dlite_data import default_data
 BUCKETS = (0, 512, 1024, 2048)
 CACHE_FORMAT = "futx-dlite-stage1-v1"
 CHUNK_WINDOWS = 32
-
-
-def default_data() -> Optional[Path]:
-    """../shared/data/enwiki-sample/enwiki-sample.txt beside the repository, if present."""
-    path = Path(__file__).resolve().parents[2].parent / DEFAULT_DATA
-    return path if path.is_file() else None
 
 
 @dataclass
