@@ -13,12 +13,14 @@ its cost does not grow with the context. This head is that design at its smalles
     f_j = cell(f_{j-1}, E[tok_{j-1}])         tok_0 = history[-1] (the target's own token from h_p); tok_j the
                                               j-th draft token (its own argmax at inference)
     logits_j = lm_head(final_norm(f_j))       the target's final norm and LM head, tied and frozen
-    cell(f, e) = out(a + sum MLP_i(a)),  a = fc_in([rms(f); rms(e)])   (depth SwiGLU MLPs of width `width`)
+    cell(f, e) = out(a + sum MLP_i(a)),  a = fc_in([std(f); rms(e)])   (depth SwiGLU MLPs of width `width`;
+                                              std: RMS-normalized, then standardized per channel)
 
 so f_j is trained to be the target's next hidden state (an EAGLE-style feature regression on top of cross
 entropy) and the chain is run end to end (the state is always the head's own). The embedding E, the final norm
 gain and the LM head are the target's (not saved with the head); the head owns only fc_in, the MLPs, their
-norm gains and out: about 4-5M parameters for SmolLM2-135M (hidden 576). The draft's cost per token is one
+norm gains and out (plus the per-channel statistics that standardize the target's hidden state on input):
+about 4-5M parameters for SmolLM2-135M (hidden 576). The draft's cost per token is one
 small MLP stack and one LM-head product.
 
 Files (`DLiteHead.save(dir)`): draft.safetensors (the head's own trainable tensors) and draft.json (DLiteConfig:
@@ -214,6 +216,10 @@ class DLiteHead(nn.Module):
         self.mlps = nn.ModuleList(SwiGLU(c.width, c.mlp_width, c.eps) for _ in range(c.depth))
         self.out_norm = RMSNorm(c.width, c.eps)
         self.fc_out = nn.Linear(c.width, c.hidden_size, bias=False)
+        # per-channel mean / std of the target's RMS-normalized hidden states (a few channels of a trained model's
+        # residual stream carry most of its energy): set from the training data once, saved with the head
+        self.register_buffer("feat_mean", torch.zeros(c.hidden_size))
+        self.register_buffer("feat_std", torch.ones(c.hidden_size))
         self.target = t.to(device=self.fc_in.weight.device)
         for p in (self.target.embed, self.target.final_norm, self.target.lm_head):
             p.requires_grad_(False)
@@ -233,14 +239,27 @@ class DLiteHead(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    @torch.no_grad()
+    def set_feature_stats(self, hidden: torch.Tensor) -> None:
+        """feat_mean / feat_std from a sample of the target's hidden states [..., H]."""
+        u = unit_rms(hidden.reshape(-1, hidden.shape[-1]).float(), self.config.eps)
+        self.feat_mean.copy_(u.mean(0))
+        self.feat_std.copy_(u.std(0).clamp_min(1e-3))
+
+    def standardize(self, f: torch.Tensor) -> torch.Tensor:
+        """A hidden state or draft feature [..., H] RMS-normalized, then standardized per channel (float32)."""
+        return (unit_rms(f.float(), self.config.eps) - self.feat_mean) / self.feat_std
+
     def cell(self, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """One step: the feature of the next position from the feature f [n, H] and the token ids [n] there."""
         dtype = self.fc_in.weight.dtype
         e = self.target.embed[tokens].to(dtype)
-        a = self.fc_in(torch.cat([self.in_norm_h(f.to(dtype)), self.in_norm_e(e)], dim=-1))
+        a = self.fc_in(torch.cat([self.in_norm_h(self.standardize(f).to(dtype)), self.in_norm_e(e)], dim=-1))
         for mlp in self.mlps:
             a = mlp(a)
-        return self.fc_out(self.out_norm(a))
+        # the feature in the target's hidden-state space: un-standardize (its RMS scale is free; logits and the
+        # next step normalize it)
+        return self.fc_out(self.out_norm(a)).float() * self.feat_std + self.feat_mean
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm and LM head on draft features f [..., H] -> [..., V] (float32 stats)."""
@@ -287,7 +306,7 @@ class DLiteHead(nn.Module):
     # ---- files ---------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> Path:
-        """draft.safetensors (the trainable tensors, float32) + draft.json in `directory` (created), each
+        """draft.safetensors (the head's own tensors, float32: trainable ones and feat_mean / feat_std) + draft.json in `directory` (created), each
         written atomically."""
         from safetensors.torch import save_file
 

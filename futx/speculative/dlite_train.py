@@ -4,8 +4,8 @@ Stage 1, offline on the target's hidden states: the target reads windows of enwi
 t the cache keeps the final residual h_t (bf16), the token x_t and the target's greedy prediction g_t = argmax
 logits(h_t), in safetensors chunks (so more steps or a second run never rerun the target). A sample is a position
 t: the head starts from h_t and the token x_{t+1}, is fed x_{t+2..t+k} (teacher forcing), and at step j is scored
-by cross entropy against g_{t+j} (the target's own choice there, which is what verification checks, rather than
-the text's token) plus an EAGLE-style regression of its feature f_j onto h_{t+j} (both RMS-normalized, smooth L1).
+by cross entropy against the target's distribution at t+j (softmax of its logits from the cached h_{t+j}; its
+argmax g_{t+j} is what verification checks, not the text's token) plus an EAGLE-style regression of its feature f_j onto h_{t+j} (both RMS-normalized, smooth L1).
 Step j is weighted decay^(j-1): an early miss costs every later draft.
 
 Stage 2, end to end on the target's own greedy outputs: the target continues enwiki prompts greedily (prompt
@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from futx.speculative.dlite import DLiteConfig, DLiteHead, TargetTensors, expected_acceptance, fingerprint, unit_rms
+from futx.speculative.dlite import DLiteConfig, DLiteHead, TargetTensors, expected_acceptance, fingerprint
 from futx.speculative.dlite_data import default_data
 BUCKETS = (0, 512, 1024, 2048)
 CACHE_FORMAT = "futx-dlite-stage1-v1"
@@ -55,6 +55,8 @@ class TrainOptions:
     lr: float = 1e-3             # stage 1 peak (AdamW, warmup then cosine to 10%); stage 2 uses half
     weight_decay: float = 0.01
     reg_weight: float = 1.0      # feature regression weight (cross entropy has weight 1)
+    soft_labels: bool = True     # cross entropy against the target's whole distribution at t+j (from the cached
+                                 # h_{t+j}), not only its argmax
     decay: float = 0.8           # weight of step j: decay^(j-1)
     stage2_prompts: int = 1024   # greedy continuations for stage 2 training
     eval_prompts: int = 64       # held-out greedy continuations for evaluation
@@ -330,9 +332,14 @@ def step_weights(k: int, decay: float, device) -> torch.Tensor:
 def draft_loss(head: DLiteHead, b: dict, k: int, own: bool, opts: TrainOptions) -> tuple[torch.Tensor, dict]:
     logits, feats, drafts = head.rollout(b["h0"], b["last"], k, tokens=None if own else b["teacher"])
     n = logits.shape[0]
-    ce = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), reduction="none").view(n, k)
-    reg = F.smooth_l1_loss(unit_rms(feats.float(), head.config.eps), unit_rms(b["targets"].float(), head.config.eps),
-                           reduction="none").mean(-1)
+    if opts.soft_labels:   # the target's distribution there, from its cached hidden state (free: no target run)
+        with torch.no_grad():
+            p = head.logits(b["targets"]).float().softmax(-1)
+        ce = -(p * logits.float().log_softmax(-1)).sum(-1)
+        del p
+    else:
+        ce = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), reduction="none").view(n, k)
+    reg = F.smooth_l1_loss(head.standardize(feats), head.standardize(b["targets"]), reduction="none").mean(-1)
     correct = drafts == b["labels"]
     if own:   # step j counts while drafts 1..j-1 were accepted
         mask = torch.cat([torch.ones_like(correct[:, :1]), correct[:, :-1]], 1).cumprod(1).float()
@@ -453,6 +460,8 @@ class Trainer:
                                           self.progress, self.log)
         self.metrics["stage1"]["data"] = info
         train, held = to_device(train, self.device), to_device(held, self.device)
+        seq, t = all_samples(train, 0, limit=65536, seed=o.seed)
+        self.head.set_feature_stats(train["hidden"][seq, t])
         self._stage("stage1", train, held, o.stage1_steps, own=False, lr=o.lr, eval_own=False)
         del train
         s1_held = held
