@@ -263,3 +263,34 @@ def test_train_draft_refuses_bad_options_in_one_line(args, option, tmp_path):
     assert "Traceback" not in err and out == ""
     assert seconds < 5.0
     assert not (tmp_path / "head").exists()
+
+
+def test_walk_acceptance_replays_greedy_verification(target):
+    """A head that drafts the continuation itself (an oracle) is accepted in full: k drafts per verification."""
+    from futx.speculative.dlite_train import greedy_continuations, walk_acceptance
+
+    prompts = torch.randint(0, CFG.vocab_size, (3, 6), generator=torch.Generator().manual_seed(7))
+    s = greedy_continuations(target, prompts, 20)
+    head = make_head(target, k=3)
+    table = {}   # (row's hidden bytes) -> the next 3 greedy tokens
+    for b in range(3):
+        for i in range(20 - 3):
+            table[s["hidden"][b, i].float().numpy().tobytes()] = s["greedy"][b, i + 1:i + 4].long()
+
+    class Oracle:
+        def __getattr__(self, name):
+            return getattr(head, name)
+
+        def draft(self, hidden, last, k):
+            return torch.stack([table[h.float().numpy().tobytes()] for h in hidden])
+
+        def eval(self):
+            return self
+
+        def train(self):
+            return self
+
+    w = walk_acceptance(Oracle(), s, 3)
+    assert w["mean_accepted"] == 3.0 and w["mean_tokens_per_verification"] == 4.0
+    assert w["verifications"] == 3 * 5   # rows 0, 4, 8, 12, 16 of 20 per sequence
+    assert walk_acceptance(head, s, 3)["mean_accepted"] <= 3.0

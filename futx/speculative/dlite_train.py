@@ -382,6 +382,52 @@ def evaluate(head: DLiteHead, states: dict, k: int, own: bool, limit: Optional[i
     return out
 
 
+@torch.no_grad()
+def walk_acceptance(head: DLiteHead, states: dict, k: int, autocast: bool = False) -> dict:
+    """Greedy speculative decoding replayed on the target's greedy continuations `states`: each sequence starts at
+    its first row; a verification at row i drafts k tokens from (hidden[i], greedy[i]), accepts the longest prefix
+    equal to greedy[i+1..], and the next verification is at row i + accepted + 1 (the target's own token there
+    is the bonus). Exactly what the engine's greedy acceptance does with the same target numbers. Returns the
+    mean accepted drafts and tokens per verification, overall and by the position of the last accepted token
+    (the engine's AcceptanceStats buckets)."""
+    head.eval()
+    hid, gre, start = states["hidden"], states["greedy"].long(), states["start"].long()
+    n, rows = gre.shape
+    dev = hid.device
+    i = torch.zeros(n, dtype=torch.long, device=dev)
+    ar = torch.arange(k, device=dev)
+    pos_log, acc_log = [], []
+    while True:
+        live = (i + k < rows).nonzero().flatten()
+        if live.numel() == 0:
+            break
+        r = i[live]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            d = head.draft(hid[live, r], gre[live, r], k)
+        truth = gre[live[:, None], r[:, None] + 1 + ar]
+        a = (d == truth).long().cumprod(1).sum(1)
+        pos_log.append((start[live] + r + 1).cpu())
+        acc_log.append(a.cpu())
+        i[live] = r + a + 1
+    i_done = torch.cat(acc_log) if acc_log else torch.zeros(0, dtype=torch.long)
+    pos = torch.cat(pos_log) if pos_log else torch.zeros(0, dtype=torch.long)
+    head.train()
+
+    def summary(m) -> dict:
+        v = int(m.sum())
+        acc = i_done[m].float()
+        return {"verifications": v, "mean_accepted": round(acc.mean().item(), 4) if v else None,
+                "mean_tokens_per_verification": round(1 + acc.mean().item(), 4) if v else None}
+
+    out = {"k": k, **summary(torch.ones_like(pos, dtype=torch.bool)), "by_position": {}}
+    edges = list(BUCKETS) + [None]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        m = (pos >= lo) & (pos < hi) if hi is not None else pos >= lo
+        if m.any():
+            out["by_position"][f"{lo}-{hi}" if hi is not None else f"{lo}+"] = summary(m)
+    return out
+
+
 # ---- the two stages ----------------------------------------------------------------------------------------------
 
 def lr_at(step: int, steps: int, peak: float) -> float:
@@ -489,6 +535,7 @@ class Trainer:
             self._stage("stage2", to_device(train2, self.device), held2, o.stage2_steps, own=True, lr=o.lr / 2,
                         eval_own=True)
         self.metrics["final"] = {"greedy_eval": evaluate(self.head, held2, o.k, True, autocast=self.autocast),
+                                 "speculative_walk": walk_acceptance(self.head, held2, o.k, autocast=self.autocast),
                                  "enwiki_eval": evaluate(self.head, s1_held, o.k, False, o.eval_samples,
                                                          autocast=self.autocast)}
         self.metrics["partial"] = False
@@ -496,5 +543,6 @@ class Trainer:
         return self.metrics
 
 
-__all__ = ["TrainOptions", "Trainer", "default_data", "draft_loss", "evaluate", "final_residual",
-           "greedy_continuations", "stage1_states", "window_states"]
+__all__ = ["TrainOptions", "Trainer", "continuation_set", "default_data", "draft_loss", "evaluate",
+           "final_residual", "greedy_continuations", "read_corpus", "stage1_states", "walk_acceptance",
+           "window_states"]
