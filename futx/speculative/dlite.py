@@ -220,9 +220,10 @@ class DLiteHead(nn.Module):
         # residual stream carry most of its energy): set from the training data once, saved with the head
         self.register_buffer("feat_mean", torch.zeros(c.hidden_size))
         self.register_buffer("feat_std", torch.ones(c.hidden_size))
-        self.target = t.to(device=self.fc_in.weight.device)
+        self.target = t
         for p in (self.target.embed, self.target.final_norm, self.target.lm_head):
             p.requires_grad_(False)
+        self.to(t.embed.device)   # the head lives where the target's tensors are (move both with .to())
 
     # the target's tensors follow the head to its device (their dtype stays the target's)
     def _apply(self, fn, *args, **kwargs):
@@ -323,7 +324,7 @@ class DLiteHead(nn.Module):
 
 def load_head(path: str | Path, target, device=None, check_target: bool = True) -> DLiteHead:
     """A saved head (a directory holding draft.json + draft.safetensors, or either file) for `target`
-    (ModelWeights, PackedModel or TargetTensors); ValueError for a missing file, another target's head
+    (ModelWeights, PackedModel or TargetTensors), on `device` (default: the target's); ValueError for a missing file, another target's head
     (fingerprint), or tensors of the wrong shapes."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -360,8 +361,7 @@ def load_head(path: str | Path, target, device=None, check_target: bool = True) 
             raise ValueError(f"{w_path}: tensor {k} has shape {tuple(tensors[k].shape)}, {cfg_path.name} implies "
                              f"{tuple(v.shape)}")
     head.load_state_dict(tensors)
-    if device is not None:
-        head.to(device)
+    head.to(device if device is not None else t.embed.device)   # default: where the target is
     head.eval()
     return head
 
