@@ -294,3 +294,37 @@ def test_walk_acceptance_replays_greedy_verification(target):
     assert w["mean_accepted"] == 3.0 and w["mean_tokens_per_verification"] == 4.0
     assert w["verifications"] == 3 * 5   # rows 0, 4, 8, 12, 16 of 20 per sequence
     assert walk_acceptance(head, s, 3)["mean_accepted"] <= 3.0
+
+
+def test_ctrl_c_saves_the_head_so_far(model_and_text, tmp_path):
+    import signal
+
+    d = model_and_text
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = list(TINY)
+    args[args.index("--stage1-steps") + 1] = "1000000"   # stage 1 far longer than the test waits
+    proc = subprocess.Popen([sys.executable, "-m", "futx", "train-draft", "--model", str(d / "model"), "--data",
+                             str(d / "text.txt"), "--out", str(tmp_path / "head"), "--json", str(tmp_path / "m.json"),
+                             *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "head" / "cache").glob("stage1-*/manifest.json")):   # training starts next
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    cfg = json.loads((tmp_path / "head" / "draft.json").read_text())
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert cfg["training"]["partial"] is True and m["partial"] is True
+    assert 0 < cfg["training"]["stage1_steps_done"] == m["stage1"]["steps_done"] < 1000000
+    from futx.checkpoint import load as load_checkpoint
+
+    load_head(tmp_path / "head", load_checkpoint(d / "model"))

@@ -13,8 +13,9 @@ its cost does not grow with the context. This head is that design at its smalles
     f_j = cell(f_{j-1}, E[tok_{j-1}])         tok_0 = history[-1] (the target's own token from h_p); tok_j the
                                               j-th draft token (its own argmax at inference)
     logits_j = lm_head(final_norm(f_j))       the target's final norm and LM head, tied and frozen
-    cell(f, e) = out(a + sum MLP_i(a)),  a = fc_in([std(f); rms(e)])   (depth SwiGLU MLPs of width `width`;
-                                              std: RMS-normalized, then standardized per channel)
+    cell(f, e) = std^-1(std(f) + out(a + sum MLP_i(a))),  a = fc_in([std(f); rms(e)])
+                                              (depth SwiGLU MLPs of width `width`; std: RMS-normalized, then
+                                              standardized per channel; `out` starts at zero)
 
 so f_j is trained to be the target's next hidden state (an EAGLE-style feature regression on top of cross
 entropy) and the chain is run end to end (the state is always the head's own). The embedding E, the final norm
@@ -115,6 +116,7 @@ class DLiteConfig:
     width: int = 0          # the cell's width (0: the target's hidden size)
     depth: int = 2          # SwiGLU MLPs in the cell
     mlp_ratio: float = 2.0  # MLP hidden width / width
+    residual: bool = True   # the cell predicts the change of the (standardized) feature from the previous one
     eps: float = 1e-5
     target: str = "target"            # the target's config name
     target_fingerprint: str = ""
@@ -216,6 +218,8 @@ class DLiteHead(nn.Module):
         self.mlps = nn.ModuleList(SwiGLU(c.width, c.mlp_width, c.eps) for _ in range(c.depth))
         self.out_norm = RMSNorm(c.width, c.eps)
         self.fc_out = nn.Linear(c.width, c.hidden_size, bias=False)
+        if c.residual:
+            nn.init.zeros_(self.fc_out.weight)   # the cell starts as "the next feature is this one"
         # per-channel mean / std of the target's RMS-normalized hidden states (a few channels of a trained model's
         # residual stream carry most of its energy): set from the training data once, saved with the head
         self.register_buffer("feat_mean", torch.zeros(c.hidden_size))
@@ -255,12 +259,15 @@ class DLiteHead(nn.Module):
         """One step: the feature of the next position from the feature f [n, H] and the token ids [n] there."""
         dtype = self.fc_in.weight.dtype
         e = self.target.embed[tokens].to(dtype)
-        a = self.fc_in(torch.cat([self.in_norm_h(self.standardize(f).to(dtype)), self.in_norm_e(e)], dim=-1))
+        z = self.standardize(f)
+        a = self.fc_in(torch.cat([self.in_norm_h(z.to(dtype)), self.in_norm_e(e)], dim=-1))
         for mlp in self.mlps:
             a = mlp(a)
-        # the feature in the target's hidden-state space: un-standardize (its RMS scale is free; logits and the
-        # next step normalize it)
-        return self.fc_out(self.out_norm(a)).float() * self.feat_std + self.feat_mean
+        out = self.fc_out(self.out_norm(a)).float()
+        if self.config.residual:
+            out = out + z
+        # back in the target's hidden-state space (its RMS scale is free: logits and the next step normalize it)
+        return out * self.feat_std + self.feat_mean
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm and LM head on draft features f [..., H] -> [..., V] (float32 stats)."""

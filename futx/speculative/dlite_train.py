@@ -458,7 +458,15 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(opts.seed)
         self.metrics: dict = {"head_parameters": self.head.num_parameters(), "options": asdict(opts),
                               "stage1": {"history": []}, "stage2": {"history": []}, "partial": True}
+        self._optimizer(opts.lr)   # its first construction imports torch._dynamo (seconds): before any work
         self.t0 = time.perf_counter()
+
+    def _optimizer(self, lr: float) -> torch.optim.Optimizer:
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.opts.weight_decay},
+                                  {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
 
     def _stage(self, name: str, train: dict, held: dict, steps: int, own: bool, lr: float, eval_own: bool) -> None:
         from tqdm.auto import tqdm
@@ -468,10 +476,7 @@ class Trainer:
         if steps == 0:
             return
         params = [p for p in self.head.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        rest = [p for p in params if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                 {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+        opt = self._optimizer(lr)
         limit = o.eval_samples if not eval_own else None
         self.head.train()
         with tqdm(total=steps, desc=f"{name.replace('stage', 'stage ')}: {'own drafts' if own else 'teacher forced'}",
