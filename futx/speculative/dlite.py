@@ -21,7 +21,7 @@ so f_j is trained to be the target's next hidden state (an EAGLE-style feature r
 entropy) and the chain is run end to end (the state is always the head's own). The embedding E, the final norm
 gain and the LM head are the target's (not saved with the head); the head owns only fc_in, the MLPs, their
 norm gains and out (plus the per-channel statistics that standardize the target's hidden state on input):
-about 4-5M parameters for SmolLM2-135M (hidden 576). The draft's cost per token is one
+5.0M parameters for SmolLM2-135M (hidden 576). The draft's cost per token is one
 small MLP stack and one LM-head product.
 
 Files (`DLiteHead.save(dir)`): draft.safetensors (the head's own trainable tensors) and draft.json (DLiteConfig:
