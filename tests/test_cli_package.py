@@ -14,7 +14,7 @@ from futx import gpus
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "futx" / "cli"
 SHARED = {"registry", "parser", "validators", "options", "models", "version", "ppl_results"}
-COMMAND_MODULES = {"generate", "ppl", "pack", "serve", "build", "bench"}
+COMMAND_MODULES = {"generate", "ppl", "pack", "serve", "build", "bench", "train_draft"}
 
 
 def cli_imports(path: Path) -> set[str]:
@@ -61,7 +61,8 @@ def test_help_and_validation_load_no_torch():
                  "from futx.cli import app\n"
                  "p = app.build_parser()\n"
                  "for cmd in app.COMMANDS.values():\n"
-                 "    extra = {'bench': ['decode'], 'pack': ['--out', '.'], 'build': ['--out', '.']}.get(cmd.name, [])\n"
+                 "    extra = {'bench': ['decode'], 'pack': ['--out', '.'], 'build': ['--out', '.'], "
+                 "'train-draft': ['--out', '.']}.get(cmd.name, [])\n"
                  "    args = p.parse_args([cmd.name] + extra)\n"
                  "    try:\n"
                  "        cmd.validate and cmd.validate(args)\n"
@@ -106,6 +107,7 @@ def test_help_shows_defaults(command, capsys):
     """Every option with a default names it (argparse's "(default: X)" or the help's own words)."""
     from futx.cli import app
 
+    command = command.replace("_", "-")   # the module train_draft is the command train-draft
     parser = app.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     for action in sub._actions:

@@ -81,6 +81,17 @@ CASES = {
         (["--out", "{dir}/aot", "--chain", "no_factory"], "--chain"),
         (["--out", "{dir}/aot", "--ab", "fp16"], "--ab"),
     ],
+    "train-draft": [
+        ([], "--out"),
+        (["--out", "{missing}/deep/head"], "--out"),
+        (["--out", "{file}"], "--out"),
+        (["--out", "{dir}/h", "--num-draft", "8"], "--num-draft"),
+        (["--out", "{dir}/h", "--data", "{missing}/t.txt"], "--data"),
+        (["--out", "{dir}/h", "--data", "{binary}"], "--data"),
+        (["--out", "{dir}/h", "--seq-len", "16", "--num-draft", "7"], "--seq-len"),
+        (["--out", "{dir}/h", "--lr", "0"], "--lr"),
+        (["--out", "{dir}/h", "--device", "tpu"], "--device"),
+    ],
     "bench": [
         (["decode", "--points", "65x1024"], "--points"),
         (["decode", "--points", "1x0"], "--points"),

@@ -18,7 +18,7 @@ from .registry import COMMANDS
 from .version import VersionAction
 
 COMMAND_MODULES: list[str] = ["futx.cli.generate", "futx.cli.ppl", "futx.cli.pack", "futx.cli.serve",
-                              "futx.cli.build", "futx.cli.bench"]
+                              "futx.cli.build", "futx.cli.bench", "futx.cli.train_draft"]
 
 
 def build_parser() -> Parser:
