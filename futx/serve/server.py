@@ -84,7 +84,8 @@ class App:
             return web.json_response(ApiError(500, f"internal error: {e}", type="server_error").body(), status=500)
 
     async def health(self, request):
-        return web.json_response({"status": "ok", **self.scheduler.load})
+        return web.json_response({"status": "ok", **self.scheduler.load, "capacity": self.scheduler.engine.capacity,
+                                  "vocab_size": self.vocab})
 
     async def metrics_text(self, request):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
