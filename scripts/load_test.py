@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit
@@ -237,7 +238,7 @@ class Client:
                 r.ok, r.problem = True, f"connection closed while sending ({type(e).__name__})"
                 return
             raise
-        with conn:
+        with closing(conn):
             r.status, data = resp.status, resp.read()
         if not 400 <= resp.status < 500:
             r.problem = f"HTTP {resp.status} for a malformed request ({p.case}): {data[:200]!r}"
@@ -253,7 +254,7 @@ class Client:
 
     def _valid(self, p: Plan, r: Result, t0: float) -> None:
         conn, resp = self._send(p)
-        with conn:
+        with closing(conn):
             r.status = resp.status
             if resp.status != 200:
                 r.problem = f"HTTP {resp.status}: {resp.read()[:300]!r}"
