@@ -10,7 +10,7 @@ plain and streamed, all with `ignore_eos` so each valid one must generate exactl
 `--malformed` fraction of bad requests (invalid JSON, wrong types, negative max_tokens, unknown fields, huge
 prompts, invalid UTF-8, lone surrogates, deep nesting, NaN, an oversized body, unknown model, wrong method/route),
 each of which must be answered 4xx with an OpenAI error body; and a `--disconnect` fraction of clients that go
-away mid-stream (or, non-streamed, right after sending). Required, else exit status 1:
+away mid-stream (or, non-streamed, right after sending, or halfway through sending the body). Required, else exit status 1:
 
     no 5xx and no transport failure on any request the client did not abandon itself
     every valid request finished with finish_reason "length" and usage.completion_tokens == max_tokens
@@ -127,7 +127,7 @@ def build_plan(args, model: str, capacity: int, vocab: int) -> list[Plan]:
             body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
             if stream:
                 body.update(stream=True, stream_options={"include_usage": True})
-            case = "" if kind == "long" else rng.choice(("mid_stream", "mid_stream", "after_send"))
+            case = "" if kind == "long" else rng.choice(("mid_stream", "mid_stream", "after_send", "mid_body"))
             if case == "after_send":
                 body.pop("stream"), body.pop("stream_options")
                 stream = False
@@ -292,6 +292,15 @@ class Client:
         r.ok = True
 
     def _disconnect(self, p: Plan, r: Result) -> None:
+        if p.case == "mid_body":   # half the body of a request that announced all of it, then gone
+            left = max(0.1, min(self.timeout, self.deadline - time.monotonic()))
+            with socket.create_connection((self.host, self.port), timeout=left) as sock:
+                head = (f"POST {p.path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(p.body)}\r\n\r\n").encode()
+                sock.sendall(head + p.body[:len(p.body) // 2])
+                time.sleep(0.01)
+            r.ok = True
+            return
         conn = self.connect()
         try:
             if p.case == "after_send":   # the whole request, then gone before any answer
@@ -470,13 +479,13 @@ def main(argv=None) -> int:
         if not loopback(host):
             raise SystemExit(f"load_test: only loopback servers ({host} is not)")
     try:
-        return run(args, host, port, proc, started)
+        return run(args, host, port, proc, started, log_path if proc is not None else None)
     finally:
         if proc is not None:
             stop(proc)
 
 
-def run(args, host: str, port: int, proc, started: float) -> int:
+def run(args, host: str, port: int, proc, started: float, log_path: Optional[str] = None) -> int:
     status, data = get(host, port, "/health")
     health = json.loads(data)
     model = args.model or json.loads(get(host, port, "/v1/models")[1])["data"][0]["id"]
@@ -535,6 +544,9 @@ def run(args, host: str, port: int, proc, started: float) -> int:
     summary.latency = {"seconds": percentiles([r.seconds for r in valid if r.ok]),
                        "ttft_streamed": percentiles([r.ttft for r in valid if r.ok and r.ttft is not None])}
     summary.wall_seconds = wall
+    if log_path is not None:   # informational: tracebacks the server logged (a 5xx would fail no_5xx anyway)
+        with open(log_path, errors="replace") as fh:
+            summary.counts["server_log_tracebacks"] = fh.read().count("Traceback")
     summary.passed = all(summary.requirements.values())
     tokens = summary.counts["generated_tokens"]
     kinds = ", ".join(f"{k} {v['passed']}/{v['sent']}" for k, v in by_kind.items())

@@ -140,25 +140,28 @@ class App:
         async def send(obj) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        if chat:
-            await send(chunk(True, rid, req.model, None, role=True))
-        while True:
-            ev = await events.get()
-            if ev.finish_reason == "error":
-                request["futx_outcome"] = "error"
-                await send(ApiError(500, ev.error or "generation failed", type="server_error").body())
-                break
-            if ev.text:
-                await send(chunk(chat, rid, req.model, ev.text))
-            if ev.finish_reason is not None:
-                await send(chunk(chat, rid, req.model, None, ev.finish_reason))
-                if req.include_usage:
-                    await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": int(time.time()), "model": req.model, "choices": [],
-                                "usage": usage(ev.prompt_tokens, ev.completion_tokens)})
-                break
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            if chat:
+                await send(chunk(True, rid, req.model, None, role=True))
+            while True:
+                ev = await events.get()
+                if ev.finish_reason == "error":
+                    request["futx_outcome"] = "error"
+                    await send(ApiError(500, ev.error or "generation failed", type="server_error").body())
+                    break
+                if ev.text:
+                    await send(chunk(chat, rid, req.model, ev.text))
+                if ev.finish_reason is not None:
+                    await send(chunk(chat, rid, req.model, None, ev.finish_reason))
+                    if req.include_usage:
+                        await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                    "created": int(time.time()), "model": req.model, "choices": [],
+                                    "usage": usage(ev.prompt_tokens, ev.completion_tokens)})
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:   # the client went away mid-stream: its slot is freed by the caller
+            request["futx_outcome"] = "disconnected"
         return resp
 
 
