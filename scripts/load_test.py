@@ -442,8 +442,8 @@ def parse_args(argv=None):
     p.add_argument("--chat-words", type=span, default=(4, 40), help="LO:HI words of a chat message")
     p.add_argument("--max-tokens", type=span, default=(8, 128), help="LO:HI max_tokens of a valid request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole run (requests not done "
-                   "by then fail)")
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds for the run once the server is up "
+                   "(requests not done by then fail)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="socket timeout of one request")
     p.add_argument("--start-timeout", type=float, default=600.0, help="--spawn: seconds to wait for the server")
     p.add_argument("--server-log", help="--spawn: the server's stderr goes here (default: a temporary file)")
@@ -466,7 +466,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    started = time.monotonic()
     proc = None
     if args.spawn:
         log_path = args.server_log or tempfile.NamedTemporaryFile(prefix="futx-serve-", suffix=".log",
@@ -478,6 +477,7 @@ def main(argv=None) -> int:
         host, port = u.hostname, u.port or 80
         if not loopback(host):
             raise SystemExit(f"load_test: only loopback servers ({host} is not)")
+    started = time.monotonic()   # --time-limit counts from a running server (--start-timeout bounds its start)
     try:
         return run(args, host, port, proc, started, log_path if proc is not None else None)
     finally:
