@@ -112,6 +112,9 @@ def build_plan(args, model: str, capacity: int, vocab: int) -> list[Plan]:
     kinds += ["long"] * n_long + ["chat"] * (rest - n_long)
     rng.shuffle(kinds)
     top = min(vocab, 256)   # byte-level ids: every tokenizer has them; special tokens are harmless here
+    cases = list(MALFORMED)
+    rng.shuffle(cases)        # taken in turn: every case once there are len(MALFORMED) malformed requests
+    n_seen = 0
     plans = []
     for i, kind in enumerate(kinds):
         max_tokens = rng.randint(*args.max_tokens)
@@ -146,7 +149,8 @@ def build_plan(args, model: str, capacity: int, vocab: int) -> list[Plan]:
             plans.append(Plan(i, kind, path="/v1/chat/completions", body=json.dumps(body).encode(), stream=stream,
                               max_tokens=max_tokens))
         else:
-            plans.append(malformed(i, rng.choice(MALFORMED), model, capacity, top, rng))
+            plans.append(malformed(i, cases[n_seen % len(cases)], model, capacity, top, rng))
+            n_seen += 1
     return plans
 
 
@@ -269,8 +273,6 @@ class Client:
                     if not line.startswith(b"data: "):
                         continue
                     data = line[6:].strip()
-                    if r.ttft is None:
-                        r.ttft = time.monotonic() - t0
                     if data == b"[DONE]":
                         done = True
                         break
@@ -278,6 +280,9 @@ class Client:
                     if "error" in ev:
                         r.problem = f"error event: {ev['error']}"
                         return
+                    choice = ev["choices"][0] if ev.get("choices") else {}
+                    if r.ttft is None and (choice.get("text") or choice.get("delta", {}).get("content")):
+                        r.ttft = time.monotonic() - t0   # the first text (a chat's role chunk comes before it)
                     if ev.get("choices") and ev["choices"][0].get("finish_reason"):
                         finish = ev["choices"][0]["finish_reason"]
                     if ev.get("usage"):
@@ -544,6 +549,9 @@ def run(args, host: str, port: int, proc, started: float, log_path: Optional[str
     summary.latency = {"seconds": percentiles([r.seconds for r in valid if r.ok]),
                        "ttft_streamed": percentiles([r.ttft for r in valid if r.ok and r.ttft is not None])}
     summary.wall_seconds = wall
+    for name in ("futx_time_to_first_token_seconds", "futx_inter_token_latency_seconds"):
+        n = grew(name + "_count")
+        summary.latency["server_" + name[5:].replace("_seconds", "") + "_mean"] = grew(name + "_sum") / n if n else None
     if log_path is not None:   # informational: tracebacks the server logged (a 5xx would fail no_5xx anyway)
         with open(log_path, errors="replace") as fh:
             summary.counts["server_log_tracebacks"] = fh.read().count("Traceback")
@@ -554,6 +562,9 @@ def run(args, host: str, port: int, proc, started: float, log_path: Optional[str
     lat = summary.latency["seconds"]
     if lat:
         print(f"load_test: valid request latency p50 {lat['p50']:.3f} s, p99 {lat['p99']:.3f} s")
+    ttft, itl = summary.latency["server_time_to_first_token_mean"], summary.latency["server_inter_token_latency_mean"]
+    if ttft is not None and itl is not None:
+        print(f"load_test: server-side mean TTFT {ttft * 1e3:.1f} ms, mean inter-token latency {itl * 1e3:.2f} ms")
     counters = ", ".join(f"{o} +{grew(outcome_key(o)):.0f}" for o in ("ok", "client_error", "disconnected", "overloaded", "error"))
     print(f"load_test: server counters: {counters}; slots free {after.get('futx_cache_slots_free')}/{after.get('futx_cache_slots_total')}")
     for name, ok in summary.requirements.items():

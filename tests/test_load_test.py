@@ -16,12 +16,15 @@ pytest.importorskip("prometheus_client")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "load_test.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from load_test import MALFORMED  # noqa: E402
 CFG = tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=64, num_hidden_layers=2, vocab_size=300)
 NAME = "tiny-test"
-# the CI scale: 60 requests, 8 concurrent streams on 4 cache slots (so requests queue), 10% malformed,
-# 5% disconnects; long prompts of 100-400 tokens (the tiny model's stand-in for 2-4k)
-CI = ["--requests", "60", "--concurrency", "8", "--malformed", "0.1", "--disconnect", "0.05",
+# the CI scale: 60 requests, 8 concurrent streams on 4 cache slots (so requests queue); 30% malformed (18: every
+# case of the load test at least once) and 10% disconnects; long prompts of 100-400 tokens (the tiny model's
+# stand-in for 2-4k)
+CI = ["--requests", "60", "--concurrency", "8", "--malformed", "0.3", "--disconnect", "0.1",
       "--long-tokens", "100:400", "--max-tokens", "4:48", "--time-limit", "90", "--seed", "1"]
 SERVE = ["--backend", "reference", "--capacity", "512", "--max-batch", "4", "--max-queue", "16", "--threads", "1",
          "--served-model-name", NAME]
@@ -52,7 +55,8 @@ def test_load_test_at_ci_scale(model_dir, tmp_path):
     assert s["passed"] and all(s["requirements"].values())
     kinds = s["counts"]["by_kind"]
     assert sum(k["sent"] for k in kinds.values()) == 60
-    assert kinds["malformed"]["sent"] == 6 and kinds["disconnect"]["sent"] == 3
+    assert kinds["malformed"]["sent"] == 18 and kinds["disconnect"]["sent"] == 6
+    assert s["counts"]["malformed_cases"] == sorted(MALFORMED) and s["counts"]["server_log_tracebacks"] == 0
     assert all(k["passed"] == k["sent"] for k in kinds.values())
     after = s["metrics_after"]
     assert after["futx_cache_slots_free"] == after["futx_cache_slots_total"] == 4
