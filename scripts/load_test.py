@@ -10,7 +10,8 @@ plain and streamed, all with `ignore_eos` so each valid one must generate exactl
 `--malformed` fraction of bad requests (invalid JSON, wrong types, negative max_tokens, unknown fields, huge
 prompts, invalid UTF-8, lone surrogates, deep nesting, NaN, an oversized body, unknown model, wrong method/route),
 each of which must be answered 4xx with an OpenAI error body; and a `--disconnect` fraction of clients that go
-away mid-stream (or, non-streamed, right after sending, or halfway through sending the body). Required, else exit status 1:
+away mid-stream (or, non-streamed, right after sending, or halfway through sending the body). Required, else
+exit status 1:
 
     no 5xx and no transport failure on any request the client did not abandon itself
     every valid request finished with finish_reason "length" and usage.completion_tokens == max_tokens
@@ -168,7 +169,8 @@ def malformed(i: int, case: str, model: str, capacity: int, top: int, rng: rando
     elif case == "unknown_field":
         body = json.dumps({**ok, rng.choice(("top_k", "tools", "frobnicate")): 3}).encode()
     elif case == "huge_prompt_tokens":
-        body = json.dumps({**ok, "prompt": [rng.randrange(top) for _ in range(capacity + 1 + rng.randrange(64))]}).encode()
+        ids = [rng.randrange(top) for _ in range(capacity + 1 + rng.randrange(64))]
+        body = json.dumps({**ok, "prompt": ids}).encode()
     elif case == "huge_prompt_text":
         body = json.dumps({**ok, "prompt": "lorem ipsum " * (capacity * 8)}).encode()
     elif case == "invalid_utf8":
@@ -558,15 +560,18 @@ def run(args, host: str, port: int, proc, started: float, log_path: Optional[str
     summary.passed = all(summary.requirements.values())
     tokens = summary.counts["generated_tokens"]
     kinds = ", ".join(f"{k} {v['passed']}/{v['sent']}" for k, v in by_kind.items())
-    print(f"load_test: {len(results)} requests ({kinds}) in {wall:.1f} s, {args.concurrency} concurrent; {tokens} tokens generated ({tokens / wall:.0f}/s)")
+    print(f"load_test: {len(results)} requests ({kinds}) in {wall:.1f} s, {args.concurrency} concurrent; "
+          f"{tokens} tokens generated ({tokens / wall:.0f}/s)")
     lat = summary.latency["seconds"]
     if lat:
         print(f"load_test: valid request latency p50 {lat['p50']:.3f} s, p99 {lat['p99']:.3f} s")
     ttft, itl = summary.latency["server_time_to_first_token_mean"], summary.latency["server_inter_token_latency_mean"]
     if ttft is not None and itl is not None:
         print(f"load_test: server-side mean TTFT {ttft * 1e3:.1f} ms, mean inter-token latency {itl * 1e3:.2f} ms")
-    counters = ", ".join(f"{o} +{grew(outcome_key(o)):.0f}" for o in ("ok", "client_error", "disconnected", "overloaded", "error"))
-    print(f"load_test: server counters: {counters}; slots free {after.get('futx_cache_slots_free')}/{after.get('futx_cache_slots_total')}")
+    counters = ", ".join(f"{o} +{grew(outcome_key(o)):.0f}"
+                         for o in ("ok", "client_error", "disconnected", "overloaded", "error"))
+    slots = f"{after.get('futx_cache_slots_free')}/{after.get('futx_cache_slots_total')}"
+    print(f"load_test: server counters: {counters}; slots free {slots}")
     for name, ok in summary.requirements.items():
         print(f"load_test: {'PASS' if ok else 'FAIL'} {name}")
     for f in summary.failures[:10]:

@@ -17,7 +17,7 @@ pytest.importorskip("prometheus_client")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "load_test.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from load_test import MALFORMED  # noqa: E402
+from load_test import MALFORMED, outcome_key  # noqa: E402
 CFG = tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=64, num_hidden_layers=2, vocab_size=300)
 NAME = "tiny-test"
@@ -60,7 +60,7 @@ def test_load_test_at_ci_scale(model_dir, tmp_path):
     assert all(k["passed"] == k["sent"] for k in kinds.values())
     after = s["metrics_after"]
     assert after["futx_cache_slots_free"] == after["futx_cache_slots_total"] == 4
-    grew = {o: after[f'futx_requests_total{{outcome="{o}"}}'] - s["metrics_before"][f'futx_requests_total{{outcome="{o}"}}']
+    grew = {o: after[outcome_key(o)] - s["metrics_before"][outcome_key(o)]
             for o in ("ok", "client_error", "error", "overloaded")}
     assert grew["error"] == grew["overloaded"] == 0 and grew["ok"] >= kinds["chat"]["sent"] + kinds["long"]["sent"]
     assert "PASSED" in p.stdout

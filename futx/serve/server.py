@@ -25,6 +25,10 @@ from .scheduler import QueueFull, RequestTooLong, Scheduler
 
 log = logging.getLogger("futx.serve")
 MAX_BODY = 8 * 1024 * 1024   # bytes; a larger body is answered 413
+# per-request state of the outcome counter (typed keys where aiohttp has them, 3.12+)
+_key = getattr(web, "RequestKey", None)
+OUTCOME = _key("futx_outcome", str) if _key else "futx_outcome"   # set where the status does not say it
+COUNTED = _key("futx_counted", bool) if _key else "futx_counted"  # already counted (a stream, before its end)
 
 
 GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -55,7 +59,8 @@ class App:
         try:
             resp = await handler(request)
         except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.request("disconnected")
+            if not request.get(COUNTED):
+                self.metrics.request("disconnected")
             raise
         except web.HTTPException as e:
             self.metrics.request(outcome_of(e.status))
@@ -63,7 +68,8 @@ class App:
         except BaseException:
             self.metrics.request("error")
             raise
-        self.metrics.request(request.get("futx_outcome") or outcome_of(resp.status))
+        if not request.get(COUNTED):
+            self.metrics.request(request.get(OUTCOME) or outcome_of(resp.status))
         return resp
 
     @web.middleware
@@ -146,7 +152,7 @@ class App:
             while True:
                 ev = await events.get()
                 if ev.finish_reason == "error":
-                    request["futx_outcome"] = "error"
+                    request[OUTCOME] = "error"
                     await send(ApiError(500, ev.error or "generation failed", type="server_error").body())
                     break
                 if ev.text:
@@ -158,10 +164,13 @@ class App:
                                     "created": int(time.time()), "model": req.model, "choices": [],
                                     "usage": usage(ev.prompt_tokens, ev.completion_tokens)})
                     break
+            # counted before the client can see the end (as a plain response is counted before it is sent)
+            self.metrics.request(request.get(OUTCOME) or "ok")
+            request[COUNTED] = True
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:   # the client went away mid-stream: its slot is freed by the caller
-            request["futx_outcome"] = "disconnected"
+            request[OUTCOME] = "disconnected"
         return resp
 
 
