@@ -23,7 +23,8 @@ PREFILL_NOTE = ("Prompts are prefilled by --prefill: kernels (the default on --b
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.description = ("An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health) "
+    p.description = ("An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                     "/metrics in the Prometheus text format) "
                      "with continuous batching on the decode engine. " + PREFILL_NOTE)
     add_model_arguments(p)
     add_engine_arguments(p, batch_default=8)

@@ -15,6 +15,10 @@ from .chat import ROLES, render_chat
 from .sampling import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as the OpenAI API
+# a prompt text longer than this many characters per cache position is refused before it is tokenized (no
+# tokenizer's tokens are that long on average), so a huge prompt costs no tokenizer time
+MAX_CHARS_PER_TOKEN = 64
+SEED_RANGE = (-(1 << 63), 1 << 64)   # what torch.Generator.manual_seed takes
 
 
 class ApiError(Exception):
@@ -80,6 +84,30 @@ def _only(body, name, allowed, what):
         raise bad(f"'{name}' is not supported by this server ({what})", name)
 
 
+def _unicode(text: str, param: str, what: str) -> str:
+    """JSON lets a string hold a lone surrogate (an escaped half of a UTF-16 pair), which is no text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"{what} is not valid Unicode (it holds a lone surrogate)", param) from None
+    return text
+
+
+def _too_long(n: int, capacity: int, param: str, unit: str = "tokens") -> ApiError:
+    return ApiError(400, f"the prompt is {n} {unit} long; this server holds at most {capacity} tokens per request "
+                    f"(prompt + max_tokens)", param=param, code="context_length_exceeded")
+
+
+def _check_text_length(text: str, capacity: int, param: str) -> None:
+    if len(text) > capacity * MAX_CHARS_PER_TOKEN:
+        raise _too_long(len(text), capacity, param, "characters")
+
+
+def _check_prompt_length(ids: list[int], capacity: int, param: str) -> None:
+    if len(ids) > capacity:
+        raise _too_long(len(ids), capacity, param)
+
+
 def _stop(body) -> tuple[str, ...]:
     x = body.get("stop")
     if x is None:
@@ -87,7 +115,7 @@ def _stop(body) -> tuple[str, ...]:
     stops = [x] if isinstance(x, str) else x
     if not isinstance(stops, list) or len(stops) > 4 or any(not isinstance(s, str) or not s for s in stops):
         raise bad("'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop")
-    return tuple(stops)
+    return tuple(_unicode(x, "stop", "a stop string") for x in stops)
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
@@ -118,10 +146,17 @@ def _common(body: dict, fields: set, models: tuple[str, ...]) -> str:
     return model
 
 
+def _seed(body: dict) -> Optional[int]:
+    seed = _int(body, "seed")
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise bad(f"'seed' must be in [-2**63, 2**64), got {seed}", "seed")
+    return seed
+
+
 def _params(body: dict, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
-                              top_p=_num(body, "top_p", 1.0, 0.0, 1.0, open_lo=True), seed=_int(body, "seed"),
+                              top_p=_num(body, "top_p", 1.0, 0.0, 1.0, open_lo=True), seed=_seed(body),
                               stop=_stop(body), ignore_eos=_bool(body, "ignore_eos"))
     except ValueError as e:
         raise bad(str(e)) from None
@@ -139,8 +174,9 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage")
 
 
-def _token_ids(x, vocab: int) -> Optional[list[int]]:
+def _token_ids(x, vocab: int, capacity: int) -> Optional[list[int]]:
     if isinstance(x, list) and x and all(type(t) is int for t in x):
+        _check_prompt_length(x, capacity, "prompt")
         if any(not 0 <= t < vocab for t in x):
             raise bad(f"prompt token ids must lie in [0, {vocab})", "prompt")
         return x
@@ -156,14 +192,16 @@ def parse_completion(body: Any, tokenizer, models, capacity: int, vocab: int) ->
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
-    ids = _token_ids(p, vocab)
+    ids = _token_ids(p, vocab, capacity)
     if ids is None:
         if not isinstance(p, str):
             raise bad("'prompt' must be a string, a list of token ids, or a list of one of those (one prompt "
                       "per request)", "prompt")
+        _check_text_length(_unicode(p, "prompt", "the prompt"), capacity, "prompt")
         ids = tokenizer.encode(p)
     if not ids:
         raise bad("the prompt is empty", "prompt")
+    _check_prompt_length(ids, capacity, "prompt")
     max_tokens = _int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, lo=1)
     stream, usage = _stream(body)
     return Parsed(ids, _params(body, max_tokens), stream, usage, model)
@@ -185,6 +223,7 @@ def _messages(body) -> list[dict]:
             c = "".join(x["text"] for x in c)
         if not isinstance(c, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        _unicode(c, "messages", f"messages[{i}].content")
         out.append({"role": m["role"], "content": c})
     return out
 
@@ -197,7 +236,9 @@ def parse_chat(body: Any, tokenizer, models, capacity: int, vocab: int) -> Parse
         text = render_chat(tokenizer, _messages(body))
     except ValueError as e:
         raise bad(str(e), "messages") from None
+    _check_text_length(text, capacity, "messages")
     ids = tokenizer.encode(text)
+    _check_prompt_length(ids, capacity, "messages")
     limit = _int(body, "max_completion_tokens", lo=1)
     max_tokens = _int(body, "max_tokens", limit, lo=1)
     if max_tokens is None:  # as the OpenAI API: up to the context length

@@ -81,6 +81,8 @@ class Handle:
         self.hidden = None            # speculative drafters that read hidden states: the row of the last token
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
+        self.submitted = time.perf_counter()
+        self.last_token: Optional[float] = None   # when its latest token came (metrics: TTFT, ITL)
         self._cancel = threading.Event()
         self._queue: Optional[queue.Queue] = None
         if sink is None:
@@ -142,6 +144,7 @@ class Scheduler:
         self._free = list(range(engine.max_batch - 1, -1, -1))
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self.metrics = None   # a futx.serve.metrics.ServerMetrics (attach) or None
 
     # ---- client side (any thread) ------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams,
@@ -184,6 +187,12 @@ class Scheduler:
                                    **{k: s[k] for k in ("verifications", "mean_accepted", "acceptance_rate")}}
         return load
 
+    def snapshot(self) -> dict:
+        """Requests and cache slots now (the /metrics gauges)."""
+        with self._cv:
+            return {"waiting": len(self._waiting), "running": len(self._live), "slots_free": len(self._free),
+                    "slots_total": self.engine.max_batch}
+
     # ---- the loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -219,6 +228,8 @@ class Scheduler:
                 h = self._waiting.popleft()
                 h.slot = self._free.pop()
                 self._live.append(h)
+                if self.metrics is not None:
+                    self.metrics.admitted(len(h.prompt))
         for h in gone:
             self._send(h, Event("", "cancelled", len(h.prompt)))
             h.finish_reason = "cancelled"
@@ -272,6 +283,7 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.rows += len(rows)
         self.step_rows.append(len(rows))
+        now = time.perf_counter()
         for i, (h, tok, emit) in enumerate(zip(rows, nxt, emits)):
             h.pos += 1
             h.steps.append(step)
@@ -279,6 +291,7 @@ class Scheduler:
                 if not h.params.greedy:
                     tok = sample(logits[i], h.params, h.gen)
                 self.stats.generated += 1
+                self._timed(h, 1, now)
                 self._emit(h, tok)
 
     def _verify(self, rows: list[Handle]) -> None:
@@ -328,7 +341,8 @@ class Scheduler:
             for h in rows:
                 self._finish(h, "error", f"decode step failed: {e}")
             return
-        self.stats.step_seconds.append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.stats.step_seconds.append(now - t0)
         step_no = self.stats.steps
         self.stats.steps += 1
         n_rows = sum(len(b[2]) for b in blocks)
@@ -347,18 +361,33 @@ class Scheduler:
                 p = probabilities(logits[i], h.params.temperature, h.params.top_p)
                 a, emitted = rejection_accept(drafts[i], p, None, h.gen)
             self.acceptance.record(h.pos + nk - 1, len(drafts[i]), a)
+            if self.metrics is not None and drafts[i]:
+                self.metrics.accepted(a)
             h.pos += nk + a                   # rejected drafts: past the length, overwritten by the next block
+            n_before = len(h.output)
             for tok in emitted:
                 self.stats.generated += 1
                 self._emit(h, tok)
                 if h.done:
                     break
+            self._timed(h, len(h.output) - n_before, now)
             if not h.done and drafter.needs_hidden:
                 hidden_rows.append((h, step.row(i, nk - 1 + a)))
         if hidden_rows:
             hs = self.engine.row_hidden([j for _, j in hidden_rows])
             for (h, _), x in zip(hidden_rows, hs):
                 h.hidden = x
+
+    def _timed(self, h: Handle, n: int, now: float) -> None:
+        """n tokens of h came out of the step that ended at `now`: TTFT and inter-token latency."""
+        if self.metrics is None or n <= 0:
+            return
+        ttft = None
+        if h.last_token is None:
+            ttft, h.last_token, n = now - h.submitted, now, n - 1
+        gap = (now - h.last_token) / n if n else 0.0
+        h.last_token = now
+        self.metrics.tokens(ttft, (gap, n))
 
     def _emit(self, h: Handle, tok: int) -> None:
         h.output.append(tok)

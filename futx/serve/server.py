@@ -3,6 +3,9 @@
 Requests are validated (4xx JSON errors) before they reach the scheduler; the scheduler's thread hands
 events back to the event loop with call_soon_threadsafe. A client that disconnects cancels its request
 (handler cancellation is on), which frees its cache slot at the next tick.
+
+`GET /metrics`: the Prometheus text format (futx.serve.metrics); every generation request is counted there by
+outcome (ok, client_error, disconnected, overloaded, error).
 """
 
 from __future__ import annotations
@@ -16,25 +19,58 @@ from typing import Optional
 
 from aiohttp import web
 
+from .metrics import ServerMetrics, outcome_of
 from .protocol import ApiError, bad, chunk, new_id, parse_chat, parse_completion, response, usage
 from .scheduler import QueueFull, RequestTooLong, Scheduler
 
 log = logging.getLogger("futx.serve")
+MAX_BODY = 8 * 1024 * 1024   # bytes; a larger body is answered 413
+# per-request state of the outcome counter (typed keys where aiohttp has them, 3.12+)
+_key = getattr(web, "RequestKey", None)
+OUTCOME = _key("futx_outcome", str) if _key else "futx_outcome"   # set where the status does not say it
+COUNTED = _key("futx_counted", bool) if _key else "futx_counted"  # already counted (a stream, before its end)
+
+
+GENERATE = ("/v1/completions", "/v1/chat/completions")
 
 
 class App:
-    def __init__(self, scheduler: Scheduler, tokenizer, model_names: tuple[str, ...], vocab_size: int):
+    def __init__(self, scheduler: Scheduler, tokenizer, model_names: tuple[str, ...], vocab_size: int,
+                 metrics: Optional[ServerMetrics] = None):
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.models, self.vocab = tuple(model_names), vocab_size
         self.created = int(time.time())
+        self.metrics = metrics if metrics is not None else ServerMetrics(scheduler)
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=8 * 1024 * 1024)
+        app = web.Application(middlewares=[self._count, self._errors], client_max_size=MAX_BODY)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
+
+    @web.middleware
+    async def _count(self, request, handler):
+        """Outermost: every generation request counted once, by outcome."""
+        if request.path not in GENERATE:
+            return await handler(request)
+        try:
+            resp = await handler(request)
+        except (asyncio.CancelledError, ConnectionResetError):
+            if not request.get(COUNTED):
+                self.metrics.request("disconnected")
+            raise
+        except web.HTTPException as e:
+            self.metrics.request(outcome_of(e.status))
+            raise
+        except BaseException:
+            self.metrics.request("error")
+            raise
+        if not request.get(COUNTED):
+            self.metrics.request(request.get(OUTCOME) or outcome_of(resp.status))
+        return resp
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -54,7 +90,11 @@ class App:
             return web.json_response(ApiError(500, f"internal error: {e}", type="server_error").body(), status=500)
 
     async def health(self, request):
-        return web.json_response({"status": "ok", **self.scheduler.load})
+        return web.json_response({"status": "ok", **self.scheduler.load, "capacity": self.scheduler.engine.capacity,
+                                  "vocab_size": self.vocab})
+
+    async def metrics_text(self, request):
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
 
     async def list_models(self, request):
         return web.json_response({"object": "list", "data": [
@@ -68,9 +108,11 @@ class App:
 
     async def generate(self, request: web.Request, chat: bool):
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad("the request body is not valid JSON") from None
+            body = json.loads(await request.text())
+        except (ValueError, UnicodeDecodeError):   # JSONDecodeError is a ValueError
+            raise bad("the request body is not valid JSON (UTF-8)") from None
+        except RecursionError:
+            raise bad("the request body is nested too deeply") from None
         parse = parse_chat if chat else parse_completion
         req = parse(body, self.tokenizer, self.models, self.scheduler.engine.capacity, self.vocab)
         loop = asyncio.get_running_loop()
@@ -104,24 +146,31 @@ class App:
         async def send(obj) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        if chat:
-            await send(chunk(True, rid, req.model, None, role=True))
-        while True:
-            ev = await events.get()
-            if ev.finish_reason == "error":
-                await send(ApiError(500, ev.error or "generation failed", type="server_error").body())
-                break
-            if ev.text:
-                await send(chunk(chat, rid, req.model, ev.text))
-            if ev.finish_reason is not None:
-                await send(chunk(chat, rid, req.model, None, ev.finish_reason))
-                if req.include_usage:
-                    await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": int(time.time()), "model": req.model, "choices": [],
-                                "usage": usage(ev.prompt_tokens, ev.completion_tokens)})
-                break
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            if chat:
+                await send(chunk(True, rid, req.model, None, role=True))
+            while True:
+                ev = await events.get()
+                if ev.finish_reason == "error":
+                    request[OUTCOME] = "error"
+                    await send(ApiError(500, ev.error or "generation failed", type="server_error").body())
+                    break
+                if ev.text:
+                    await send(chunk(chat, rid, req.model, ev.text))
+                if ev.finish_reason is not None:
+                    await send(chunk(chat, rid, req.model, None, ev.finish_reason))
+                    if req.include_usage:
+                        await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                    "created": int(time.time()), "model": req.model, "choices": [],
+                                    "usage": usage(ev.prompt_tokens, ev.completion_tokens)})
+                    break
+            # counted before the client can see the end (as a plain response is counted before it is sent)
+            self.metrics.request(request.get(OUTCOME) or "ok")
+            request[COUNTED] = True
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:   # the client went away mid-stream: its slot is freed by the caller
+            request[OUTCOME] = "disconnected"
         return resp
 
 
