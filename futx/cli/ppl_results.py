@@ -40,6 +40,8 @@ class RunningResults:
 
     def report_interrupted(self, command: str, model: str, text) -> int:
         """After Ctrl-C: the table of what was kept, and what it is; exit status 130 (as a shell reports SIGINT)."""
+        # Ctrl-C may have landed between a batch's result and its file write: write what the table shows
+        self.write()
         if self.results:
             print(self.table(model, text), flush=True)
         done = ", ".join(f"{p} {r.windows}" for p, r in self.results.items()) or "none"
