@@ -38,17 +38,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     if args.text is None:
-        from futx import files
         from futx.eval.data import default_text
 
-        args.text = default_text()
-        if args.text is None:
-            raise ValueError("no --text given and ../shared/data/wikitext-2-raw/wiki.test.raw is not beside the "
-                             "repo")
-        try:
-            files.read_text(args.text)
-        except ValueError as e:
-            raise ValueError(f"--text (default): {e}") from None
+        args.text = v.default_text_file(default_text, "--text", "../shared/data/wikitext-2-raw/wiki.test.raw")
     if "serving" in args.protocol and args.window < 4:   # half prefilled, the rest decoded: w/2 - 1 scored
         raise ValueError(f"--window {args.window} scores no token under --protocol serving (it needs at least 4)")
     check_model_options(args)

@@ -71,19 +71,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from futx import files
-
     if args.data is None:
         from futx.speculative.dlite_data import default_data
 
-        args.data = default_data()
-        if args.data is None:
-            raise ValueError("no --data given and ../shared/data/enwiki-sample/enwiki-sample.txt is not beside the "
-                             "repo")
-        try:
-            files.read_text(args.data)
-        except ValueError as e:
-            raise ValueError(f"--data (default): {e}") from None
+        args.data = v.default_text_file(default_data, "--data", "../shared/data/enwiki-sample/enwiki-sample.txt")
     if Path(args.data).name == "wiki.test.raw":
         raise ValueError(f"--data {args.data}: the WikiText-2 test split is for reporting perplexity, never for "
                          f"training; use ../shared/data/enwiki-sample")

@@ -123,3 +123,18 @@ def device(value: str) -> str:
         if index >= count:
             raise ArgumentTypeError(f"{value}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
     return value.strip()
+
+
+def default_text_file(find: Callable[[], Optional[str]], option: str, expected: str) -> str:
+    """The default of a text-file option (`find()`: its path beside the repo, or None), checked as a given one
+    would be: it exists and is UTF-8 text (`expected` names where it should be, for the message)."""
+    from futx import files
+
+    path = find()
+    if path is None:
+        raise ValueError(f"no {option} given and {expected} is not beside the repo")
+    try:
+        files.read_text(path)
+    except ValueError as e:
+        raise ValueError(f"{option} (default): {e}") from None
+    return path
