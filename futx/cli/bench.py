@@ -1,4 +1,5 @@
-"""`futx bench decode [options]`: the whole-model decode benchmark, scripts/bench_engine.py of a source checkout.
+"""`futx bench decode|speculative [options]`: the whole-model benchmarks, scripts/bench_engine.py and
+scripts/bench_speculative.py of a source checkout.
 
 The benchmark's own parser (`build_parser` in the script) reads its options here, in the validation pass, so
 a bad option is refused at once and on any machine; `run` then measures (a CUDA GPU).
@@ -12,10 +13,11 @@ from pathlib import Path
 
 from .registry import register
 
-SCRIPTS = {"decode": "bench_engine.py"}
-HELP = "benchmarks: `futx bench decode [options]` (see --help of each)"
+SCRIPTS = {"decode": "bench_engine.py", "speculative": "bench_speculative.py"}
+HELP = "benchmarks: `futx bench decode|speculative [options]` (see --help of each)"
 DESCRIPTION = ("futx bench decode [options]: ms per step of the decode engine against the bytes floor and peers "
-               "(scripts/bench_engine.py; needs a CUDA GPU)")
+               "(scripts/bench_engine.py); futx bench speculative [options]: generated tokens/s and acceptance "
+               "by context position of speculative decoding against plain decoding (scripts/bench_speculative.py)")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
