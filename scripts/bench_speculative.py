@@ -7,7 +7,9 @@ round, batch size B in --batches and group of B prompts, each draft in --drafts 
 the group greedily through the serving scheduler, interleaved; reported per (corpus, batch, draft):
   * end-to-end generated tokens/s (wall time of the group, prefill included), and its ratio to `none`;
   * acceptance: mean accepted drafts and tokens per verification, overall and per context-position bucket;
-  * whether the outputs equal plain decoding's (greedy speculative decoding must not change them).
+  * whether the outputs equal plain decoding's, and where they first differ when not: on the kernels the verify
+    step's projections run at another M than the plain step's and round differently, so greedy outputs agree up
+    to the first near-tie of the target's logits (tests/test_speculative_gpu.py checks that it is a tie).
 A plot of tokens per verification against context position (bins of --bin positions) per draft and corpus.
 
   futx bench speculative --backend kernels --drafts none,ngram,dlite --draft runs/dlite --batches 1,8 \
@@ -163,9 +165,11 @@ def measure(a, engine, tok, drafters, prompts) -> dict:
                 per_round = [sum(dt for rr, _, dt in secs[name] if rr == r) for r in range(a.rounds)]
                 tps = toks[name] / statistics.median(per_round)
                 same = sum(o == outs["none"][gi] for gi, o in outs[name].items()) if "none" in outs else None
+                diverge = sorted(first_divergence(a_, b_) for gi, o in outs[name].items()
+                                 for a_, b_ in zip(o, outs["none"][gi]) if a_ != b_) if "none" in outs else []
                 row = {"corpus": corpus, "batch": b, "draft": name, "tokens": toks[name],
                        "seconds_per_round": per_round, "tokens_per_s": tps,
-                       "groups": len(mine), "identical_groups": same,
+                       "groups": len(mine), "identical_groups": same, "first_divergence": diverge,
                        "acceptance": acc[name].summary() if drafters[name] is not None else None,
                        "log": acc[name].log if drafters[name] is not None else None}
                 if name == "none":
@@ -174,6 +178,11 @@ def measure(a, engine, tok, drafters, prompts) -> dict:
                 rows.append(row)
                 print(line(row, a.num_draft), flush=True)
     return {"rows": rows}
+
+
+def first_divergence(a: list, b: list) -> int:
+    """Index of the first token where two outputs differ (the shorter one's length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def line(r: dict, k: int) -> str:

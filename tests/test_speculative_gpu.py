@@ -1,7 +1,8 @@
 """Speculative decoding on the H200 (issue 27): the verify (block) step on the kernels — its pre-written K/V rows
 are the attention kernel's own bytes, its rows follow the emulated block step and the plain kernel steps, the
 one-launch ("prewrite") and per-column block attention agree, graph replay equals eager — and speculative
-greedy generation on the kernels is token for token plain greedy generation.
+greedy generation on the kernels is plain greedy generation up to near-ties of the target's logits (the
+verify step's projections run at another M than the plain step's, see TIE).
 
     python -m pytest -q -m gpu tests/test_speculative_gpu.py
 """
@@ -150,6 +151,31 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3], [40, 41, 42, 43, 40, 41, 42], li
            [9, 9, 9, 9, 9], [17, 18, 17, 18, 17]]
 
 
+# A verify step runs the projections at M = requests x (k + 1) rows, a plain step at M = requests: on the kernels
+# those are different kernels (GEMV, tile GEMV, skinny) whose BF16 sums round differently, as a plain step's do
+# at different batch sizes. Greedy outputs therefore agree token for token up to the first near-tie of the
+# target's logits, where either choice is the target's argmax within rounding: the check below.
+TIE = 4e-2   # a few BF16 ulps of these logits (|logit| < 1); a wrong token is O(0.1) away
+
+
+def _assert_agree_up_to_ties(packed, wf, cf, prompts, want, got):
+    """got == want, or each output leaves want only where the target's two choices tie within TIE (logits of a
+    batch-1 plain run over the prompt and want's tokens before the divergence)."""
+    for prompt, w, g in zip(prompts, want, got):
+        if g == w:
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(w, g)) if a != b)
+        m = _model(packed, wf, cf, batch=1)
+        seq = list(prompt) + list(w[:j])
+        for p, t in enumerate(seq):
+            m.run([t], [p], [0])
+        logits = m.logits(m.buffers.hidden[:1])[0].float()
+        gap = float(logits[w[j]] - logits[g[j]])
+        assert abs(gap) <= TIE and float(logits.max() - logits[g[j]]) <= TIE, \
+            (f"prompt {prompt}: token {j} is {g[j]} with drafts but {w[j]} without; the target's logits differ "
+             f"by {gap:.4f} (more than rounding: a bug, not a tie)")
+
+
 @pytest.mark.parametrize("wf, cf", [("int4", "int4"), ("bf16", "bf16"), ("e4m3", "e4m3")])
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("graphs", [False, True])
@@ -158,8 +184,23 @@ def test_speculative_greedy_equals_plain_greedy_on_the_kernels(packed, wf, cf, k
     m = _model(packed, wf, cf, batch=3, rows=3 * (k + 1))
     g = BlockGraphs(m, k + 1, max_requests=3) if graphs else None
     got, stats = generate_speculative(m, PROMPTS, 32, drafter=NgramDrafter(), num_draft=k, graphs=g)
-    assert got == want
+    _assert_agree_up_to_ties(packed, wf, cf, PROMPTS, want, got)
     assert stats.acceptance.summary()["accepted"] > 0
+
+
+def test_plain_steps_on_an_engine_built_for_block_steps_replay_its_width_one_graphs(packed):
+    """DecodeEngine.step on block graphs (futx serve --speculative, a request without drafts; futx bench
+    speculative's `none`) replays the width-1 graph, and gives the eager plain step's tokens."""
+    from futx.serve.engines import DecodeEngine
+
+    m = _model(packed, "int4", "int4", batch=4, rows=4 * 5)     # 4 rows: a bucket, no padding rows
+    e = DecodeEngine(m, BlockGraphs(m, 5, max_requests=4))
+    ref = _model(packed, "int4", "int4", batch=4)
+    for p in range(6):
+        toks = [(7 * p + s) % 512 for s in range(4)]
+        got, _ = e.step(toks, [p] * 4, [0, 1, 2, 3], False)
+        want = ref.run(toks, [p] * 4, [0, 1, 2, 3]).tolist()
+        assert got == want
 
 
 def test_scheduler_with_drafts_on_the_kernels_equals_the_plain_scheduler(weights, tmp_path):
@@ -189,7 +230,8 @@ def test_scheduler_with_drafts_on_the_kernels_equals_the_plain_scheduler(weights
         return hs
 
     plain, spec = run(0), run(5)
-    assert [h.output for h in spec[:4]] == [h.output for h in plain[:4]]
+    _assert_agree_up_to_ties({"int4": packed}, "int4", "int4", ids, [h.output for h in plain[:4]],
+                             [h.output for h in spec[:4]])
     assert len(spec[4].output) == 10
 
 

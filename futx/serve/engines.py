@@ -134,10 +134,15 @@ class DecodeEngine:
 
     def step(self, tokens, positions, slots, want_logits: bool):
         m = self.model
-        nxt = (self.graphs.run(tokens, positions, slots) if self.graphs is not None
-               else m.run(tokens, positions, slots))
+        if self.graphs is not None:
+            nxt = self.graphs.run(tokens, positions, slots).tolist()
+        elif self.block_graphs is not None:   # built for block steps: the plain step is their width-1 graph
+            st = self.block_graphs.run([(s, p, [t]) for t, p, s in zip(tokens, positions, slots)])
+            nxt = [t[0] for t in st.targets]
+        else:
+            nxt = m.run(tokens, positions, slots).tolist()
         logits = m.logits(m.buffers.hidden[:len(tokens)]) if want_logits else None
-        return nxt.tolist(), logits
+        return nxt, logits
 
     def verify(self, blocks):
         """A block (speculative verify) step over blocks of (slot, start, tokens): futx.engine.model.BlockStep."""

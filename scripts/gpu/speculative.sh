@@ -2,9 +2,11 @@
 # GPU runs of speculative decoding (issue 27), AOT kernels, three back-to-back device runs on one machine:
 #   run 1, carry [".gpu-data1", ".gpu/aot-stage", ".gpu/rt", ".gpu/wheels"]:
 #       source scripts/gpu/remote.sh; bash scripts/gpu/speculative.sh stage tests verify8b
-#   run 2, carry [".gpu-data"] (scripts/gpu/stage_data.sh):
-#       source scripts/gpu/speculative.sh again; bash scripts/gpu/speculative.sh data train generate
-#   run 3, no carry:  source scripts/gpu/speculative.sh again; bash scripts/gpu/speculative.sh bench verify70b
+#   run 2, carry [".gpu-data-mid"] (only when scripts/gpu/stage_data.sh made one):
+#       source scripts/gpu/speculative.sh again; bash scripts/gpu/speculative.sh stage-mid verify70b
+#   run 3, carry [".gpu-data"]:
+#       source scripts/gpu/speculative.sh again; bash scripts/gpu/speculative.sh data train bench
+#   run 4, no carry:  source scripts/gpu/speculative.sh again; bash scripts/gpu/speculative.sh generate
 # ('again' points futx at the kernels run 1 left in /tmp; 'data' leaves the model and texts in /tmp/futx-eq.)
 # Parts:
 #   stage     GGUF part 1 and the AOT kernels (with their runtime library) kept in /tmp for the later runs
@@ -28,6 +30,8 @@ HEAD=/tmp/futx-dlite
 export PYTHONPATH="$W/site:${PYTHONPATH:-}"
 for part in "$@"; do
   case "$part" in
+    stage-mid)  # the GGUF's middle part, when three runs carry it (scripts/gpu/stage_data.sh)
+      mkdir -p /tmp/futx-stage && cp .gpu-data-mid/* /tmp/futx-stage/ && ls -la /tmp/futx-stage ;;
     stage)
       mkdir -p /tmp/futx-stage /tmp/futx-aot
       cp .gpu-data1/* /tmp/futx-stage/ 2>/dev/null
@@ -45,7 +49,8 @@ for part in "$@"; do
         --out $OUT/verify-70b.json --md $OUT/verify-70b.md ;;
     data)
       mkdir -p $W
-      cat /tmp/futx-stage/smollm2.gguf.xz.part1 .gpu-data/smollm2.gguf.xz.part2 | xz -d > $W/smollm2.gguf \
+      cat /tmp/futx-stage/smollm2.gguf.xz.part1 $(ls /tmp/futx-stage/smollm2.gguf.xz.mid 2>/dev/null) \
+        .gpu-data/smollm2.gguf.xz.part2 | xz -d > $W/smollm2.gguf \
         || { echo "GGUF part 1 missing: run 'stage' first on this machine"; break; }
       xz -d -c .gpu-data/wiki.test.raw.xz > $W/wiki.test.raw
       xz -d -c .gpu-data/enwiki-sample.txt.xz > $W/enwiki-sample.txt

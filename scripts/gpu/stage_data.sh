@@ -2,7 +2,9 @@
 # Stage the data of the quality GPU run (scripts/gpu/quality_gpu.sh); both folders are git-ignored.
 #   scripts/gpu/stage_data.sh            (about a minute: xz of the GGUF)
 # SmolLM2's GGUF (98 MB; 90 MB as .xz) is more than one device run carries (64 MiB), so the .xz travels
-# in two parts over two back-to-back runs:
+# in two parts over two back-to-back runs (three when run 1's kernels leave too little room: then
+# .gpu-data-mid/smollm2.gguf.xz.mid travels alone in a run between them, copied to /tmp/futx-stage;
+# smollm2.gguf = xz -d of part1 + mid + part2):
 #   .gpu-data1/smollm2.gguf.xz.part1   first run, carry [".gpu-data1", ...], command beginning with
 #                                      mkdir -p /tmp/futx-stage && cp .gpu-data1/* /tmp/futx-stage/
 #   .gpu-data/                         second run, carry [".gpu-data"]: part 2, the gguf wheel, the texts (.xz)
@@ -37,15 +39,29 @@ xz_size=$(stat -c %s "$XZ")
 rest=$(( $(du -sb .gpu-data | cut -f1) + 4096 ))   # texts, wheel, SHA256SUMS
 upper=$(( LIMIT - gpu - tree - 4096 ))               # run 1 fits
 lower=$(( xz_size + rest + tree - LIMIT ))           # run 2 fits
+MID_BYTES=0
 if [ -z "${PART1_BYTES:-}" ]; then
   if [ "$lower" -gt "$upper" ]; then
-    echo "cannot split: part 1 must be >= $lower (run 2) and <= $upper (run 1) bytes; carry less in run 1" >&2
-    exit 1
+    # two runs cannot carry it: a middle part (.gpu-data-mid) travels alone in a run between them
+    PART1_BYTES=$upper
+    MID_BYTES=$(( lower - upper + 1048576 ))
+    mid_max=$(( LIMIT - tree - 4096 ))
+    if [ "$MID_BYTES" -gt "$mid_max" ]; then
+      echo "cannot split into three parts: the middle part needs $MID_BYTES bytes (at most $mid_max)" >&2
+      exit 1
+    fi
+  else
+    PART1_BYTES=$(( (lower + upper) / 2 ))
   fi
-  PART1_BYTES=$(( (lower + upper) / 2 ))
 fi
+rm -rf .gpu-data-mid
 head -c "$PART1_BYTES" "$XZ" > .gpu-data1/smollm2.gguf.xz.part1
-tail -c +"$((PART1_BYTES + 1))" "$XZ" > .gpu-data/smollm2.gguf.xz.part2
+if [ "$MID_BYTES" -gt 0 ]; then
+  mkdir -p .gpu-data-mid
+  dd if="$XZ" of=.gpu-data-mid/smollm2.gguf.xz.mid bs=1M iflag=skip_bytes,count_bytes skip="$PART1_BYTES" \
+    count="$MID_BYTES" status=none
+fi
+tail -c +"$((PART1_BYTES + MID_BYTES + 1))" "$XZ" > .gpu-data/smollm2.gguf.xz.part2
 {
   echo "# sha256  file   (quality_gpu.sh checks these; smollm2.gguf = xz -d of part1 + part2)"
   echo "$gguf_sha  smollm2.gguf"
@@ -62,4 +78,5 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.2f MiB", b / 1048576 }'; }
 echo "part 1: $PART1_BYTES bytes (allowed $lower..$upper)"
 echo "tree (tracked + untracked, not ignored): $(mib "$tree")"
 echo "run 1: .gpu-data1 $(mib "$d1") + .gpu/{aot-stage,rt,wheels} $(mib "$gpu") + tree = $(mib $((d1 + gpu + tree))) (< 62 MiB)"
+[ "$MID_BYTES" -gt 0 ] && echo "middle run: .gpu-data-mid $(mib "$MID_BYTES") + tree (< 62 MiB)"
 echo "run 2: .gpu-data $(mib "$d2") + tree = $(mib $((d2 + tree))) (< 62 MiB)"
