@@ -257,3 +257,19 @@ def test_cli_generate_speculative_on_the_kernels(tmp_path, capsys, prefill):
         capsys.readouterr()
         runs.append(json.loads(out.read_text()))
     assert runs[0]["outputs"] == runs[1]["outputs"]
+
+
+def test_dlite_drafts_replayed_as_cuda_graphs_equal_eager_drafts(weights):
+    """The DLite drafter's CUDA graphs (one per requests x k) give the eager head's drafts."""
+    from futx.speculative import dlite
+
+    torch.manual_seed(0)
+    head = dlite.DLiteHead(dlite.DLiteConfig.for_target(weights, k_max=4), weights).to("cuda")
+    graphed, eager = dlite.DLiteDrafter(head), dlite.DLiteDrafter(head, graphs=False)
+    assert graphed.graphs and not eager.graphs
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for n, k in ((1, 4), (3, 2), (1, 4), (3, 4)):
+        hidden = torch.randn(n, weights.config.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
+        hist = [[int(t)] for t in torch.randint(0, 512, (n,), generator=g, device="cuda")]
+        assert graphed.propose(hist, hidden, k) == eager.propose(hist, hidden, k)
+    assert len(graphed._graphs) == 3

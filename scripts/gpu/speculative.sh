@@ -39,7 +39,7 @@ for part in "$@"; do
       echo "staged: $(ls /tmp/futx-stage | tr '\n' ' ')$(du -sh /tmp/futx-aot | cut -f1) of kernels" ;;
     tests)
       TAILN=15 step spec_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --maxfail=8 \
-        tests/test_speculative_gpu.py tests/test_engine_gpu.py ;;
+        tests/test_speculative_gpu.py tests/test_engine_gpu.py tests/test_serve.py ;;
     verify8b)
       TAILN=45 step verify8b 200 python3 -m futx.cli bench decode --speculative --weights int4 --cache int4 \
         --points 1x1024,8x1024,32x1024 --rounds 5 --reps 10 --out $OUT/verify-8b.json --md $OUT/verify-8b.md ;;
@@ -60,7 +60,7 @@ for part in "$@"; do
       TAILN=25 step train 340 timeout -s INT "${FUTX_TRAIN_S:-320}" python3 -m futx.cli train-draft \
         --model $W/smollm2.gguf --data $W/enwiki-sample.txt --out $HEAD --device cuda --no-progress \
         --json $OUT/train-draft.json ${FUTX_TRAIN_ARGS:-}
-      cp $HEAD/draft.json $OUT/draft.json 2>/dev/null ;;
+      mkdir -p $OUT/dlite && cp $HEAD/draft.json $HEAD/draft.safetensors $OUT/dlite/ 2>/dev/null ;;
     generate)
       TAILN=10 step gen_dlite 90 python3 -m futx.cli generate --model $W/smollm2.gguf --backend kernels \
         --speculative dlite --draft $HEAD --num-draft 4 --max-new-tokens 128 \
