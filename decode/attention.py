@@ -54,6 +54,8 @@ class AttnTensors(NamedTuple):
     rope: Optional[cute.Tensor] = None       # [>= capacity, D] f32 cos | sin (fused_qkv)
     positions: Optional[cute.Tensor] = None  # [B] int32
     slots: Optional[cute.Tensor] = None      # [B] int32
+    block_table: Optional[cute.Tensor] = None  # [S, max_pages] int32 (paged: futx.paging; the cache tensors'
+                                             # first mode is then the page, C the page size)
     k_cache: Optional[cute.Tensor] = None    # [S, Hkv, C, D] bf16 main copy (always written)
     v_cache: Optional[cute.Tensor] = None
     k_mirror: Optional[cute.Tensor] = None   # int4 / e4m3 mirror (uint8) and its per-token f32 scales
@@ -74,6 +76,11 @@ def _row_addr(t: cute.Tensor, slot, kvh, elem_bytes: int):
     """64-bit byte address of t[slot, kvh, 0, ...] (the first two modes index slot and KV head)."""
     st = t.layout.stride
     return t.iterator.toint() + (Int64(slot) * Int64(st[0]) + Int64(kvh) * Int64(st[1])) * elem_bytes
+
+
+def _page_step(t: cute.Tensor, elem_bytes: int):
+    """Bytes from t[page, ...] to t[page + 1, ...] (paged cache: the first mode is the page)."""
+    return Int64(t.layout.stride[0]) * elem_bytes
 
 
 class DecodeAttention:
@@ -116,12 +123,16 @@ class DecodeAttention:
         if cutlass.const_expr(p.fused_qkv):
             k_head = hq + kvh
             v_head = hq + hkv + kvh
-        cap = mKc.shape[2]
         pos = mPos[b]
         slot = mSlot[b]
         # Out-of-range positions or slots never touch the cache: the rows come out as NaN (the op
         # validates on the host; this guards graph replays with bad device-side inputs).
-        bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
+        if cutlass.const_expr(p.paged):  # the new row goes to (row_page, row_off) of the block table
+            bad, row_page, row_off = self.locate_row(t.block_table, mKc.shape[0], slot, pos)
+        else:
+            cap = mKc.shape[2]
+            bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
+            row_page, row_off = slot, pos
         ctx = cutlass.select_(bad, 1, pos + 1)
         tiles = (ctx + TT - 1) // TT
         per_split = (tiles + nsplit - 1) // nsplit
@@ -142,9 +153,9 @@ class DecodeAttention:
         if split < n_active:
             if split == n_active - 1:  # this CTA's range holds position `pos`: write the new row first
                 if warp == 0:
-                    self.write_row(t, k_head, b, kvh, slot, pos, lane, True)
+                    self.write_row(t, k_head, b, kvh, row_page, row_off, pos, lane, True)
                 if warp == 1:
-                    self.write_row(t, v_head, b, kvh, slot, pos, lane, False)
+                    self.write_row(t, v_head, b, kvh, row_page, row_off, pos, lane, False)
             if cutlass.const_expr(p.uses_lut):
                 self.fill_lut(t.lut, s_lut, tidx, lane)
             if cutlass.const_expr(p.uses_pair):
@@ -191,6 +202,17 @@ class DecodeAttention:
                         self.finish_row(mOut, b, kvh * group + h, lane, [res[i] for i in range(n)], res[n])
 
     # ---- setup ----------------------------------------------------------------------------------------
+    def locate_row(self, mBt, pages, slot, pos):
+        """Paged cache: (bad, page, in-page row) of position `pos` of slot `slot` (futx.paging: entry
+        (slot, pos // P) of the block table, row pos % P). bad: the position is outside the table row's span,
+        the slot outside the table, or the entry not a page of the cache (the table is read only when the
+        first two hold)."""
+        P = self.p.page_size
+        bad = (pos < 0) | (pos >= mBt.shape[1] * P) | (slot < 0) | (slot >= mBt.shape[0])
+        page = mBt[cutlass.select_(bad, 0, slot), cutlass.select_(bad, 0, pos // P)]
+        bad = bad | (page < 0) | (page >= pages)
+        return bad, page, pos % P
+
     def _heads(self, t: AttnTensors, which: str):
         """The tensor holding the new q / k / v heads: qkv when fused (heads offset in the kernel)."""
         return t.qkv if self.p.fused_qkv else getattr(t, which)
@@ -202,9 +224,10 @@ class DecodeAttention:
         return self._heads(t, "v_new"), t.v_cache, t.v_mirror, t.v_scale
 
     @cute.jit
-    def write_row(self, t: AttnTensors, src_head, b, kvh, slot, pos, lane, is_key: bool):
+    def write_row(self, t: AttnTensors, src_head, b, kvh, slot, row, pos, lane, is_key: bool):
         """One warp: copy the new BF16 row (row `src_head` of k_new / v_new, or of qkv when fused; keys
-        RoPE-rotated first when fused) into the main cache; for a mirror also store its mirror row
+        RoPE-rotated first when fused, for position `pos`) into row (slot, kvh, row) of the main cache (a
+        paged cache: slot = the page, row = the in-page row); for a mirror also store its mirror row
         (decode.mirror_row: rotation, scale, quantization, packed order)."""
         p = self.p
         n = p.per_lane
@@ -214,9 +237,9 @@ class DecodeAttention:
         if cutlass.const_expr(p.fused_qkv and is_key):
             raw = [v.to(BFloat16) for v in self.rope([v.to(Float32) for v in raw], t.rope, pos, lane)]
         for i in cutlass.range_constexpr(n):
-            mMain[slot, kvh, pos, c0 + i] = raw[i]
+            mMain[slot, kvh, row, c0 + i] = raw[i]
         if cutlass.const_expr(p.quantized):
-            mirror_row.store_row([v.to(Float32) for v in raw], mMir, mScale, slot, kvh, pos, lane, fmt=p.fmt,
+            mirror_row.store_row([v.to(Float32) for v in raw], mMir, mScale, slot, kvh, row, lane, fmt=p.fmt,
                                  rotate=p.rotate, head_dim=p.head_dim, is_key=is_key)
 
     @cute.jit
@@ -285,16 +308,25 @@ class DecodeAttention:
             s_flag = s_ring + p.ring_bytes
             self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
             self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
+        base = slot  # the slot's rows; paged: page 0's, each tile adds its page's offset (issue_tile)
+        if cutlass.const_expr(p.paged):
+            base = 0
         ks_glob = None  # scale rows: the mirrors only
         vs_glob = None
         if cutlass.const_expr(p.quantized):
-            k_glob = _row_addr(t.k_mirror, slot, kvh, 1)
-            v_glob = _row_addr(t.v_mirror, slot, kvh, 1)
-            ks_glob = _row_addr(t.k_scale, slot, kvh, 4)
-            vs_glob = _row_addr(t.v_scale, slot, kvh, 4)
+            regions = ((t.k_mirror, 1), (t.v_mirror, 1), (t.k_scale, 4), (t.v_scale, 4))
+            k_glob = _row_addr(t.k_mirror, base, kvh, 1)
+            v_glob = _row_addr(t.v_mirror, base, kvh, 1)
+            ks_glob = _row_addr(t.k_scale, base, kvh, 4)
+            vs_glob = _row_addr(t.v_scale, base, kvh, 4)
         else:
-            k_glob = _row_addr(t.k_cache, slot, kvh, 2)
-            v_glob = _row_addr(t.v_cache, slot, kvh, 2)
+            regions = ((t.k_cache, 2), (t.v_cache, 2))
+            k_glob = _row_addr(t.k_cache, base, kvh, 2)
+            v_glob = _row_addr(t.v_cache, base, kvh, 2)
+        globs = (k_glob, v_glob, ks_glob, vs_glob)
+        steps = None
+        if cutlass.const_expr(p.paged):
+            steps = tuple(_page_step(x, e) for x, e in regions) + (None,) * (4 - len(regions))
 
         ring = s_ring + warp * (NS * SB)
         first = t_begin + warp
@@ -302,8 +334,12 @@ class DecodeAttention:
         n_my = cutlass.select_(left > 0, (left + NW - 1) // NW, 0)
         for i in cutlass.range_constexpr(NS - 1):
             if i < n_my:
-                self.issue(ring + i * SB, (first + i * NW) * TT, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+                self.issue_tile(ring + i * SB, first + i * NW, self.tile_page(t, slot, first + i * NW), ctx, lane,
+                                globs, steps)
             cute.arch.cp_async_commit_group()
+        # paged: the page of the next tile to issue, looked up one issue ahead so that the table load's
+        # latency hides behind a tile's math instead of stalling the refill
+        nxt = self.tile_page(t, slot, first + (NS - 1) * NW)
 
         # running max and sum of the two heads 2t, 2t+1 whose O^T columns this lane accumulates
         m0 = Float32(float("-inf"))
@@ -316,8 +352,9 @@ class DecodeAttention:
         for it in range(n_my):
             ahead = it + NS - 1
             if ahead < n_my:  # refill the stage consumed in the previous iteration
-                self.issue(ring + (ahead % NS) * SB, (first + ahead * NW) * TT, ctx, lane, k_glob, v_glob,
-                           ks_glob, vs_glob)
+                self.issue_tile(ring + (ahead % NS) * SB, first + ahead * NW, nxt, ctx, lane, globs, steps)
+                if cutlass.const_expr(p.paged):
+                    nxt = self.tile_page(t, slot, first + (ahead + 1) * NW)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(NS - 1)
             cute.arch.sync_warp()  # every lane's copies of this tile are visible to the warp
@@ -335,26 +372,48 @@ class DecodeAttention:
         cute.arch.sync_threads()  # the ring becomes merge scratch
         self.store_partial(s_ring, warp, lane, acc, (m0, m1), (l0, l1))
 
+    def tile_page(self, t: AttnTensors, slot, tile):
+        """Paged cache: the block-table entry of the page holding tile `tile` of slot `slot` (None when
+        contiguous). The entry index is clamped into the table row: a look-ahead past the sequence's last
+        tile reads the row's last entry, never past the row."""
+        if not self.p.paged:
+            return None
+        j = cutlass.min(tile // self.p.tiles_per_page, t.block_table.shape[1] - 1)
+        return t.block_table[slot, j]
+
     @cute.jit
-    def issue(self, sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
-        """cp.async one tile (keys, values, scales) into stage `sb`; rows at or past `ctx` are zero-filled
-        (their source address is clamped to the row start, which is always valid)."""
+    def issue_tile(self, sb, tile, page, ctx, lane, globs, steps):
+        """issue() of tile `tile` of the sequence: from the slot's rows, or (paged) from rows
+        tok0 % P.. of its page `page` (a tile never straddles two pages)."""
+        p = self.p
+        tok0 = tile * p.tile_tokens
+        if cutlass.const_expr(p.paged):
+            bases = [None if g is None else g + Int64(page) * st for g, st in zip(globs, steps)]
+            self.issue(sb, tok0, tok0 % p.page_size, ctx, lane, *bases)
+        else:
+            self.issue(sb, tok0, tok0, ctx, lane, *globs)
+
+    @cute.jit
+    def issue(self, sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
+        """cp.async one tile (keys, values, scales) into stage `sb`: tokens [tok0, tok0 + TT) of the sequence,
+        stored at rows [at, at + TT) past the region bases (at = tok0 contiguous); rows at or past `ctx` are
+        zero-filled (their source address is clamped to the base, which is always valid)."""
         p = self.p
         if cutlass.const_expr(p.lean_issue):
             if tok0 + p.tile_tokens <= ctx:  # a whole tile (all but a sequence's last): no per-chunk tests
-                self.issue_full(sb, tok0, lane, k_glob, v_glob, ks_glob, vs_glob)
+                self.issue_full(sb, at, lane, k_glob, v_glob, ks_glob, vs_glob)
             else:
-                self.issue_tail(sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+                self.issue_tail(sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
         else:
-            self.issue_tail(sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+            self.issue_tail(sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
 
     @cute.jit
-    def issue_full(self, sb, tok0, lane, k_glob, v_glob, ks_glob, vs_glob):
+    def issue_full(self, sb, at, lane, k_glob, v_glob, ks_glob, vs_glob):
         """issue() for a tile that lies wholly inside the context: one base address per region."""
         p = self.p
         R = p.k_row_bytes
-        kb = k_glob + Int64(tok0 * R)
-        vb = v_glob + Int64(tok0 * R)
+        kb = k_glob + Int64(at * R)
+        vb = v_glob + Int64(at * R)
         for i in cutlass.range_constexpr(p.chunks_per_lane(p.k_region)):
             off = (lane + 32 * i) * 16
             dst = sb + off
@@ -369,12 +428,12 @@ class DecodeAttention:
             if lane < 2 * q4:
                 j = lane % q4
                 is_v = lane >= q4
-                src = cutlass.select_(is_v, vs_glob, ks_glob) + Int64((tok0 + 4 * j) * 4)
+                src = cutlass.select_(is_v, vs_glob, ks_glob) + Int64((at + 4 * j) * 4)
                 dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
                 ptx.cp_async_16_zfill(dst, src, 16)
 
     @cute.jit
-    def issue_tail(self, sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
+    def issue_tail(self, sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
         """issue() with every chunk tested against the context end."""
         p = self.p
         R = p.k_row_bytes
@@ -385,14 +444,14 @@ class DecodeAttention:
             dst = sb + off  # INT4: fragment-order blocks land as they are
             if cutlass.const_expr(p.fmt != "int4"):
                 dst = sb + p.k_smem_offset(row, (off % R) // 16)
-            src = cutlass.select_(live, k_glob + Int64(tok0 * R + off), k_glob)
+            src = cutlass.select_(live, k_glob + Int64(at * R + off), k_glob)
             ptx.cp_async_16_zfill(dst, src, cutlass.select_(live, 16, 0))
         for i in cutlass.range_constexpr(p.chunks_per_lane(p.tile_tokens * R)):
             off = (lane + 32 * i) * 16
             row = off // R
             live = tok0 + row < ctx
             dst = sb + p.v_offset + row * p.v_stride + off % R
-            src = cutlass.select_(live, v_glob + Int64(tok0 * R + off), v_glob)
+            src = cutlass.select_(live, v_glob + Int64(at * R + off), v_glob)
             ptx.cp_async_16_zfill(dst, src, cutlass.select_(live, 16, 0))
         if cutlass.const_expr(p.quantized):
             q4 = p.tile_tokens // 4  # 16-byte chunks of one scale vector
@@ -400,9 +459,12 @@ class DecodeAttention:
                 j = lane % q4
                 is_v = lane >= q4
                 tok = tok0 + 4 * j
+                row = tok
+                if cutlass.const_expr(p.paged):
+                    row = at + 4 * j
                 valid = cutlass.max(cutlass.min(ctx - tok, 4), 0)
                 src = cutlass.select_(is_v, vs_glob, ks_glob)
-                src = cutlass.select_(valid > 0, src + Int64(tok * 4), src)
+                src = cutlass.select_(valid > 0, src + Int64(row * 4), src)
                 dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
                 ptx.cp_async_16_zfill(dst, src, valid * 4)
 
@@ -629,6 +691,10 @@ class DecodeAttention:
 # them by keyword into one AttnTensors (DecodeAttention.tensors checks the names against the table).
 def make_entry(plan: AttnPlan):
     kern = DecodeAttention(plan)
+    if plan.paged:
+        from decode.attention_paged import make_paged_entry
+
+        return make_paged_entry(plan, kern)
     if plan.fused_qkv:
         return _make_fused_entry(plan, kern)
     if plan.fmt == "bf16":
@@ -717,13 +783,15 @@ def fake_args(plan: AttnPlan):
     D = plan.head_dim
     B, HQ, HKV, S, C, NSPL = (cute.sym_int() for _ in range(6))
     C8, HT, R = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    TS, MP = cute.sym_int(), cute.sym_int()  # block table rows (slots + 1) and entries (paged: S counts pages)
     mirror = {"int4": (Uint8, (S, HKV, C8, 32, D // 8)), "e4m3": (Uint8, (S, HKV, C, D))}
     value = {"int4": (Uint8, (S, HKV, C, D // 2)), "e4m3": (Uint8, (S, HKV, C, D))}
     make = {
         "q": lambda: t(BFloat16, (B, HQ, D)), "k_new": lambda: t(BFloat16, (B, HKV, D)),
         "v_new": lambda: t(BFloat16, (B, HKV, D)), "qkv": lambda: t(BFloat16, (B, HT, D)),
         "rope": lambda: t(Float32, (R, D)), "positions": lambda: t(Int32, (B,), 4),
-        "slots": lambda: t(Int32, (B,), 4), "k_cache": lambda: t(BFloat16, (S, HKV, C, D)),
+        "slots": lambda: t(Int32, (B,), 4), "block_table": lambda: t(Int32, (TS, MP), 4),
+        "k_cache": lambda: t(BFloat16, (S, HKV, C, D)),
         "v_cache": lambda: t(BFloat16, (S, HKV, C, D)), "k_mirror": lambda: t(*mirror[plan.fmt]),
         "k_scale": lambda: t(Float32, (S, HKV, C)), "v_mirror": lambda: t(*value[plan.fmt]),
         "v_scale": lambda: t(Float32, (S, HKV, C)), "lut": lambda: t(Int32, (256,)),
@@ -735,10 +803,10 @@ def fake_args(plan: AttnPlan):
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, k_dequant: str | None = None,
                    v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
-                   lean_issue: bool | None = None, fused_qkv: bool = False):
+                   lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
-    differ in it are distinct registry entries)."""
+    differ in it are distinct registry entries; page_size > 0: the paged cache's entry)."""
     plan = default_plan(fmt, head_dim, rotate, k_dequant, v_dequant, warps, stages, saturating_warps,
-                        lean_issue, fused_qkv)
+                        lean_issue, fused_qkv, page_size)
     return make_entry(plan), fake_args(plan)
