@@ -78,11 +78,6 @@ def _row_addr(t: cute.Tensor, slot, kvh, elem_bytes: int):
     return t.iterator.toint() + (Int64(slot) * Int64(st[0]) + Int64(kvh) * Int64(st[1])) * elem_bytes
 
 
-def _page_step(t: cute.Tensor, elem_bytes: int):
-    """Bytes from t[page, ...] to t[page + 1, ...] (paged cache: the first mode is the page)."""
-    return Int64(t.layout.stride[0]) * elem_bytes
-
-
 class DecodeAttention:
     def __init__(self, plan: AttnPlan):
         plan.check_maps()
@@ -308,25 +303,10 @@ class DecodeAttention:
             s_flag = s_ring + p.ring_bytes
             self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
             self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
-        base = slot  # the slot's rows; paged: page 0's, each tile adds its page's offset (issue_tile)
-        if cutlass.const_expr(p.paged):
-            base = 0
-        ks_glob = None  # scale rows: the mirrors only
-        vs_glob = None
-        if cutlass.const_expr(p.quantized):
-            regions = ((t.k_mirror, 1), (t.v_mirror, 1), (t.k_scale, 4), (t.v_scale, 4))
-            k_glob = _row_addr(t.k_mirror, base, kvh, 1)
-            v_glob = _row_addr(t.v_mirror, base, kvh, 1)
-            ks_glob = _row_addr(t.k_scale, base, kvh, 4)
-            vs_glob = _row_addr(t.v_scale, base, kvh, 4)
-        else:
-            regions = ((t.k_cache, 2), (t.v_cache, 2))
-            k_glob = _row_addr(t.k_cache, base, kvh, 2)
-            v_glob = _row_addr(t.v_cache, base, kvh, 2)
-        globs = (k_glob, v_glob, ks_glob, vs_glob)
-        steps = None
-        if cutlass.const_expr(p.paged):
-            steps = tuple(_page_step(x, e) for x, e in regions) + (None,) * (4 - len(regions))
+        # the slot's region bases, fixed for the whole loop; paged: each tile's own, from its page (issue_tile)
+        globs = None
+        if cutlass.const_expr(not p.paged):
+            globs = self.region_bases(t, slot, kvh)
 
         ring = s_ring + warp * (NS * SB)
         first = t_begin + warp
@@ -334,8 +314,8 @@ class DecodeAttention:
         n_my = cutlass.select_(left > 0, (left + NW - 1) // NW, 0)
         for i in cutlass.range_constexpr(NS - 1):
             if i < n_my:
-                self.issue_tile(ring + i * SB, first + i * NW, self.tile_page(t, slot, first + i * NW), ctx, lane,
-                                globs, steps)
+                self.issue_tile(ring + i * SB, t, first + i * NW, self.tile_page(t, slot, first + i * NW), kvh, ctx,
+                                lane, globs)
             cute.arch.cp_async_commit_group()
         # paged: the page of the next tile to issue, looked up one issue ahead so that the table load's
         # latency hides behind a tile's math instead of stalling the refill
@@ -352,7 +332,7 @@ class DecodeAttention:
         for it in range(n_my):
             ahead = it + NS - 1
             if ahead < n_my:  # refill the stage consumed in the previous iteration
-                self.issue_tile(ring + (ahead % NS) * SB, first + ahead * NW, nxt, ctx, lane, globs, steps)
+                self.issue_tile(ring + (ahead % NS) * SB, t, first + ahead * NW, nxt, kvh, ctx, lane, globs)
                 if cutlass.const_expr(p.paged):
                     nxt = self.tile_page(t, slot, first + (ahead + 1) * NW)
             cute.arch.cp_async_commit_group()
@@ -381,15 +361,23 @@ class DecodeAttention:
         j = cutlass.min(tile // self.p.tiles_per_page, t.block_table.shape[1] - 1)
         return t.block_table[slot, j]
 
+    def region_bases(self, t: AttnTensors, row, kvh):
+        """Byte addresses of row `row` (the slot; paged: the page) of KV head kvh in the key rows, the value rows
+        and (mirrors) their scales, the regions issue() copies from (None: no scales)."""
+        if self.p.quantized:
+            return (_row_addr(t.k_mirror, row, kvh, 1), _row_addr(t.v_mirror, row, kvh, 1),
+                    _row_addr(t.k_scale, row, kvh, 4), _row_addr(t.v_scale, row, kvh, 4))
+        return _row_addr(t.k_cache, row, kvh, 2), _row_addr(t.v_cache, row, kvh, 2), None, None
+
     @cute.jit
-    def issue_tile(self, sb, tile, page, ctx, lane, globs, steps):
-        """issue() of tile `tile` of the sequence: from the slot's rows, or (paged) from rows
-        tok0 % P.. of its page `page` (a tile never straddles two pages)."""
+    def issue_tile(self, sb, t: AttnTensors, tile, page, kvh, ctx, lane, globs):
+        """issue() of tile `tile` of the sequence: from the slot's rows `globs`, or (paged) from rows
+        tok0 % P.. of its page `page` (a tile never straddles two pages). The page's bases are recomputed per
+        tile from the kernel's parameters rather than kept: registers are what the main loop lacks."""
         p = self.p
         tok0 = tile * p.tile_tokens
         if cutlass.const_expr(p.paged):
-            bases = [None if g is None else g + Int64(page) * st for g, st in zip(globs, steps)]
-            self.issue(sb, tok0, tok0 % p.page_size, ctx, lane, *bases)
+            self.issue(sb, tok0, tok0 % p.page_size, ctx, lane, *self.region_bases(t, page, kvh))
         else:
             self.issue(sb, tok0, tok0, ctx, lane, *globs)
 
