@@ -24,15 +24,17 @@ def tensors(cache: DecodeCache) -> dict:
 
 
 def randomize(cache: DecodeCache, gen: torch.Generator) -> None:
-    """Random contents in every tensor: bf16 normal, mirror bytes uniform (no E4M3 NaN codes), scales positive."""
+    """Random contents in every tensor: bf16 normal, mirror bytes uniform (no E4M3 NaN codes), scales positive.
+    `gen` lives on the cache's device (a CUDA generator fills a GPU cache without a host round trip)."""
     for t in tensors(cache).values():
+        kw = dict(generator=gen, device=gen.device)
         if t.dtype == torch.uint8:
-            r = torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8)
+            r = torch.randint(0, 256, t.shape, dtype=torch.uint8, **kw)
             t.copy_(torch.where(r & 0x7F == 0x7F, r ^ 1, r))
         elif t.dtype == torch.float32:
-            t.copy_(torch.rand(t.shape, generator=gen) * 0.1 + 0.01)
+            t.copy_(torch.rand(t.shape, **kw) * 0.1 + 0.01)
         else:
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+            t.copy_(torch.randn(t.shape, **kw).to(t.dtype))
 
 
 def poison(cache: DecodeCache, page: int) -> None:
@@ -44,7 +46,7 @@ def poison(cache: DecodeCache, page: int) -> None:
 
 def random_table(layout: paging.PageLayout, gen: torch.Generator, used: int | None = None) -> torch.Tensor:
     """A block table whose slots own `used` (default: all max_pages) pages each, at a random permutation of the
-    usable pages; the rest of each row and the scratch slot's row are the scratch page."""
+    usable pages; the rest of each row and the scratch slot's row are the scratch page (CPU; `gen` a CPU one)."""
     used = layout.max_pages if used is None else used
     if layout.slots * used > layout.pages:
         raise ValueError(f"{layout.slots} slots x {used} pages do not fit {layout.pages} pages")
@@ -102,6 +104,16 @@ class PagedTestCache:
         hkv, d = config.num_key_value_heads, config.head_dim
         self.layers = [DecodeCache.allocate(fmt, layout.storage_pages(), hkv, layout.page_size, d, device)
                        for _ in range(config.num_hidden_layers)]
+
+    @classmethod
+    def from_cache(cls, cache, layout: paging.PageLayout, table: torch.Tensor) -> "PagedTestCache":
+        """The contents of a contiguous EngineCache's request slots at the table's pages (to_paged per layer)."""
+        out = cls.__new__(cls)
+        out.config, out.fmt, out.layout, out.rotate, out.slots = cache.config, cache.fmt, layout, cache.rotate, \
+            layout.slots
+        out.table = table.to(cache.device)
+        out.layers = [to_paged(c, layout, out.table) for c in cache.layers]
+        return out
 
     @property
     def scratch_slot(self) -> int:
