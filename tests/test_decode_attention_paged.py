@@ -221,3 +221,25 @@ def test_prewrite_rows_land_on_their_pages():
     for name, t in pc.tensors(paged.layers[0]).items():
         for page in set(range(lay.storage_pages())) - written:
             assert torch.equal(t[page], before[name][page]), f"{name}: page {page} changed"
+
+
+def test_benchmark_pages_hold_the_contiguous_contents():
+    """scripts/bench_paged_attention.py's paged copies (vectorized, its own code) gather back to the contiguous
+    cache: the precondition of its bit-equality check and of comparing like with like."""
+    import importlib.util
+    from pathlib import Path
+
+    from futx.ops import decode_attention as da
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_paged_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_paged_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    contig = DecodeCache.allocate("int4", 3, bench.HKV, 512, bench.D, "cpu")
+    pc.randomize(contig, torch.Generator().manual_seed(9))
+    for p in (128, 256):
+        paged, table = bench._paged_copy(da, contig, 3, p, torch.Generator().manual_seed(p))
+        assert sorted(table[:3].flatten().tolist()) == list(range(3 * 512 // p))
+        view = pc.gather(paged, table, p)
+        for name, t in pc.tensors(contig).items():
+            assert torch.equal(view[name][:3], t), name
