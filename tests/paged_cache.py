@@ -23,6 +23,11 @@ def tensors(cache: DecodeCache) -> dict:
     return out
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN poison included, which torch.equal calls unequal)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def randomize(cache: DecodeCache, gen: torch.Generator) -> None:
     """Random contents in every tensor: bf16 normal, mirror bytes uniform (no E4M3 NaN codes), scales positive.
     `gen` lives on the cache's device (a CUDA generator fills a GPU cache without a host round trip)."""
