@@ -132,6 +132,12 @@ class DecodeAttention:
         tiles = (ctx + TT - 1) // TT
         per_split = (tiles + nsplit - 1) // nsplit
         n_active = cutlass.select_(bad, 0, (tiles + per_split - 1) // per_split)
+        pages = None
+        if cutlass.const_expr(p.paged):
+            # the pages of this warp's first `stages` tiles, loaded now: their latency overlaps the setup below
+            # (new row, query, table) instead of delaying the first copies (a bad row reads table row 0, unused)
+            first = split * per_split + warp
+            pages = [self.tile_page(t, cutlass.select_(bad, 0, slot), first + i * NW) for i in range(p.stages)]
 
         smem = cmem.SmemAllocator()
         base = smem.allocate(p.smem_bytes, byte_alignment=1024).toint()
@@ -163,7 +169,7 @@ class DecodeAttention:
 
             t_begin = split * per_split
             t_end = cutlass.min(tiles, t_begin + per_split)
-            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2)
+            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages)
             cute.arch.sync_threads()  # scratch (the ring) holds every warp's partial
 
             for h in range(warp, group, NW):
@@ -290,9 +296,11 @@ class DecodeAttention:
 
     # ---- main loop ------------------------------------------------------------------------------------
     @cute.jit
-    def attend(self, t: AttnTensors, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2):
+    def attend(self, t: AttnTensors, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2,
+               pages=None):
         """This warp's tiles first + warp, first + warp + NW, ... of [t_begin, t_end) through a
-        `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch)."""
+        `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch). Paged: `pages`
+        holds the block-table entries of the warp's first `stages` tiles."""
         p = self.p
         D, TT, NS, NW, SB = p.head_dim, p.tile_tokens, p.stages, p.warps, p.stage_bytes
         qa = self.query_fragments(s_q, lane)
@@ -314,12 +322,12 @@ class DecodeAttention:
         n_my = cutlass.select_(left > 0, (left + NW - 1) // NW, 0)
         for i in cutlass.range_constexpr(NS - 1):
             if i < n_my:
-                self.issue_tile(ring + i * SB, t, first + i * NW, self.tile_page(t, slot, first + i * NW), kvh, ctx,
-                                lane, globs)
+                self.issue_tile(ring + i * SB, t, first + i * NW, pages[i] if p.paged else None, kvh, ctx, lane,
+                                globs)
             cute.arch.cp_async_commit_group()
-        # paged: the page of the next tile to issue, looked up one issue ahead so that the table load's
+        # paged: the page of the next tile to issue, looked up one issue ahead (below) so that the table load's
         # latency hides behind a tile's math instead of stalling the refill
-        nxt = self.tile_page(t, slot, first + (NS - 1) * NW)
+        nxt = pages[NS - 1] if p.paged else None
 
         # running max and sum of the two heads 2t, 2t+1 whose O^T columns this lane accumulates
         m0 = Float32(float("-inf"))
