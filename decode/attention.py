@@ -18,6 +18,9 @@ partials are merged by the last CTA of a (sequence, KV head) to arrive (self-res
 The decode engine's entry (`fused_qkv`) reads q, k and v as heads of the QKV projection's output and applies
 rotate-half RoPE to the query and the new key row as it loads them (lane l holds channels l*n.., its RoPE
 partner channels sit in lane l ^ 16), so no RoPE or split kernel runs between the projection and attention.
+A paged cache (plan.page_size P > 0, futx.paging) is read through a block table: each tile's page comes from one
+table entry (loaded a tile ahead; a tile never straddles a page) and the new row goes to its page's row pos % P;
+with page_size 0 the kernel is the contiguous one, unchanged.
 """
 
 from __future__ import annotations
