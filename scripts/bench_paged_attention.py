@@ -170,9 +170,9 @@ def main() -> int:
     worst = max(r["vs_contiguous"] for r in paged)
     verdict = dict(goal=f"paged <= {100 * GOAL:.0f}% slower", worst=worst, met=worst <= GOAL,
                    all_bit_equal=all(r["equal_to_contiguous"] for r in rows))
+    equal = "bit-equal" if verdict["all_bit_equal"] else "NOT all bit-equal"
     md = table(rows) + (f"\n\nworst paged slowdown {100 * worst:+.1f}% (goal <= {100 * GOAL:.0f}%: "
-                        f"{'met' if verdict['met'] else 'NOT met'}); outputs "
-                        f"{'bit-equal' if verdict['all_bit_equal'] else 'NOT all bit-equal'} to the contiguous kernel's")
+                        f"{'met' if verdict['met'] else 'NOT met'}); outputs {equal} to the contiguous kernel's")
     path = args.json or (os.path.join(os.environ["OUT"], "bench_paged.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:

@@ -216,7 +216,8 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
         q = out  # same shape and device: what check_inputs validates the query against
     check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
                  cache_format, rotate)
-    check_block_table("decode_attention", block_table, page_size, k_cache)
+    if qkv is None:  # (the fused entry checked it with its RoPE table)
+        check_block_table("decode_attention", block_table, page_size, k_cache)
     checks.cuda("out", out, q.device)
     checks.dtype("out", out, torch.bfloat16)
     checks.shape("out", out, tuple(q.shape))
@@ -244,8 +245,9 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
     key = qkv_key(cache_format, d, rotate, plan.page_size) if fused else \
         attn_key(cache_format, d, rotate, variant, plan.page_size)
     given = dict(q=q, k_new=k_new, v_new=v_new, qkv=qkv, rope=rope, positions=positions, slots=slots,
-                 block_table=block_table, k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror,
-                 v_scale=v_scale, out=out, ws_o=ws_o, ws_ml=ws_ml, counters=_counters(q.device, b, hkv))
+                 block_table=block_table, k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale,
+                 v_mirror=v_mirror, v_scale=v_scale, out=out, ws_o=ws_o, ws_ml=ws_ml,
+                 counters=_counters(q.device, b, hkv))
     if cache_format != "bf16":  # the kernel reads the mirrors as bytes
         given.update(k_mirror=k_mirror.view(torch.uint8), v_mirror=v_mirror.view(torch.uint8))
     if cache_format == "int4":

@@ -8,8 +8,9 @@ scripts/tuning_space.py has registered them); docs/routing.md gives the measured
 
 from futx.runtime.registry import KernelSpec
 
-SOURCES = ("decode/attention.py", "decode/attention_paged.py", "decode/attn_plan.py", "futx/paging.py", "decode/ptx.py", "decode/hadamard_warp.py",
-           "decode/mirror_row.py", "decode/splitkv_combine.py", "futx/quant/layouts.py")
+SOURCES = ("decode/attention.py", "decode/attention_paged.py", "decode/attn_plan.py", "futx/paging.py",
+           "decode/ptx.py", "decode/hadamard_warp.py", "decode/mirror_row.py", "decode/splitkv_combine.py",
+           "futx/quant/layouts.py")
 
 # INT4 variants (rotated, head dim 128), as overrides of decode.attn_plan.default_plan, whose INT4 default
 # dequantizes keys and values by "pair" arithmetic without the table, with lean issue. Tuning space only:
