@@ -81,6 +81,20 @@ def _row_addr(t: cute.Tensor, slot, kvh, elem_bytes: int):
     return t.iterator.toint() + (Int64(slot) * Int64(st[0]) + Int64(kvh) * Int64(st[1])) * elem_bytes
 
 
+def _page_offset(t: cute.Tensor, page, elem_bytes: int):
+    """Bytes from t[0, ...] to t[page, ...] of a paged cache tensor, as one unsigned 32 x 32 -> 64-bit multiply
+    (page >= 0; a page of one layer holds at most Hkv * P * D * 2 bytes, far below 2^32)."""
+    return Int64(Uint32(page)) * Int64(Uint32(t.layout.stride[0] * elem_bytes))
+
+
+def _div_mod(x, m: int):
+    """(x // m, x % m) of a non-negative DSL integer by a constant: a shift and a mask when m is a power of two
+    (signed division would add sign fix-ups)."""
+    if m & (m - 1) == 0:
+        return x >> (m.bit_length() - 1), x & (m - 1)
+    return x // m, x % m
+
+
 class DecodeAttention:
     def __init__(self, plan: AttnPlan):
         plan.check_maps()
@@ -213,9 +227,10 @@ class DecodeAttention:
         first two hold)."""
         P = self.p.page_size
         bad = (pos < 0) | (pos >= mBt.shape[1] * P) | (slot < 0) | (slot >= mBt.shape[0])
-        page = mBt[cutlass.select_(bad, 0, slot), cutlass.select_(bad, 0, pos // P)]
+        j, row = _div_mod(pos, P)  # (meaningless when bad: then neither is used)
+        page = mBt[cutlass.select_(bad, 0, slot), cutlass.select_(bad, 0, j)]
         bad = bad | (page < 0) | (page >= pages)
-        return bad, page, pos % P
+        return bad, page, row
 
     def _heads(self, t: AttnTensors, which: str):
         """The tensor holding the new q / k / v heads: qkv when fused (heads offset in the kernel)."""
@@ -314,10 +329,11 @@ class DecodeAttention:
             s_flag = s_ring + p.ring_bytes
             self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
             self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
-        # the slot's region bases, fixed for the whole loop; paged: each tile's own, from its page (issue_tile)
-        globs = None
-        if cutlass.const_expr(not p.paged):
-            globs = self.region_bases(t, slot, kvh)
+        # the slot's region bases, fixed for the whole loop; paged: page 0's, each tile adds its page's offset
+        base_row = slot
+        if cutlass.const_expr(p.paged):
+            base_row = 0
+        globs = self.region_bases(t, base_row, kvh)
 
         ring = s_ring + warp * (NS * SB)
         first = t_begin + warp
@@ -369,7 +385,7 @@ class DecodeAttention:
         tile reads the row's last entry, never past the row."""
         if not self.p.paged:
             return None
-        j = cutlass.min(tile // self.p.tiles_per_page, t.block_table.shape[1] - 1)
+        j = cutlass.min(_div_mod(tile, self.p.tiles_per_page)[0], t.block_table.shape[1] - 1)
         return t.block_table[slot, j]
 
     def region_bases(self, t: AttnTensors, row, kvh):
@@ -380,15 +396,23 @@ class DecodeAttention:
                     _row_addr(t.k_scale, row, kvh, 4), _row_addr(t.v_scale, row, kvh, 4))
         return _row_addr(t.k_cache, row, kvh, 2), _row_addr(t.v_cache, row, kvh, 2), None, None
 
+    def region_tensors(self, t: AttnTensors):
+        """(tensor, element bytes) of the regions issue() copies from, in its order (None: no scales)."""
+        if self.p.quantized:
+            return (t.k_mirror, 1), (t.v_mirror, 1), (t.k_scale, 4), (t.v_scale, 4)
+        return (t.k_cache, 2), (t.v_cache, 2), None, None
+
     @cute.jit
     def issue_tile(self, sb, t: AttnTensors, tile, page, kvh, ctx, lane, globs):
-        """issue() of tile `tile` of the sequence: from the slot's rows `globs`, or (paged) from rows
-        tok0 % P.. of its page `page` (a tile never straddles two pages). The page's bases are recomputed per
-        tile from the kernel's parameters rather than kept: registers are what the main loop lacks."""
+        """issue() of tile `tile` of the sequence: from the slot's rows `globs`, or (paged; globs = page 0's
+        rows) from rows tok0 % P.. of its page `page` (a tile never straddles two pages): one wide multiply-add
+        per region and tile."""
         p = self.p
         tok0 = tile * p.tile_tokens
         if cutlass.const_expr(p.paged):
-            self.issue(sb, tok0, tok0 % p.page_size, ctx, lane, *self.region_bases(t, page, kvh))
+            bases = [None if g is None else g + _page_offset(r[0], page, r[1])
+                     for g, r in zip(globs, self.region_tensors(t))]
+            self.issue(sb, tok0, _div_mod(tile, p.tiles_per_page)[1] * p.tile_tokens, ctx, lane, *bases)
         else:
             self.issue(sb, tok0, tok0, ctx, lane, *globs)
 
