@@ -329,11 +329,10 @@ class DecodeAttention:
             s_flag = s_ring + p.ring_bytes
             self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
             self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
-        # the slot's region bases, fixed for the whole loop; paged: page 0's, each tile adds its page's offset
-        base_row = slot
-        if cutlass.const_expr(p.paged):
-            base_row = 0
-        globs = self.region_bases(t, base_row, kvh)
+        # the slot's region bases, fixed for the whole loop; paged: each tile's own (issue_tile)
+        globs = None
+        if cutlass.const_expr(not p.paged):
+            globs = self.region_bases(t, slot, kvh)
 
         ring = s_ring + warp * (NS * SB)
         first = t_begin + warp
@@ -388,30 +387,27 @@ class DecodeAttention:
         j = cutlass.min(_div_mod(tile, self.p.tiles_per_page)[0], t.block_table.shape[1] - 1)
         return t.block_table[slot, j]
 
-    def region_bases(self, t: AttnTensors, row, kvh):
-        """Byte addresses of row `row` (the slot; paged: the page) of KV head kvh in the key rows, the value rows
-        and (mirrors) their scales, the regions issue() copies from (None: no scales)."""
-        if self.p.quantized:
-            return (_row_addr(t.k_mirror, row, kvh, 1), _row_addr(t.v_mirror, row, kvh, 1),
-                    _row_addr(t.k_scale, row, kvh, 4), _row_addr(t.v_scale, row, kvh, 4))
-        return _row_addr(t.k_cache, row, kvh, 2), _row_addr(t.v_cache, row, kvh, 2), None, None
-
     def region_tensors(self, t: AttnTensors):
-        """(tensor, element bytes) of the regions issue() copies from, in its order (None: no scales)."""
+        """(tensor, element bytes) of the regions issue() copies from, in its order: key rows, value rows and
+        (mirrors) their scales (None: no scales)."""
         if self.p.quantized:
             return (t.k_mirror, 1), (t.v_mirror, 1), (t.k_scale, 4), (t.v_scale, 4)
         return (t.k_cache, 2), (t.v_cache, 2), None, None
 
+    def region_bases(self, t: AttnTensors, row, kvh):
+        """Byte addresses of row `row` (the slot) of KV head kvh in each region (None: no scales)."""
+        return tuple(None if r is None else _row_addr(r[0], row, kvh, r[1]) for r in self.region_tensors(t))
+
     @cute.jit
     def issue_tile(self, sb, t: AttnTensors, tile, page, kvh, ctx, lane, globs):
-        """issue() of tile `tile` of the sequence: from the slot's rows `globs`, or (paged; globs = page 0's
-        rows) from rows tok0 % P.. of its page `page` (a tile never straddles two pages): one wide multiply-add
-        per region and tile."""
+        """issue() of tile `tile` of the sequence: from the slot's rows `globs`, or (paged) from rows
+        tok0 % P.. of its page `page` (a tile never straddles two pages): page 0's rows of this KV head (block
+        uniform: the compiler keeps them in uniform registers) plus one wide multiply-add per region."""
         p = self.p
         tok0 = tile * p.tile_tokens
         if cutlass.const_expr(p.paged):
-            bases = [None if g is None else g + _page_offset(r[0], page, r[1])
-                     for g, r in zip(globs, self.region_tensors(t))]
+            bases = [None if r is None else _row_addr(r[0], 0, kvh, r[1]) + _page_offset(r[0], page, r[1])
+                     for r in self.region_tensors(t)]
             self.issue(sb, tok0, _div_mod(tile, p.tiles_per_page)[1] * p.tile_tokens, ctx, lane, *bases)
         else:
             self.issue(sb, tok0, tok0, ctx, lane, *globs)
