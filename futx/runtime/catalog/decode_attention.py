@@ -4,7 +4,8 @@ count, slot count, capacity and split count are runtime values), plus the engine
 SPECS holds exactly what the op launches: `futx::decode_attention` always runs the default kernel of
 (format, head dim, rotation) (decode.attn_plan.default_plan), the engine's entry the `.qkv` kernels. The
 INT4 design alternatives of VARIANTS are the tuning space (named with the op's `variant=` argument once
-scripts/tuning_space.py has registered them); docs/routing.md gives the measured reason for the default."""
+scripts/tuning_space.py has registered them); docs/routing.md gives the measured reason for the default.
+A paged cache (the op's `block_table=`, futx.paging) runs the `.p<page size>` twin of the same kernel."""
 
 from futx.runtime.registry import KernelSpec
 
