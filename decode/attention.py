@@ -18,6 +18,9 @@ partials are merged by the last CTA of a (sequence, KV head) to arrive (self-res
 The decode engine's entry (`fused_qkv`) reads q, k and v as heads of the QKV projection's output and applies
 rotate-half RoPE to the query and the new key row as it loads them (lane l holds channels l*n.., its RoPE
 partner channels sit in lane l ^ 16), so no RoPE or split kernel runs between the projection and attention.
+A paged cache (plan.page_size P > 0, futx.paging) is read through a block table: each tile's page comes from one
+table entry (loaded a tile ahead; a tile never straddles a page) and the new row goes to its page's row pos % P;
+with page_size 0 the kernel is the contiguous one, unchanged.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class AttnTensors(NamedTuple):
     rope: Optional[cute.Tensor] = None       # [>= capacity, D] f32 cos | sin (fused_qkv)
     positions: Optional[cute.Tensor] = None  # [B] int32
     slots: Optional[cute.Tensor] = None      # [B] int32
+    block_table: Optional[cute.Tensor] = None  # [S, max_pages] int32 (paged: futx.paging; the cache tensors'
+                                             # first mode is then the page, C the page size)
     k_cache: Optional[cute.Tensor] = None    # [S, Hkv, C, D] bf16 main copy (always written)
     v_cache: Optional[cute.Tensor] = None
     k_mirror: Optional[cute.Tensor] = None   # int4 / e4m3 mirror (uint8) and its per-token f32 scales
@@ -74,6 +79,20 @@ def _row_addr(t: cute.Tensor, slot, kvh, elem_bytes: int):
     """64-bit byte address of t[slot, kvh, 0, ...] (the first two modes index slot and KV head)."""
     st = t.layout.stride
     return t.iterator.toint() + (Int64(slot) * Int64(st[0]) + Int64(kvh) * Int64(st[1])) * elem_bytes
+
+
+def _page_offset(t: cute.Tensor, page, elem_bytes: int):
+    """Bytes from t[0, ...] to t[page, ...] of a paged cache tensor, as one unsigned 32 x 32 -> 64-bit multiply
+    (page >= 0; a page of one layer holds at most Hkv * P * D * 2 bytes, far below 2^32)."""
+    return Int64(Uint32(page)) * Int64(Uint32(t.layout.stride[0] * elem_bytes))
+
+
+def _div_mod(x, m: int):
+    """(x // m, x % m) of a non-negative DSL integer by a constant: a shift and a mask when m is a power of two
+    (signed division would add sign fix-ups)."""
+    if m & (m - 1) == 0:
+        return x >> (m.bit_length() - 1), x & (m - 1)
+    return x // m, x % m
 
 
 class DecodeAttention:
@@ -116,16 +135,26 @@ class DecodeAttention:
         if cutlass.const_expr(p.fused_qkv):
             k_head = hq + kvh
             v_head = hq + hkv + kvh
-        cap = mKc.shape[2]
         pos = mPos[b]
         slot = mSlot[b]
         # Out-of-range positions or slots never touch the cache: the rows come out as NaN (the op
         # validates on the host; this guards graph replays with bad device-side inputs).
-        bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
+        if cutlass.const_expr(p.paged):  # the new row goes to (row_page, row_off) of the block table
+            bad, row_page, row_off = self.locate_row(t.block_table, mKc.shape[0], slot, pos)
+        else:
+            cap = mKc.shape[2]
+            bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
+            row_page, row_off = slot, pos
         ctx = cutlass.select_(bad, 1, pos + 1)
         tiles = (ctx + TT - 1) // TT
         per_split = (tiles + nsplit - 1) // nsplit
         n_active = cutlass.select_(bad, 0, (tiles + per_split - 1) // per_split)
+        pages = None
+        if cutlass.const_expr(p.paged):
+            # the pages of this warp's first `stages` tiles, loaded now: their latency overlaps the setup below
+            # (new row, query, table) instead of delaying the first copies (a bad row reads table row 0, unused)
+            first = split * per_split + warp
+            pages = [self.tile_page(t, cutlass.select_(bad, 0, slot), first + i * NW) for i in range(p.stages)]
 
         smem = cmem.SmemAllocator()
         base = smem.allocate(p.smem_bytes, byte_alignment=1024).toint()
@@ -142,9 +171,9 @@ class DecodeAttention:
         if split < n_active:
             if split == n_active - 1:  # this CTA's range holds position `pos`: write the new row first
                 if warp == 0:
-                    self.write_row(t, k_head, b, kvh, slot, pos, lane, True)
+                    self.write_row(t, k_head, b, kvh, row_page, row_off, pos, lane, True)
                 if warp == 1:
-                    self.write_row(t, v_head, b, kvh, slot, pos, lane, False)
+                    self.write_row(t, v_head, b, kvh, row_page, row_off, pos, lane, False)
             if cutlass.const_expr(p.uses_lut):
                 self.fill_lut(t.lut, s_lut, tidx, lane)
             if cutlass.const_expr(p.uses_pair):
@@ -157,7 +186,7 @@ class DecodeAttention:
 
             t_begin = split * per_split
             t_end = cutlass.min(tiles, t_begin + per_split)
-            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2)
+            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages)
             cute.arch.sync_threads()  # scratch (the ring) holds every warp's partial
 
             for h in range(warp, group, NW):
@@ -191,6 +220,18 @@ class DecodeAttention:
                         self.finish_row(mOut, b, kvh * group + h, lane, [res[i] for i in range(n)], res[n])
 
     # ---- setup ----------------------------------------------------------------------------------------
+    def locate_row(self, mBt, pages, slot, pos):
+        """Paged cache: (bad, page, in-page row) of position `pos` of slot `slot` (futx.paging: entry
+        (slot, pos // P) of the block table, row pos % P). bad: the position is outside the table row's span,
+        the slot outside the table, or the entry not a page of the cache (the table is read only when the
+        first two hold)."""
+        P = self.p.page_size
+        bad = (pos < 0) | (pos >= mBt.shape[1] * P) | (slot < 0) | (slot >= mBt.shape[0])
+        j, row = _div_mod(pos, P)  # (meaningless when bad: then neither is used)
+        page = mBt[cutlass.select_(bad, 0, slot), cutlass.select_(bad, 0, j)]
+        bad = bad | (page < 0) | (page >= pages)
+        return bad, page, row
+
     def _heads(self, t: AttnTensors, which: str):
         """The tensor holding the new q / k / v heads: qkv when fused (heads offset in the kernel)."""
         return t.qkv if self.p.fused_qkv else getattr(t, which)
@@ -202,9 +243,10 @@ class DecodeAttention:
         return self._heads(t, "v_new"), t.v_cache, t.v_mirror, t.v_scale
 
     @cute.jit
-    def write_row(self, t: AttnTensors, src_head, b, kvh, slot, pos, lane, is_key: bool):
+    def write_row(self, t: AttnTensors, src_head, b, kvh, slot, row, pos, lane, is_key: bool):
         """One warp: copy the new BF16 row (row `src_head` of k_new / v_new, or of qkv when fused; keys
-        RoPE-rotated first when fused) into the main cache; for a mirror also store its mirror row
+        RoPE-rotated first when fused, for position `pos`) into row (slot, kvh, row) of the main cache (a
+        paged cache: slot = the page, row = the in-page row); for a mirror also store its mirror row
         (decode.mirror_row: rotation, scale, quantization, packed order)."""
         p = self.p
         n = p.per_lane
@@ -214,9 +256,9 @@ class DecodeAttention:
         if cutlass.const_expr(p.fused_qkv and is_key):
             raw = [v.to(BFloat16) for v in self.rope([v.to(Float32) for v in raw], t.rope, pos, lane)]
         for i in cutlass.range_constexpr(n):
-            mMain[slot, kvh, pos, c0 + i] = raw[i]
+            mMain[slot, kvh, row, c0 + i] = raw[i]
         if cutlass.const_expr(p.quantized):
-            mirror_row.store_row([v.to(Float32) for v in raw], mMir, mScale, slot, kvh, pos, lane, fmt=p.fmt,
+            mirror_row.store_row([v.to(Float32) for v in raw], mMir, mScale, slot, kvh, row, lane, fmt=p.fmt,
                                  rotate=p.rotate, head_dim=p.head_dim, is_key=is_key)
 
     @cute.jit
@@ -272,9 +314,11 @@ class DecodeAttention:
 
     # ---- main loop ------------------------------------------------------------------------------------
     @cute.jit
-    def attend(self, t: AttnTensors, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2):
+    def attend(self, t: AttnTensors, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2,
+               pages=None):
         """This warp's tiles first + warp, first + warp + NW, ... of [t_begin, t_end) through a
-        `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch)."""
+        `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch). Paged: `pages`
+        holds the block-table entries of the warp's first `stages` tiles."""
         p = self.p
         D, TT, NS, NW, SB = p.head_dim, p.tile_tokens, p.stages, p.warps, p.stage_bytes
         qa = self.query_fragments(s_q, lane)
@@ -285,16 +329,10 @@ class DecodeAttention:
             s_flag = s_ring + p.ring_bytes
             self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
             self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
-        ks_glob = None  # scale rows: the mirrors only
-        vs_glob = None
-        if cutlass.const_expr(p.quantized):
-            k_glob = _row_addr(t.k_mirror, slot, kvh, 1)
-            v_glob = _row_addr(t.v_mirror, slot, kvh, 1)
-            ks_glob = _row_addr(t.k_scale, slot, kvh, 4)
-            vs_glob = _row_addr(t.v_scale, slot, kvh, 4)
-        else:
-            k_glob = _row_addr(t.k_cache, slot, kvh, 2)
-            v_glob = _row_addr(t.v_cache, slot, kvh, 2)
+        # the slot's region bases, fixed for the whole loop; paged: each tile's own (issue_tile)
+        globs = None
+        if cutlass.const_expr(not p.paged):
+            globs = self.region_bases(t, slot, kvh)
 
         ring = s_ring + warp * (NS * SB)
         first = t_begin + warp
@@ -302,8 +340,12 @@ class DecodeAttention:
         n_my = cutlass.select_(left > 0, (left + NW - 1) // NW, 0)
         for i in cutlass.range_constexpr(NS - 1):
             if i < n_my:
-                self.issue(ring + i * SB, (first + i * NW) * TT, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+                self.issue_tile(ring + i * SB, t, first + i * NW, pages[i] if p.paged else None, kvh, ctx, lane,
+                                globs)
             cute.arch.cp_async_commit_group()
+        # paged: the page of the next tile to issue, looked up one issue ahead (below) so that the table load's
+        # latency hides behind a tile's math instead of stalling the refill
+        nxt = pages[NS - 1] if p.paged else None
 
         # running max and sum of the two heads 2t, 2t+1 whose O^T columns this lane accumulates
         m0 = Float32(float("-inf"))
@@ -316,8 +358,9 @@ class DecodeAttention:
         for it in range(n_my):
             ahead = it + NS - 1
             if ahead < n_my:  # refill the stage consumed in the previous iteration
-                self.issue(ring + (ahead % NS) * SB, (first + ahead * NW) * TT, ctx, lane, k_glob, v_glob,
-                           ks_glob, vs_glob)
+                self.issue_tile(ring + (ahead % NS) * SB, t, first + ahead * NW, nxt, kvh, ctx, lane, globs)
+                if cutlass.const_expr(p.paged):
+                    nxt = self.tile_page(t, slot, first + (ahead + 1) * NW)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(NS - 1)
             cute.arch.sync_warp()  # every lane's copies of this tile are visible to the warp
@@ -335,26 +378,61 @@ class DecodeAttention:
         cute.arch.sync_threads()  # the ring becomes merge scratch
         self.store_partial(s_ring, warp, lane, acc, (m0, m1), (l0, l1))
 
+    def tile_page(self, t: AttnTensors, slot, tile):
+        """Paged cache: the block-table entry of the page holding tile `tile` of slot `slot` (None when
+        contiguous). The entry index is clamped into the table row: a look-ahead past the sequence's last
+        tile reads the row's last entry, never past the row."""
+        if not self.p.paged:
+            return None
+        j = cutlass.min(_div_mod(tile, self.p.tiles_per_page)[0], t.block_table.shape[1] - 1)
+        return t.block_table[slot, j]
+
+    def region_tensors(self, t: AttnTensors):
+        """(tensor, element bytes) of the regions issue() copies from, in its order: key rows, value rows and
+        (mirrors) their scales (None: no scales)."""
+        if self.p.quantized:
+            return (t.k_mirror, 1), (t.v_mirror, 1), (t.k_scale, 4), (t.v_scale, 4)
+        return (t.k_cache, 2), (t.v_cache, 2), None, None
+
+    def region_bases(self, t: AttnTensors, row, kvh):
+        """Byte addresses of row `row` (the slot) of KV head kvh in each region (None: no scales)."""
+        return tuple(None if r is None else _row_addr(r[0], row, kvh, r[1]) for r in self.region_tensors(t))
+
     @cute.jit
-    def issue(self, sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
-        """cp.async one tile (keys, values, scales) into stage `sb`; rows at or past `ctx` are zero-filled
-        (their source address is clamped to the row start, which is always valid)."""
+    def issue_tile(self, sb, t: AttnTensors, tile, page, kvh, ctx, lane, globs):
+        """issue() of tile `tile` of the sequence: from the slot's rows `globs`, or (paged) from rows
+        tok0 % P.. of its page `page` (a tile never straddles two pages): page 0's rows of this KV head (block
+        uniform: the compiler keeps them in uniform registers) plus one wide multiply-add per region."""
+        p = self.p
+        tok0 = tile * p.tile_tokens
+        if cutlass.const_expr(p.paged):
+            bases = [None if r is None else _row_addr(r[0], 0, kvh, r[1]) + _page_offset(r[0], page, r[1])
+                     for r in self.region_tensors(t)]
+            self.issue(sb, tok0, _div_mod(tile, p.tiles_per_page)[1] * p.tile_tokens, ctx, lane, *bases)
+        else:
+            self.issue(sb, tok0, tok0, ctx, lane, *globs)
+
+    @cute.jit
+    def issue(self, sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
+        """cp.async one tile (keys, values, scales) into stage `sb`: tokens [tok0, tok0 + TT) of the sequence,
+        stored at rows [at, at + TT) past the region bases (at = tok0 contiguous); rows at or past `ctx` are
+        zero-filled (their source address is clamped to the base, which is always valid)."""
         p = self.p
         if cutlass.const_expr(p.lean_issue):
             if tok0 + p.tile_tokens <= ctx:  # a whole tile (all but a sequence's last): no per-chunk tests
-                self.issue_full(sb, tok0, lane, k_glob, v_glob, ks_glob, vs_glob)
+                self.issue_full(sb, at, lane, k_glob, v_glob, ks_glob, vs_glob)
             else:
-                self.issue_tail(sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+                self.issue_tail(sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
         else:
-            self.issue_tail(sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
+            self.issue_tail(sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob)
 
     @cute.jit
-    def issue_full(self, sb, tok0, lane, k_glob, v_glob, ks_glob, vs_glob):
+    def issue_full(self, sb, at, lane, k_glob, v_glob, ks_glob, vs_glob):
         """issue() for a tile that lies wholly inside the context: one base address per region."""
         p = self.p
         R = p.k_row_bytes
-        kb = k_glob + Int64(tok0 * R)
-        vb = v_glob + Int64(tok0 * R)
+        kb = k_glob + Int64(at * R)
+        vb = v_glob + Int64(at * R)
         for i in cutlass.range_constexpr(p.chunks_per_lane(p.k_region)):
             off = (lane + 32 * i) * 16
             dst = sb + off
@@ -369,12 +447,12 @@ class DecodeAttention:
             if lane < 2 * q4:
                 j = lane % q4
                 is_v = lane >= q4
-                src = cutlass.select_(is_v, vs_glob, ks_glob) + Int64((tok0 + 4 * j) * 4)
+                src = cutlass.select_(is_v, vs_glob, ks_glob) + Int64((at + 4 * j) * 4)
                 dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
                 ptx.cp_async_16_zfill(dst, src, 16)
 
     @cute.jit
-    def issue_tail(self, sb, tok0, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
+    def issue_tail(self, sb, tok0, at, ctx, lane, k_glob, v_glob, ks_glob, vs_glob):
         """issue() with every chunk tested against the context end."""
         p = self.p
         R = p.k_row_bytes
@@ -385,14 +463,14 @@ class DecodeAttention:
             dst = sb + off  # INT4: fragment-order blocks land as they are
             if cutlass.const_expr(p.fmt != "int4"):
                 dst = sb + p.k_smem_offset(row, (off % R) // 16)
-            src = cutlass.select_(live, k_glob + Int64(tok0 * R + off), k_glob)
+            src = cutlass.select_(live, k_glob + Int64(at * R + off), k_glob)
             ptx.cp_async_16_zfill(dst, src, cutlass.select_(live, 16, 0))
         for i in cutlass.range_constexpr(p.chunks_per_lane(p.tile_tokens * R)):
             off = (lane + 32 * i) * 16
             row = off // R
             live = tok0 + row < ctx
             dst = sb + p.v_offset + row * p.v_stride + off % R
-            src = cutlass.select_(live, v_glob + Int64(tok0 * R + off), v_glob)
+            src = cutlass.select_(live, v_glob + Int64(at * R + off), v_glob)
             ptx.cp_async_16_zfill(dst, src, cutlass.select_(live, 16, 0))
         if cutlass.const_expr(p.quantized):
             q4 = p.tile_tokens // 4  # 16-byte chunks of one scale vector
@@ -400,9 +478,12 @@ class DecodeAttention:
                 j = lane % q4
                 is_v = lane >= q4
                 tok = tok0 + 4 * j
+                row = tok
+                if cutlass.const_expr(p.paged):
+                    row = at + 4 * j
                 valid = cutlass.max(cutlass.min(ctx - tok, 4), 0)
                 src = cutlass.select_(is_v, vs_glob, ks_glob)
-                src = cutlass.select_(valid > 0, src + Int64(tok * 4), src)
+                src = cutlass.select_(valid > 0, src + Int64(row * 4), src)
                 dst = sb + cutlass.select_(is_v, p.vs_offset, p.ks_offset) + j * 16
                 ptx.cp_async_16_zfill(dst, src, valid * 4)
 
@@ -629,6 +710,10 @@ class DecodeAttention:
 # them by keyword into one AttnTensors (DecodeAttention.tensors checks the names against the table).
 def make_entry(plan: AttnPlan):
     kern = DecodeAttention(plan)
+    if plan.paged:
+        from decode.attention_paged import make_paged_entry
+
+        return make_paged_entry(plan, kern)
     if plan.fused_qkv:
         return _make_fused_entry(plan, kern)
     if plan.fmt == "bf16":
@@ -717,13 +802,15 @@ def fake_args(plan: AttnPlan):
     D = plan.head_dim
     B, HQ, HKV, S, C, NSPL = (cute.sym_int() for _ in range(6))
     C8, HT, R = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    TS, MP = cute.sym_int(), cute.sym_int()  # block table rows (slots + 1) and entries (paged: S counts pages)
     mirror = {"int4": (Uint8, (S, HKV, C8, 32, D // 8)), "e4m3": (Uint8, (S, HKV, C, D))}
     value = {"int4": (Uint8, (S, HKV, C, D // 2)), "e4m3": (Uint8, (S, HKV, C, D))}
     make = {
         "q": lambda: t(BFloat16, (B, HQ, D)), "k_new": lambda: t(BFloat16, (B, HKV, D)),
         "v_new": lambda: t(BFloat16, (B, HKV, D)), "qkv": lambda: t(BFloat16, (B, HT, D)),
         "rope": lambda: t(Float32, (R, D)), "positions": lambda: t(Int32, (B,), 4),
-        "slots": lambda: t(Int32, (B,), 4), "k_cache": lambda: t(BFloat16, (S, HKV, C, D)),
+        "slots": lambda: t(Int32, (B,), 4), "block_table": lambda: t(Int32, (TS, MP), 4),
+        "k_cache": lambda: t(BFloat16, (S, HKV, C, D)),
         "v_cache": lambda: t(BFloat16, (S, HKV, C, D)), "k_mirror": lambda: t(*mirror[plan.fmt]),
         "k_scale": lambda: t(Float32, (S, HKV, C)), "v_mirror": lambda: t(*value[plan.fmt]),
         "v_scale": lambda: t(Float32, (S, HKV, C)), "lut": lambda: t(Int32, (256,)),
@@ -735,10 +822,10 @@ def fake_args(plan: AttnPlan):
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, k_dequant: str | None = None,
                    v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
-                   lean_issue: bool | None = None, fused_qkv: bool = False):
+                   lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
-    differ in it are distinct registry entries)."""
+    differ in it are distinct registry entries; page_size > 0: the paged cache's entry)."""
     plan = default_plan(fmt, head_dim, rotate, k_dequant, v_dequant, warps, stages, saturating_warps,
-                        lean_issue, fused_qkv)
+                        lean_issue, fused_qkv, page_size)
     return make_entry(plan), fake_args(plan)

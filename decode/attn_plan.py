@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from futx import paging
 from futx.hardware import SMEM_PER_CTA
 from futx.quant import layouts
 
@@ -126,18 +127,19 @@ def int4_value_pairs(w_even, w_odd):
 # ---- the kernel's tensors --------------------------------------------------------------------------
 # Every tensor the kernel may read or write: the fields of decode.attention.AttnTensors, which the kernel
 # receives as one argument (fields a format or entry does not use are None, never a placeholder).
-ATTN_TENSORS = ("q", "k_new", "v_new", "qkv", "rope", "positions", "slots", "k_cache", "v_cache", "k_mirror",
-                "k_scale", "v_mirror", "v_scale", "lut", "out", "ws_o", "ws_ml", "counters")
+ATTN_TENSORS = ("q", "k_new", "v_new", "qkv", "rope", "positions", "slots", "block_table", "k_cache", "v_cache",
+                "k_mirror", "k_scale", "v_mirror", "v_scale", "lut", "out", "ws_o", "ws_ml", "counters")
 _MIRROR_TENSORS = {"bf16": (), "int4": ("k_mirror", "k_scale", "v_mirror", "v_scale", "lut"),
                    "e4m3": ("k_mirror", "k_scale", "v_mirror", "v_scale")}
 
 
-def entry_tensors(fmt: str, fused_qkv: bool) -> tuple[str, ...]:
+def entry_tensors(fmt: str, fused_qkv: bool, paged: bool = False) -> tuple[str, ...]:
     """The one table of which tensors a compile entry declares, in its argument order (softmax_scale and
     the stream follow): the jit entries (checked when traced), their fake arguments and the op's launch
-    all read it."""
+    all read it. A paged entry also takes the block table (futx.paging), right after the slots."""
     heads = ("qkv",) if fused_qkv else ("q", "k_new", "v_new")
-    return (*heads, "positions", "slots", "k_cache", "v_cache", *_MIRROR_TENSORS[fmt],
+    return (*heads, "positions", "slots", *(("block_table",) if paged else ()), "k_cache", "v_cache",
+            *_MIRROR_TENSORS[fmt],
             *(("rope",) if fused_qkv else ()), "out", "ws_o", "ws_ml", "counters")
 
 
@@ -156,6 +158,8 @@ class AttnPlan:
     lean_issue: bool = False   # whole tiles skip the per-chunk context tests of the async copies
     fused_qkv: bool = False    # read q, k, v from the QKV projection's output [B, Hq + 2 Hkv, D] and apply
                                # RoPE (rotate-half, cos/sin table [capacity, D]) to q and the new k row
+    page_size: int = 0         # 0: contiguous cache [slots, Hkv, capacity, ...]; P > 0: paged (futx.paging), the
+                               # cache tensors' slot mode holds pages of P positions, reached through a block table
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -172,11 +176,24 @@ class AttnPlan:
         for which, known in ((self.k_dequant, K_DEQUANT), (self.v_dequant, V_DEQUANT)):
             if which not in known:
                 raise ValueError(f"decode attention: dequantization {which!r} must be one of {known}")
+        if self.page_size:
+            paging.check_page_size(self.page_size)
+            if self.page_size % self.tile_tokens:  # a tile never straddles two pages: one table entry per tile
+                raise ValueError(f"decode attention: page size {self.page_size} is not a multiple of the "
+                                 f"{self.tile_tokens}-token tile")
 
     @property
     def tensors(self) -> tuple[str, ...]:
         """The tensors this plan's compile entry declares (entry_tensors)."""
-        return entry_tensors(self.fmt, self.fused_qkv)
+        return entry_tensors(self.fmt, self.fused_qkv, self.paged)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def tiles_per_page(self) -> int:
+        return self.page_size // self.tile_tokens
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -412,19 +429,20 @@ class AttnPlan:
 
 def default_plan(fmt: str, head_dim: int, rotate: bool = False, k_dequant: str | None = None,
                  v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
-                 lean_issue: bool | None = None, fused_qkv: bool = False) -> AttnPlan:
+                 lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
     D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
     INT4 keys and values by "pair" dequantization (no shared-memory table) with lean issue: the fastest INT4
     kernel, or within 2.5%, at every measured batch and context (docs/routing.md A1-A2; numbers in
     docs/results-decode-attention.md). None = that default; the keywords after `rotate` are the tuning
-    variants' overrides (futx.runtime.catalog.decode_attention.VARIANTS)."""
+    variants' overrides (futx.runtime.catalog.decode_attention.VARIANTS); page_size > 0 the paged cache's kernel
+    (same tiles: every page size divides into whole tiles)."""
     int4 = fmt == "int4"
     tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
     return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, tile_tokens=tt, stages=stages, warps=warps,
                     k_dequant=k_dequant or ("pair" if int4 else "lut"),
                     v_dequant=v_dequant or ("pair" if int4 else "alu"), saturating_warps=saturating_warps,
-                    lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv)
+                    lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv, page_size=page_size)
 
 
 SMEM_PER_SM = SMEM_PER_CTA  # residency budget: the per-CTA cap, a conservative bound on what an SM holds

@@ -67,11 +67,13 @@ def test_every_variant_has_consistent_maps(spec):
     plan = default_plan(fmt, d, rotate, **p)
     plan.check_maps()
     assert plan.smem_bytes <= 227 * 1024
+    page = p.pop("page_size", 0)  # a paged cache's entry: the same plan, addressed through a block table
+    assert plan.page_size == page and ("page_size" in spec.param_dict) == (page > 0)
     if p.pop("fused_qkv", False):  # the engine's entry: the default plan, q/k/v from the QKV output
-        assert not p and spec.key == qkv_key(fmt, d, rotate) and spec in SPECS
+        assert not p and spec.key == qkv_key(fmt, d, rotate, page) and spec in SPECS
         return
     variant = [k for k, v in VARIANTS.items() if v == p]
-    assert len(variant) == 1 and attn_key(fmt, d, rotate, variant[0]) == spec.key
+    assert len(variant) == 1 and attn_key(fmt, d, rotate, variant[0], page) == spec.key
     assert (spec in SPECS) == (variant[0] == ""), "only the default kernels are in the registry; variants are tuning space"
 
 
@@ -80,21 +82,25 @@ def test_registry_is_exactly_what_the_op_launches():
     of each format, head dim and rotation the op accepts; the engine's fused-QKV entry for its cache formats),
     and every such launch has a registry entry. The INT4 variants are tuning space (scripts/tuning_space.py)."""
     from futx.ops.decode_attention import FORMATS, resolve
+    from futx.runtime.catalog.decode_attention import PAGE_SIZES
 
     launched = set()
-    for fmt in FORMATS:
-        for d in (64, 128):
-            for rotate in (False, True):
-                if rotate and fmt == "bf16":
-                    continue  # check_inputs: the BF16 main cache is never rotated
-                variant, _ = resolve(fmt, d, rotate, "")
-                launched.add(attn_key(fmt, d, rotate, variant))
-    launched |= {qkv_key(fmt, d, rotate) for fmt, rotate in ENGINE_CACHES for d in (64, 128)}
-    assert {s.key for s in SPECS} == launched
+    for page in (0, 128):  # contiguous and paged at the default page size: every format, head dim, rotation
+        for fmt in FORMATS:
+            for d in (64, 128):
+                for rotate in (False, True):
+                    if rotate and fmt == "bf16":
+                        continue  # check_inputs: the BF16 main cache is never rotated
+                    variant, plan = resolve(fmt, d, rotate, "", page)
+                    launched.add(attn_key(fmt, d, rotate, variant, plan.page_size))
+        launched |= {qkv_key(fmt, d, rotate, page) for fmt, rotate in ENGINE_CACHES for d in (64, 128)}
+    launched |= {attn_key("int4", 128, True, page_size=256), qkv_key("int4", 128, True, 256)}  # page-size study
+    assert {s.key for s in SPECS} == launched and PAGE_SIZES == (128, 256)
     tuning = {s.key for s in TUNING_SPECS}
     assert {s.key for s in select("decode.attn*")} - tuning == {s.key for s in SPECS}  # the package registry
     assert tuning == {attn_key("int4", 128, True, v) for v in TUNING} and not tuning & launched
-    assert len(SPECS) == 16  # 10 default kernels + the engine's 3 cache formats x 2 head dims
+    assert len(SPECS) == 2 * 16 + 2  # (10 default kernels + the engine's 3 cache formats x 2 head dims) x
+    #                                  (contiguous, 128-position pages) + the 8B INT4 pair at 256
 
 
 @pytest.mark.parametrize("spec", list(SPECS) + TUNING_SPECS, ids=lambda s: s.key)
@@ -110,7 +116,7 @@ def test_entry_declares_exactly_its_tensors(spec):
     assert AttnTensors._fields == ATTN_TENSORS
     p = spec.param_dict
     fn, fake = compile_target(**p)
-    names = entry_tensors(p["fmt"], p.get("fused_qkv", False))
+    names = entry_tensors(p["fmt"], p.get("fused_qkv", False), p.get("page_size", 0) > 0)
     assert set(names) <= set(ATTN_TENSORS) and len(set(names)) == len(names)
     assert tuple(inspect.signature(fn).parameters) == (*names, "softmax_scale", "stream")
     assert len(fake) == len(names) + 2

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from futx import paging
 from futx.config import LlamaConfig
 from futx.quant.fold import rms_row_factor
 from futx.rope import apply_rope, cos_sin
@@ -147,6 +148,28 @@ GEMV_HEAD_ROWS = 16
 BLOCK_ATTENTION = ("prewrite", "columns")   # KernelOps.attention_block's two ways
 
 
+def cache_paging(cache: EngineCache) -> tuple:
+    """(block table, page size) of a paged engine cache (`cache.layout` a futx.paging.PageLayout, `cache.table` its
+    device int32 block table [slots + 1, max_pages]); (None, 0) for a contiguous one (layout None or absent)."""
+    layout = getattr(cache, "layout", None)
+    if layout is None:
+        return None, 0
+    return cache.table, layout.page_size
+
+
+def mirror_located_rows(cache: EngineCache, layer: int, at_slot: torch.Tensor, at_row: torch.Tensor) -> None:
+    """The mirror of main-copy rows (at_slot[m], :, at_row[m]) of the layer's tensors (a paged cache: page, in-page
+    row) by futx's mirror kernel. Capturable: no checks, no host synchronization."""
+    if cache.fmt == "bf16":
+        return
+    from futx.ops.mirror_rows import mirror_rows
+
+    c = cache.layers[layer]
+    i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+    mirror_rows(cache.fmt, c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, i32(at_slot),
+                i32(at_row))
+
+
 class KernelOps:
     """futx kernels. glue="fused" (default): the RMSNorm row factor runs inside the tile-GEMV projections that read
     it (decode.plan.fuses_norm; elsewhere it is one kernel) and RoPE inside the attention kernel, which reads
@@ -202,14 +225,15 @@ class KernelOps:
                   layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         c = cache.config
         lc = cache.layers[layer]
+        block_table, page_size = cache_paging(cache)   # a paged cache: the kernel reads through its table
         if self.glue != "torch":
             x = qkv.view(qkv.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim)
             torch.ops.futx.decode_attention_qkv_(x, positions, slots, *lc.tensors(), table, out, cache.fmt,
-                                                 cache.rotate, 0.0, 0, 0, False)
+                                                 cache.rotate, 0.0, 0, 0, False, block_table, page_size)
             return out
         q, k, v = split_rope(qkv, c, table, positions)
         torch.ops.futx.decode_attention_(q, k, v.contiguous(), positions, slots, *lc.tensors(), out, cache.fmt,
-                                         cache.rotate, 0.0, 0, 0, False)
+                                         cache.rotate, 0.0, 0, 0, False, "", block_table, page_size)
         return out
 
     def attention_block(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
@@ -247,16 +271,33 @@ class KernelOps:
                       table: torch.Tensor) -> None:
         """The new K/V rows of qkv (RoPE on k) into the main copy and, by the mirror kernel, the mirror: the bytes
         the attention kernel itself stores for these rows (tests/test_speculative_gpu.py checks they are equal).
+        A paged cache's rows go to their (page, in-page row) of its block table (futx.paging.locate).
         Capturable: no host synchronization (load_blocks checked the indices)."""
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
-        k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)
+        k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)   # RoPE at the true positions
         lc = cache.layers[layer]
-        idx_s, idx_p = slots.long(), positions.long()
+        block_table, page_size = cache_paging(cache)
+        at_s, at_p = (slots, positions) if block_table is None else \
+            paging.locate(block_table, slots, positions, page_size)
+        idx_s, idx_p = at_s.long(), at_p.long()
         lc.k_cache[idx_s, :, idx_p] = k
         lc.v_cache[idx_s, :, idx_p] = x[:, hq + hkv:]
-        cache.mirror_rows(layer, slots, positions, kernel=True)
+        if block_table is None:
+            cache.mirror_rows(layer, slots, positions, kernel=True)
+        else:
+            mirror_located_rows(cache, layer, at_s, at_p)
+
+    @staticmethod
+    def mirror_rows(cache: EngineCache, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """The mirror of rows (slots[m], positions[m]) already in the main copy (a prefill wrote them), by futx's
+        mirror kernel; a paged cache's rows are translated to (page, in-page row) first. Capturable."""
+        block_table, page_size = cache_paging(cache)
+        if block_table is None:
+            cache.mirror_rows(layer, slots, positions, kernel=True)
+            return
+        mirror_located_rows(cache, layer, *paging.locate(block_table, slots, positions, page_size))
 
 
 def make_ops(backend: str, glue: str = "fused"):

@@ -10,6 +10,10 @@ scale), then attends q[b] over positions [0, positions[b]] of that slot, reading
 Returns the attention output [B, Hq, D] bfloat16 (rotation undone). Positions at or past the capacity
 are rejected on the host (unless `check_positions=False`, e.g. inside a CUDA graph, where the kernel
 itself refuses to write and returns NaN rows instead of overwriting anything).
+
+Paged cache (futx.paging): with `block_table` int32 [slots + 1, max_pages] and `page_size` P, the cache tensors'
+first mode is the page (S = pages + 1, the last the scratch page) and C = P; position p of slot s is row p % P of
+page block_table[s, p // P], for the new row and every cached one. The capacity is then max_pages * P.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Optional
 import torch
 
 from decode.attn_plan import MAX_GROUP, choose_splits, default_plan, entry_tensors
+from futx import paging
 from futx.hardware import sm_count
 from futx.ops import checks
 from futx.ops.registration import futx_op
@@ -132,6 +137,47 @@ def check_mirror_tensors(op: str, cache_format: str, k_cache, k_mirror, k_scale,
     return mirrors
 
 
+def check_block_table(op: str, block_table, page_size: int, k_cache: torch.Tensor) -> None:
+    """A paged launch's table and page size against the cache tensors (device, dtype, shape only: its entries
+    are checked with the positions, check_paged_rows)."""
+    if block_table is None:
+        if page_size:
+            raise ValueError(f"{op}: page_size {page_size} given without a block_table")
+        return
+    try:
+        paging.check_page_size(page_size)
+    except ValueError as exc:
+        raise ValueError(f"{op}: a block_table needs its page_size: {exc}") from None
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    checks.dtype("block_table", block_table, paging.TABLE_DTYPE)
+    if block_table.dim() != 2 or block_table.shape[0] < 1 or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must be [slots + 1, max_pages] with both >= 1, got {list(block_table.shape)}")
+    checks.contiguous("block_table", block_table)
+    if k_cache.shape[2] != page_size:
+        raise ValueError(f"{op}: paged cache tensors hold {k_cache.shape[2]} positions per page (k_cache "
+                         f"{list(k_cache.shape)}), but page_size is {page_size}")
+    checks.cuda("block_table", block_table, k_cache.device)
+
+
+def check_paged_rows(positions: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, page_size: int,
+                     pages: int) -> None:
+    """Host-side checks of a paged launch (reads the table rows back): check_positions over the table's span and
+    slots, every entry of the batch's table rows a page of the cache (the kernel reads them unchecked), each new
+    row on a page its request owns (futx.paging.check_rows) and no two new rows on the same page row."""
+    check_positions(positions, slots, block_table.shape[1] * page_size, block_table.shape[0])
+    rows = block_table[slots.long()]
+    if bool(((rows < 0) | (rows >= pages)).any()):
+        bad = int(((rows < 0) | (rows >= pages)).any(1).nonzero()[0, 0])
+        raise ValueError(f"decode_attention: block_table row {int(slots[bad])} holds entries outside the cache's "
+                         f"{pages} pages: {rows[bad].tolist()}")
+    paging.check_rows(block_table, slots, positions, page_size, pages - 1)
+    page, off = paging.locate(block_table, slots, positions, page_size)
+    flat = page.long() * page_size + off
+    if torch.unique(flat).numel() != flat.numel():
+        raise ValueError("decode_attention: two sequences write the same page row (their block tables share a page)")
+
+
 def check_positions(positions: torch.Tensor, slots: torch.Tensor, capacity: int, num_slots: int) -> None:
     """Host-side range checks (one device->host copy): every new row must fit, and no two sequences may
     write the same slot."""
@@ -148,61 +194,78 @@ def check_positions(positions: torch.Tensor, slots: torch.Tensor, capacity: int,
         raise ValueError(f"decode_attention: two sequences share a cache slot: {slt.tolist()}")
 
 
-def resolve(cache_format: str, head_dim: int, rotate: bool, variant: str):
+def resolve(cache_format: str, head_dim: int, rotate: bool, variant: str, page_size: int = 0):
     """(kernel variant, its plan) for a launch: "" (the default kernel) unless a variant is asked for."""
     if variant not in VARIANTS or (variant and (cache_format, head_dim, rotate) != ("int4", 128, True)):
         raise ValueError(f"decode_attention: kernel variant {variant!r} does not exist for {cache_format!r} "
                          f"d{head_dim} rotate={rotate}; variants {sorted(VARIANTS)} ('' everywhere, the others for "
                          "rotated INT4 at head dim 128)")
-    return variant, default_plan(cache_format, head_dim, rotate, **VARIANTS[variant])
+    if variant and page_size:
+        raise ValueError(f"decode_attention: kernel variant {variant!r} has no paged-cache kernel (the tuning "
+                         "variants are contiguous only)")
+    return variant, default_plan(cache_format, head_dim, rotate, **VARIANTS[variant], page_size=page_size)
 
 
 def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
             cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant,
-            out, qkv=None, rope=None) -> None:
+            out, qkv=None, rope=None, block_table=None, page_size=0) -> None:
     """Validate, size the split-KV workspace and launch. With `qkv` (and `rope`) the fused entry of the engine
-    runs: q, k_new, v_new are None and come from qkv's heads."""
+    runs: q, k_new, v_new are None and come from qkv's heads. With `block_table` the paged cache's kernel."""
     if qkv is not None:
-        _check_fused(qkv, rope, out, k_cache)
+        _check_fused(qkv, rope, out, k_cache, block_table, page_size)
         q = out  # same shape and device: what check_inputs validates the query against
     check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
                  cache_format, rotate)
+    if qkv is None:  # (the fused entry checked it with its RoPE table)
+        check_block_table("decode_attention", block_table, page_size, k_cache)
     checks.cuda("out", out, q.device)
     checks.dtype("out", out, torch.bfloat16)
     checks.shape("out", out, tuple(q.shape))
     checks.contiguous("out", out)
     checks.aligned("out", out)
     b, hq, d = q.shape
-    s, hkv, cap, _ = k_cache.shape
+    s, hkv = k_cache.shape[:2]
+    cap = _capacity(k_cache, block_table, page_size)
     if not 0 <= num_splits <= MAX_SPLITS or max_context < 0:
         raise ValueError(f"decode_attention: num_splits must be in [0, {MAX_SPLITS}] (0 = automatic) and "
                          f"max_context >= 0, got {num_splits} and {max_context}")
+    paged = block_table is not None
+    variant, plan = resolve(cache_format, d, rotate, variant, page_size if paged else 0)
     if check_positions_on_host and not torch.cuda.is_current_stream_capturing():
-        check_positions(positions, slots, cap, s)
-    variant, plan = resolve(cache_format, d, rotate, variant)
+        if paged:
+            check_paged_rows(positions, slots, block_table, page_size, s)
+        else:
+            check_positions(positions, slots, cap, s)
     if num_splits == 0:
         num_splits = choose_splits(plan, b, hkv, max_context or cap, sm_count(q.device))
     scale = softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(d)
     ws_o = torch.empty(b, hkv, num_splits, MAX_GROUP, d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(b, hkv, num_splits, MAX_GROUP, 2, dtype=torch.float32, device=q.device)
     fused = qkv is not None
-    key = qkv_key(cache_format, d, rotate) if fused else attn_key(cache_format, d, rotate, variant)
+    key = qkv_key(cache_format, d, rotate, plan.page_size) if fused else \
+        attn_key(cache_format, d, rotate, variant, plan.page_size)
     given = dict(q=q, k_new=k_new, v_new=v_new, qkv=qkv, rope=rope, positions=positions, slots=slots,
-                 k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror,
-                 v_scale=v_scale, out=out, ws_o=ws_o, ws_ml=ws_ml, counters=_counters(q.device, b, hkv))
+                 block_table=block_table, k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale,
+                 v_mirror=v_mirror, v_scale=v_scale, out=out, ws_o=ws_o, ws_ml=ws_ml,
+                 counters=_counters(q.device, b, hkv))
     if cache_format != "bf16":  # the kernel reads the mirrors as bytes
         given.update(k_mirror=k_mirror.view(torch.uint8), v_mirror=v_mirror.view(torch.uint8))
     if cache_format == "int4":
         given["lut"] = _lut(q.device)
     # the entry's declared tensors, in its argument order (decode.attn_plan.entry_tensors: the one table)
-    get_kernel(key)(*(given[name] for name in entry_tensors(cache_format, fused)), scale)
+    get_kernel(key)(*(given[name] for name in entry_tensors(cache_format, fused, paged)), scale)
+
+
+def _capacity(k_cache: torch.Tensor, block_table, page_size: int) -> int:
+    """Positions one sequence can address: the cache's position extent, or (paged) its table row's span."""
+    return k_cache.shape[2] if block_table is None else block_table.shape[1] * page_size
 
 
 _MUTATED = ("k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror", "v_scale")
 
 
 # ---- the engine's entry: q, k, v straight from the QKV projection, RoPE in the kernel ------------------
-def _check_fused(qkv, rope, out, k_cache) -> None:
+def _check_fused(qkv, rope, out, k_cache, block_table, page_size: int) -> None:
     checks.cuda("out", out)
     checks.cuda("qkv", qkv, out.device)
     checks.dtype("qkv", qkv, torch.bfloat16)
@@ -212,7 +275,9 @@ def _check_fused(qkv, rope, out, k_cache) -> None:
         raise ValueError(f"qkv [B, Hq + 2 Hkv, D], out [B, Hq, D] and k_cache [slots, Hkv, capacity, D] expected, "
                          f"got {list(qkv.shape)}, {list(out.shape)}, {list(k_cache.shape)}")
     b, hq, d = out.shape
-    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[1]
+    check_block_table("decode_attention", block_table, page_size, k_cache)
+    cap = _capacity(k_cache, block_table, page_size)
     checks.shape("qkv", qkv, (b, hq + 2 * hkv, d))
     if rope.dim() != 2 or rope.shape[1] != d or rope.shape[0] < cap:
         raise ValueError(f"rope must be float32 [rows >= capacity {cap}, D = {d}] (cos | sin per position), got "
@@ -227,18 +292,22 @@ def decode_attention_qkv_(qkv: torch.Tensor, positions: torch.Tensor, slots: tor
                           v_cache: torch.Tensor, k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                           v_mirror: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], rope: torch.Tensor,
                           out: torch.Tensor, cache_format: str, rotate: bool = False, softmax_scale: float = 0.0,
-                          num_splits: int = 0, max_context: int = 0, check_positions_on_host: bool = True) -> None:
+                          num_splits: int = 0, max_context: int = 0, check_positions_on_host: bool = True,
+                          block_table: Optional[torch.Tensor] = None, page_size: int = 0) -> None:
     """decode_attention_ for the decode engine: q, k_new, v_new are heads [0, Hq), [Hq, Hq + Hkv) and
     [Hq + Hkv, Hq + 2 Hkv) of qkv [B, Hq + 2 Hkv, D] (the QKV projection's output, viewed), and the kernel
     applies rotate-half RoPE to q and the new k row with rope[position] = (cos of the D/2 angles, their sin),
-    rounding them to bf16 as an unfused RoPE would store them. out [B, Hq, D] bf16."""
+    rounding them to bf16 as an unfused RoPE would store them. out [B, Hq, D] bf16. block_table, page_size: a
+    paged cache (module docstring)."""
     _launch(None, None, None, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, cache_format,
-            rotate, softmax_scale, num_splits, max_context, check_positions_on_host, "", out, qkv, rope)
+            rotate, softmax_scale, num_splits, max_context, check_positions_on_host, "", out, qkv, rope, block_table,
+            page_size)
 
 
 @decode_attention_qkv_.register_fake
 def _(qkv, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, rope, out, cache_format,
-      rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True):
+      rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True, block_table=None,
+      page_size=0):
     return None
 
 
@@ -248,21 +317,24 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                      v_mirror: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                      cache_format: str, rotate: bool = False, softmax_scale: float = 0.0, num_splits: int = 0,
-                     max_context: int = 0, check_positions_on_host: bool = True, variant: str = "") -> torch.Tensor:
+                     max_context: int = 0, check_positions_on_host: bool = True, variant: str = "",
+                     block_table: Optional[torch.Tensor] = None, page_size: int = 0) -> torch.Tensor:
     """See the module docstring. softmax_scale 0 means 1/sqrt(D); num_splits 0 chooses the split-KV
     count from batch, KV heads and max_context (0 = the capacity) for this GPU's SM count; variant
     selects a kernel variant (futx.runtime.catalog.decode_attention.VARIANTS; "" = the default kernel;
     "table" = INT4 keys through the 256-entry shared-memory table; variants are tuning space: register them
-    first with scripts/tuning_space.py)."""
+    first with scripts/tuning_space.py); block_table, page_size: a paged cache (module docstring)."""
     out = torch.empty_like(q)
     _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-            cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out)
+            cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out,
+            block_table=block_table, page_size=page_size)
     return out
 
 
 @decode_attention.register_fake
 def _(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, cache_format,
-      rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True, variant=""):
+      rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True, variant="",
+      block_table=None, page_size=0):
     return torch.empty_like(q)
 
 
@@ -272,16 +344,18 @@ def decode_attention_(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       k_mirror: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                       v_mirror: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], out: torch.Tensor,
                       cache_format: str, rotate: bool = False, softmax_scale: float = 0.0, num_splits: int = 0,
-                      max_context: int = 0, check_positions_on_host: bool = True, variant: str = "") -> None:
+                      max_context: int = 0, check_positions_on_host: bool = True, variant: str = "",
+                      block_table: Optional[torch.Tensor] = None, page_size: int = 0) -> None:
     """decode_attention writing into a caller-provided `out` [B, Hq, D] bf16 (CUDA-graph friendly)."""
     _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-            cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out)
+            cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant, out,
+            block_table=block_table, page_size=page_size)
 
 
 @decode_attention_.register_fake
 def _(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, out,
       cache_format, rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True,
-      variant=""):
+      variant="", block_table=None, page_size=0):
     return None
 
 

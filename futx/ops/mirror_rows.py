@@ -8,6 +8,8 @@ k_cache, v_cache [S, Hkv, C, D] bfloat16 and the mirror tensors in futx.ops.deco
 (slot, position) whose mirror is written, exactly as the decode attention kernel writes its own new rows.
 Everything is validated before the launch except the index ranges, which live on the device: the caller checks
 them on the host (futx.engine.prefill does, from the batch's host lists), so that a CUDA graph can hold the op.
+A paged cache (futx.paging) is the same tensors with pages in the slot mode: the caller passes each row's
+(page, in-page row) from futx.paging.locate as (row_slot, row_pos) (futx.engine.backends.KernelOps.mirror_rows).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU run over the AOT-staged kernels (after `source scripts/gpu/remote.sh`):
-#   bash scripts/gpu/kernels.sh runtime decode attention prefill     (any subset, in that order)
+#   bash scripts/gpu/kernels.sh runtime decode attention paged prefill     (any subset, in that order)
 # Each part runs its GPU tests, then its benchmark; every step is time-boxed; logs -> $OUT/logs.tgz.
 # The decode and attention tests and benchmarks also run the tuning space (design alternatives the routers
 # never pick; they register it in-process from scripts/tuning_space.py). In AOT mode stage it with the
@@ -31,6 +31,9 @@ for part in "$@"; do
       tuning_staged 'decode.attn.*'
       TAILN=12 step attn_tests 150 $P --maxfail=30 tests/test_decode_attention_gpu.py
       TAILN=30 step bench_attn 110 python3 scripts/bench_decode_attention.py --budget-s 75 ;;
+    paged)  # the paged cache's decode attention (stage 'decode.attn.*,engine.mirror_rows.*')
+      TAILN=12 step paged_tests 300 $P --maxfail=20 tests/test_decode_attention_paged_gpu.py
+      TAILN=12 step bench_paged 240 python3 scripts/bench_paged_attention.py ;;
     prefill)
       TAILN=8 step prefill_tests 120 $P tests/test_prefill_gpu.py
       TAILN=12 step bench_gemm 60 python3 scripts/bench_prefill.py --quick --rounds 9

@@ -4,12 +4,14 @@ count, slot count, capacity and split count are runtime values), plus the engine
 SPECS holds exactly what the op launches: `futx::decode_attention` always runs the default kernel of
 (format, head dim, rotation) (decode.attn_plan.default_plan), the engine's entry the `.qkv` kernels. The
 INT4 design alternatives of VARIANTS are the tuning space (named with the op's `variant=` argument once
-scripts/tuning_space.py has registered them); docs/routing.md gives the measured reason for the default."""
+scripts/tuning_space.py has registered them); docs/routing.md gives the measured reason for the default.
+A paged cache (the op's `block_table=`, futx.paging) runs the `.p<page size>` twin of the same kernel."""
 
 from futx.runtime.registry import KernelSpec
 
-SOURCES = ("decode/attention.py", "decode/attn_plan.py", "decode/ptx.py", "decode/hadamard_warp.py",
-           "decode/mirror_row.py", "decode/splitkv_combine.py", "futx/quant/layouts.py")
+SOURCES = ("decode/attention.py", "decode/attention_paged.py", "decode/attn_plan.py", "futx/paging.py",
+           "decode/ptx.py", "decode/hadamard_warp.py", "decode/mirror_row.py", "decode/splitkv_combine.py",
+           "futx/quant/layouts.py")
 
 # INT4 variants (rotated, head dim 128), as overrides of decode.attn_plan.default_plan, whose INT4 default
 # dequantizes keys and values by "pair" arithmetic without the table, with lean issue. Tuning space only:
@@ -32,19 +34,34 @@ VARIANTS = {
 TUNING = tuple(v for v in VARIANTS if v)
 
 
-def attn_key(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> str:
-    return f"decode.attn.{fmt}.d{head_dim}" + (".rot" if rotate else "") + (f".{variant}" if variant else "")
+def _paged(page_size: int) -> str:
+    return f".p{page_size}" if page_size else ""
 
 
-def attn_spec(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> KernelSpec:
+def attn_key(fmt: str, head_dim: int, rotate: bool, variant: str = "", page_size: int = 0) -> str:
+    return f"decode.attn.{fmt}.d{head_dim}" + (".rot" if rotate else "") + (f".{variant}" if variant else "") \
+        + _paged(page_size)
+
+
+def _page_params(page_size: int) -> tuple:
+    """Contiguous entries carry no page_size parameter (their fingerprints stay what they were)."""
+    return (("page_size", page_size),) if page_size else ()
+
+
+def _page_doc(page_size: int) -> str:
+    return f"; paged cache, {page_size}-position pages through a block table" if page_size else ""
+
+
+def attn_spec(fmt: str, head_dim: int, rotate: bool, variant: str = "", page_size: int = 0) -> KernelSpec:
     what = {"int4": "INT4 mirror", "e4m3": "E4M3 mirror", "bf16": "BF16 main cache"}[fmt]
     extra = VARIANTS[variant]
-    params = (("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate)) + tuple(sorted(extra.items()))
-    return KernelSpec(key=attn_key(fmt, head_dim, rotate, variant), module="decode.attention", params=params,
-                      sources=SOURCES, expect_sass=("HMMA",),
+    params = (("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate)) + tuple(sorted(extra.items())) \
+        + _page_params(page_size)
+    return KernelSpec(key=attn_key(fmt, head_dim, rotate, variant, page_size), module="decode.attention",
+                      params=params, sources=SOURCES, expect_sass=("HMMA",),
                       doc=f"GQA decode attention over the {what}, head dim {head_dim}"
                           + (", Hadamard-rotated" if rotate else "") + "; writes the new K/V row"
-                          + (f"; tuning variant {variant}: {extra}" if variant else ""))
+                          + (f"; tuning variant {variant}: {extra}" if variant else "") + _page_doc(page_size))
 
 
 # The decode engine's attention: q, k, v read from the QKV projection's output and RoPE applied in the
@@ -52,19 +69,29 @@ def attn_spec(fmt: str, head_dim: int, rotate: bool, variant: str = "") -> Kerne
 ENGINE_CACHES = (("int4", True), ("e4m3", False), ("bf16", False))
 
 
-def qkv_key(fmt: str, head_dim: int, rotate: bool) -> str:
-    return attn_key(fmt, head_dim, rotate) + ".qkv"
+def qkv_key(fmt: str, head_dim: int, rotate: bool, page_size: int = 0) -> str:
+    return attn_key(fmt, head_dim, rotate) + ".qkv" + _paged(page_size)
 
 
-def _qkv_spec(fmt: str, head_dim: int, rotate: bool) -> KernelSpec:
-    return KernelSpec(key=qkv_key(fmt, head_dim, rotate), module="decode.attention",
-                      params=(("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate), ("fused_qkv", True)),
-                      sources=SOURCES, expect_sass=("HMMA",),
+def _qkv_spec(fmt: str, head_dim: int, rotate: bool, page_size: int = 0) -> KernelSpec:
+    return KernelSpec(key=qkv_key(fmt, head_dim, rotate, page_size), module="decode.attention",
+                      params=(("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate), ("fused_qkv", True))
+                      + _page_params(page_size), sources=SOURCES, expect_sass=("HMMA",),
                       doc=f"decode attention of the engine over the {fmt} cache, head dim {head_dim}: q/k/v from the "
-                          "QKV projection output, RoPE in the kernel, new K/V row written")
+                          "QKV projection output, RoPE in the kernel, new K/V row written" + _page_doc(page_size))
 
 
-# the op's default kernels (the BF16 main cache is never rotated) and the engine's fused-QKV entries
-SPECS = [attn_spec(fmt, d, rot) for fmt in ("int4", "e4m3") for d in (64, 128) for rot in (False, True)] + \
-        [attn_spec("bf16", d, False) for d in (64, 128)] + \
-        [_qkv_spec(fmt, d, rot) for fmt, rot in ENGINE_CACHES for d in (64, 128)]
+# The paged cache (futx.paging): every shipped entry at the default page size, and the 8B INT4 entries at 256
+# too (the page-size measurement, scripts/bench_paged_attention.py).
+PAGE_SIZES = (128, 256)
+
+
+def _entries(page_size: int) -> list[KernelSpec]:
+    """The op's default kernels (the BF16 main cache is never rotated) and the engine's fused-QKV entries."""
+    return [attn_spec(fmt, d, rot, page_size=page_size) for fmt in ("int4", "e4m3") for d in (64, 128)
+            for rot in (False, True)] + \
+        [attn_spec("bf16", d, False, page_size=page_size) for d in (64, 128)] + \
+        [_qkv_spec(fmt, d, rot, page_size) for fmt, rot in ENGINE_CACHES for d in (64, 128)]
+
+
+SPECS = _entries(0) + _entries(128) + [attn_spec("int4", 128, True, page_size=256), _qkv_spec("int4", 128, True, 256)]
