@@ -280,15 +280,16 @@ def weights():
     return random_weights(CFG, seed=3, std=0.1)
 
 
-def paged_engine_cache(fmt, gen, keep_values=True, owned=None):
+def paged_engine_cache(fmt, gen, keep_values=True, owned=None, config=CFG, device="cpu", size=SIZE,
+                       max_pages=MAX_PAGES):
     """A paged EngineCache as the paged engine builds it (futx.paging): the layers in page mode (an EngineCache
     of `pages` "slots" of P positions: DecodeCache.allocate(fmt, pages + 1, Hkv, P, D)), `layout` and `table`
-    set; slot s owns owned[s] randomly permuted pages (default: all MAX_PAGES)."""
-    owned = [MAX_PAGES] * SLOTS if owned is None else owned
-    pages = SLOTS * MAX_PAGES + 2
-    cache = EngineCache(CFG, fmt, pages, SIZE, "cpu", keep_values=keep_values)
-    cache.layout = paging.PageLayout(SIZE, pages, SLOTS, MAX_PAGES)
-    cache.table = cache.layout.new_table()
+    set; slot s owns owned[s] randomly permuted pages (default: all max_pages)."""
+    owned = [max_pages] * SLOTS if owned is None else owned
+    pages = SLOTS * max_pages + 2
+    cache = EngineCache(config, fmt, pages, size, device, keep_values=keep_values)
+    cache.layout = paging.PageLayout(size, pages, SLOTS, max_pages)
+    cache.table = cache.layout.new_table(device)
     perm = torch.randperm(pages, generator=gen).tolist()
     for s in range(SLOTS):
         for j in range(owned[s]):
@@ -326,7 +327,7 @@ def _assert_same_cache(flat, paged, lengths):
 
 CALLS = [([130, 7, 1, 22], [0, 0, 0, 0], [0, 1, 2, 3]),        # a prompt across a page boundary
          ([200, 121, 5], [130, 7, 1], [0, 1, 2]),              # chunks continuing across pages 1 and 2
-         ([3], [330], [0])]
+         ([3, 9], [330, 128], [0, 1])]                         # slot 1 continues exactly on a page boundary
 
 
 @pytest.mark.parametrize("fmt,cache_fmt,attention", [("bf16", "int4", "auto"), ("e4m3", "e4m3", "auto"),
