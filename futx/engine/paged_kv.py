@@ -9,9 +9,8 @@ address here comes from futx.paging.locate.
     Hadamard rotation undone: what decode attention reads, as EngineCache.read computes them) written as BF16
     into the main-copy pages, so that a later prefill chunk can attend to earlier chunks through the mirror when
     the main copy was dropped (the INT4-only cache mode). Torch ops on device index tensors, no host
-    synchronization: CUDA-graph capturable for a fixed (slot, n) with an E4M3 mirror; the INT4 key unpacking
-    (futx.quant.layouts.unpack_int4_keys) copies its small index table to the device per call, which a capture
-    does not allow.
+    synchronization and no host->device copies (the INT4 key unpacking's index table is copied to the device
+    once, at the first call): CUDA-graph capturable for a fixed (slot, n) after one eager call.
 """
 
 from __future__ import annotations
