@@ -189,6 +189,21 @@ def test_paged_range_checks():
     pa.check_ranges(*args(st, sl, t))
 
 
+def test_launch_picks_the_paged_variant_with_the_table_after_slot(cpu_as_cuda, monkeypatch):
+    """The paged kernel's argument order (futx/prefill/attention.py compile_target): ..., slot, table, out, scale."""
+    q, kp, vp, cu, st, sl, table, layout = _bf16_case()
+    calls = []
+    monkeypatch.setattr(pa, "get_kernel", lambda key: (lambda *args: calls.append((key, args))))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # a CPU-only torch has none
+    out = torch.empty_like(q)
+    pa._launch(q, kp, vp, cu, st, sl, out, 0.0, True, table, 128)
+    pa._launch(q, kp, vp, cu, st, sl, out, 0.5, False, None, 0)
+    (k1, a1), (k2, a2) = calls
+    assert k1 == "prefill.attn.bf16.d128.p128" and k2 == "prefill.attn.bf16.d128"
+    assert a1[6] is table and a1[7] is out and a1[8] == pytest.approx(128 ** -0.5) and len(a1) == 9
+    assert a2[6] is out and a2[7] == 0.5 and len(a2) == 8
+
+
 def test_op_signature_takes_the_table():
     import futx.ops  # noqa: F401
 

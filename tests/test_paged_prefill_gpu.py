@@ -130,6 +130,55 @@ def test_paged_range_errors_before_launch(attn):
         attn(q, kp, vp, cu, st, sl, table=table, page_size=256)
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_paged_qkv_epilogue_equals_contiguous(fp8, hd):
+    """futx.ops.prefill.qkv(paged=True) (the "p" chains): Q bit for bit, K/V rows at locate's (page, offset) bit
+    for bit the contiguous chain's, RoPE from the true positions (up to 3 pages in)."""
+    from futx.ops import prefill
+    from futx.quant.fp8 import quantize_e4m3_weight
+    from futx.rope import inv_freq as rope_inv_freq
+
+    cfg = CFGS[hd]
+    gen = torch.Generator().manual_seed(hd)
+    hq, hkv, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    lengths, starts, slots = [77, 1, 300], [0, 127, 80], [2, 0, 1]
+    row_slot = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], dtype=torch.int32, device=DEV)
+    row_pos = torch.tensor([p for st, n in zip(starts, lengths) for p in range(st, st + n)], dtype=torch.int32,
+                           device=DEV)
+    m = row_pos.numel()
+    x = torch.randn(m, h, generator=gen).to(DEV, torch.bfloat16)
+    w = (torch.randn((hq + 2 * hkv) * hd, h, generator=gen) * 0.05).to(DEV)
+    rho = (torch.rand(m, generator=gen) + 0.5).to(DEV)
+    kw = dict(rho=rho)
+    if fp8:
+        wq = quantize_e4m3_weight(w)
+        amax = x.float().abs().amax(1)
+        a_scale = amax / 448
+        x = (x.float() / a_scale[:, None]).to(torch.float8_e4m3fn)
+        w, kw = wq.data.contiguous(), dict(rho=rho, a_scale=a_scale.contiguous(), b_scale=wq.scale.contiguous())
+    else:
+        w = w.to(torch.bfloat16)
+    inv = rope_inv_freq(cfg).float().to(DEV)
+    layout = paging.PageLayout(SIZE, pages=10, slots=3, max_pages=MAX_PAGES)
+    table = layout.new_table(DEV)
+    table[:3] = torch.randperm(10, generator=gen)[:9].view(3, 3).to(DEV, torch.int32)
+    kc = torch.full((3, hkv, SIZE * MAX_PAGES, hd), float("nan"), dtype=torch.bfloat16, device=DEV)
+    vc = kc.clone()
+    kp = torch.full((11, hkv, SIZE, hd), float("nan"), dtype=torch.bfloat16, device=DEV)
+    vp = kp.clone()
+    q_want = prefill.qkv(x, w, kc, vc, row_slot, row_pos, inv, **kw)
+    page, off = paging.locate(table, row_slot, row_pos, SIZE)
+    q = prefill.qkv(x, w, kp, vp, page, row_pos, inv, paged=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(q, q_want)
+    pl, ol, sl, ps = page.long(), off.long(), row_slot.long(), row_pos.long()
+    assert torch.equal(kp[pl, :, ol], kc[sl, :, ps]) and torch.equal(vp[pl, :, ol], vc[sl, :, ps])
+    written = torch.zeros(11, SIZE, dtype=torch.bool, device=DEV)
+    written[pl, ol] = True
+    assert torch.isnan(kp.float().permute(0, 2, 1, 3)[~written]).all()
+
+
 # ---- the engine's prefill chunk --------------------------------------------------------------------------------
 CFGS = {hd: tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=hd, num_hidden_layers=2, vocab_size=512) for hd in (64, 128)}
@@ -160,7 +209,7 @@ def _same_cache(flat, paged, lengths):
                     (("k_mirror",) if flat.fmt == "e4m3" else ()):
                 x, y = getattr(a, name), getattr(b, name)
                 if x is not None:
-                    assert torch.equal(_bytes(gather(y, paged.table, s, n, SIZE)), _bytes(x[s, :, :n])), (s, name)
+                    assert torch.equal(gather(_bytes(y), paged.table, s, n, SIZE), _bytes(x)[s, :, :n]), (s, name)
             if flat.fmt == "int4":
                 blocks = torch.arange(0, n - n % 8, 8, device=DEV)
                 pages, offs = paging.locate(paged.table, torch.full_like(blocks, s), blocks, SIZE)
