@@ -51,9 +51,10 @@ def gather(x: torch.Tensor, table: torch.Tensor, slot: int, n: int, page_size: i
 
 def _mirror_values(layer: DecodeCache, pages: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, v) float32 [n, Hkv, D]: what decode attention reads at rows (pages[i], offs[i])."""
-    if layer.fmt == "e4m3":
-        return (dequantize_rows(layer.k_mirror[pages, :, offs], layer.k_scale[pages, :, offs]),
-                dequantize_rows(layer.v_mirror[pages, :, offs], layer.v_scale[pages, :, offs]))
+    if layer.fmt == "e4m3":   # rows gathered as bytes (index kernels need not cover float8)
+        rows = lambda t: t.view(torch.uint8)[pages, :, offs].view(torch.float8_e4m3fn)  # noqa: E731
+        return (dequantize_rows(rows(layer.k_mirror), layer.k_scale[pages, :, offs]),
+                dequantize_rows(rows(layer.v_mirror), layer.v_scale[pages, :, offs]))
     # INT4: a key row is one token of its 8-token fragment-order block; unpack the block, keep the token
     blocks = layer.k_mirror[pages, :, offs // 8].unsqueeze(2)                 # [n, Hkv, 1, 32, D/8]
     keys = layouts.unpack_int4_keys(blocks)                                   # [n, Hkv, 8, D]
