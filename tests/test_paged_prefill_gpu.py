@@ -9,7 +9,7 @@
   * the engine's prefill chunk (PrefillModel on the kernels, QKV "p" chains, the mirror kernel on translated
     rows, paged attention) on a paged EngineCache: the contiguous chunk's hidden states and cache bytes, bit for
     bit, over chunked calls across pages; the same through PrefillGraphs (rows translated inside the graph);
-  * dequantize_pages captured in a CUDA graph (E4M3 and INT4 mirrors) equals its eager run.
+  * dequantize_pages captured in a CUDA graph (E4M3 mirror) equals its eager run.
 
     python -m pytest -m gpu -q tests/test_paged_prefill_gpu.py
 """
@@ -256,9 +256,8 @@ def test_paged_graphs_equal_contiguous_graphs(hd, fmt, cache_fmt):
         g_paged.run(torch.zeros(4, dtype=torch.int64), [4], [SIZE * MAX_PAGES - 2], [0])
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "int4"])
+@pytest.mark.parametrize("fmt", ["e4m3"])    # INT4: not capturable yet (futx/engine/paged_kv.py says why)
 def test_dequantize_pages_captures_in_a_graph(fmt):
-    """After one eager call (the INT4 key index table is then on the device) the capture replays the same."""
     cfg = CFGS[128]
     cache = paged_engine_cache(fmt, torch.Generator().manual_seed(2), keep_values=False, config=cfg, device=DEV,
                                size=SIZE, max_pages=MAX_PAGES)

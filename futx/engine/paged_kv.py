@@ -9,8 +9,10 @@ address here comes from futx.paging.locate.
     Hadamard rotation undone: what decode attention reads, as EngineCache.read computes them) written as BF16
     into the main-copy pages, so that a later prefill chunk can attend to earlier chunks through the mirror when
     the main copy was dropped (the INT4-only cache mode). Torch ops on device index tensors, no host
-    synchronization and no host->device copies (the INT4 key unpacking's index table is copied to the device
-    once, at the first call): CUDA-graph capturable for a fixed (slot, n) after one eager call.
+    synchronization: CUDA-graph capturable for a fixed (slot, n) with an E4M3 mirror; with INT4 not yet: the key
+    unpacking (futx.quant.layouts.unpack_int4_keys) copies its small index table to the device per call, which a
+    capture refuses (keeping that table on the device is a one-line change in layouts.py, left out because that
+    file fingerprints every decode and engine kernel: it would stale all their AOT artifacts).
 """
 
 from __future__ import annotations

@@ -217,13 +217,6 @@ def _key_block_index(head_dim: int) -> np.ndarray:
     return src
 
 
-@lru_cache(maxsize=None)
-def _key_block_index_on(head_dim: int, device: torch.device) -> torch.Tensor:
-    """`_key_block_index` as a device tensor, copied once: the unpacking then makes no host->device copy, so a
-    CUDA graph can capture it (futx.engine.paged_kv.dequantize_pages)."""
-    return torch.from_numpy(_key_block_index(head_dim)).to(device)
-
-
 def pack_int4_keys(q: torch.Tensor) -> torch.Tensor:
     """Signed nibbles q in [-8, 7] of shape [..., T, D] (T a multiple of 8) -> uint8 [..., T/8, 32, D/8]."""
     *lead, t, d = q.shape
@@ -240,7 +233,7 @@ def unpack_int4_keys(packed: torch.Tensor) -> torch.Tensor:
     if lanes != WARP:
         raise ValueError(f"unpack_int4_keys: expected 32 lanes in dim -2, got {lanes}")
     d = nbytes * 8
-    src = _key_block_index_on(d, packed.device)
+    src = torch.from_numpy(_key_block_index(d)).to(packed.device)
     p = packed.to(torch.int16)
     nibs = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*lead, tb, -1)
     out = torch.empty(*lead, tb, 8 * d, dtype=torch.int16, device=packed.device)
