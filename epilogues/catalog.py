@@ -2,7 +2,8 @@
 
 Naming: steps joined by "_"; "scale" = per-row activation x per-column weight scales, "scalet" = one
 per-tensor activation scale x per-column weight scales, "rho" = RMSNorm row factor, "swiglu[_split]",
-"res" = residual add, "rms" = sum-of-squares partials, "qkv<hd>" = RoPE + KV-cache placement (D = Q);
+"res" = residual add, "rms" = sum-of-squares partials, "qkv<hd>" = RoPE + KV-cache placement (D = Q), "qkv<hd>p"
+the same into a paged cache;
 the suffix is the dtype of D.
 """
 
@@ -42,6 +43,13 @@ CHAINS = {
     "scale_rho_qkv64_bf16": lambda: Chain(ScaleRestore(rho=True), QKVPlacement(64), StoreBF16()),
     "rho_qkv128_bf16": lambda: Chain(ScaleRestore(row=None, col=False, rho=True), QKVPlacement(128), StoreBF16()),
     "rho_qkv64_bf16": lambda: Chain(ScaleRestore(row=None, col=False, rho=True), QKVPlacement(64), StoreBF16()),
+    # ... into a paged cache (futx.paging): row_slot = the row's page, K/V at in-page row pos % P ("p" suffix)
+    "scale_rho_qkv128p_bf16": lambda: Chain(ScaleRestore(rho=True), QKVPlacement(128, paged=True), StoreBF16()),
+    "scale_rho_qkv64p_bf16": lambda: Chain(ScaleRestore(rho=True), QKVPlacement(64, paged=True), StoreBF16()),
+    "rho_qkv128p_bf16": lambda: Chain(ScaleRestore(row=None, col=False, rho=True), QKVPlacement(128, paged=True),
+                                      StoreBF16()),
+    "rho_qkv64p_bf16": lambda: Chain(ScaleRestore(row=None, col=False, rho=True), QKVPlacement(64, paged=True),
+                                     StoreBF16()),
 }
 
 

@@ -9,6 +9,12 @@ ScaleRestore, before StoreBF16):
     angle = pos[m] * inv_freq[c];
   * writes K and V (BF16) to cache[slot[m], kv_head, pos[m], channel], the futx.kvcache.KVCache layout
     [slots, Hkv, capacity, hd]; rows >= M and positions outside [0, capacity) are not written.
+    QKVPlacement(hd, paged=True), a paged cache (futx.paging): the caller passes the paged layer
+    [pages + 1, Hkv, P, hd] and slot[m] = the row's page (futx.paging.locate), pos[m] still the row's true
+    position (RoPE's angle needs it: an in-page row would rotate by the wrong angle), and the row is written
+    at in-page row pos[m] % P (locate's offset; P = the caches' third extent). The slot ranges (host check,
+    in-kernel mask) are then the page extents, and positions have no upper bound here (the block table
+    bounded them when the caller looked the pages up).
 
 The store step then writes the Q columns to D (subtiles right of D skip their store).
 
@@ -82,11 +88,12 @@ class QKVPlacement(Policy):
     kind = "map"
     whole_tile = True
 
-    def __init__(self, head_dim: int = 128):
+    def __init__(self, head_dim: int = 128, paged: bool = False):
         if head_dim not in (64, 128, 256):
             raise ValueError(f"QKVPlacement supports head_dim 64, 128 or 256, got {head_dim}")
         self.hd = head_dim
-        self.name = f"qkv{head_dim}"
+        self.paged = bool(paged)
+        self.name = f"qkv{head_dim}" + ("p" if paged else "")
         self.args = tuple(Arg(nm, dt, shape, writes=nm.endswith("cache")) for nm, dt, shape in qkv_args(head_dim))
 
     def out_width(self, n, tensors):
@@ -103,6 +110,13 @@ class QKVPlacement(Policy):
         capturing = pos.is_cuda and _capturing()
         if pos.numel() and not capturing:   # one host sync (skipped in graph capture); the kernel also masks
             lo_p, hi_p, lo_s, hi_s = _stack_minmax(pos, slot)
+            if self.paged:
+                if lo_p < 0:
+                    raise ValueError(f"QKV (paged): negative position {lo_p}")
+                if lo_s < 0 or hi_s >= slots:
+                    raise ValueError(f"QKV (paged): pages span [{lo_s}, {hi_s}] but the paged cache has {slots} "
+                                     f"pages (the scratch page included)")
+                return
             if lo_p < 0 or hi_p >= cap:
                 raise ValueError(f"QKV: KV cache overflow: positions span [{lo_p}, {hi_p}] but the cache holds "
                                  f"{cap} positions per slot; allocate a larger cache")
@@ -171,8 +185,11 @@ class QKVPlacement(Policy):
         for s in cutlass.range_constexpr(2):
             r = tile.row0 + ctx.thread_row(s)
             p, sl = state.pos[s], state.slot[s]
-            if r < ctx.m and p >= 0 and p < cap and sl >= 0 and sl < n_slots:
-                row = ((Int64(sl) * hkv + head) * cap + p) * hd
+            off = p                      # the row in the slot's (paged: the page's) positions
+            if cutlass.const_expr(self.paged):
+                off = p % cap            # futx.paging.locate's offset; sl is already the page
+            if r < ctx.m and p >= 0 and off < cap and sl >= 0 and sl < n_slots:
+                row = ((Int64(sl) * hkv + head) * cap + off) * hd
                 for a in cutlass.range_constexpr(atoms):
                     i = 4 * (h * atoms + a) + 2 * s
                     addr = base + (row + ctx.tCcD[i][1] - h * hd) * 2

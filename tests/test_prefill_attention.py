@@ -3,7 +3,7 @@ reference of the kernel's exact math agrees with futx's reference model attentio
 batches with chunked-prefill starts; a pure-Python model of the kernel's work tiles and row mapping (row i =
 token i // G, head h G + i % G; T = 128 // G tokens per tile, rows T G .. 127 idle when G does not divide 128)
 and of its dataflow, against that reference; the op's validation (GQA group 1..16); the sm_90a compile and its
-SASS (HGMMA, no spills). The GPU comparison is tests/test_prefill_attention_gpu.py."""
+SASS (HGMMA, no spills), contiguous and paged (the paged cache's CPU tests: tests/test_paged_prefill.py). The GPU comparison is tests/test_prefill_attention_gpu.py."""
 
 from __future__ import annotations
 
@@ -174,19 +174,28 @@ def test_row_mapping_covers_every_row_and_head_once(g):
     assert n_ctas == hkv * sum(-(-n // block_t) for n in lengths)
 
 
-def kernel_model(q, k_cache, v_cache, cu_seqlens, start_pos, slot, scale=None):
+def contiguous_tiles(k_cache, v_cache):
+    """The contiguous kernel's producer: K/V tile n of slot s is rows [128 n, 128 n + 128) of the slot (TMA fills
+    rows past the capacity with zeros)."""
+    d = k_cache.shape[3]
+    kpad = torch.cat([k_cache.double(), torch.zeros(*k_cache.shape[:2], KEYS, d, dtype=torch.float64)], 2)
+    vpad = torch.cat([v_cache.double(), torch.zeros(*v_cache.shape[:2], KEYS, d, dtype=torch.float64)], 2)
+    return lambda s, h, n: (kpad[s, h, n * KEYS:(n + 1) * KEYS], vpad[s, h, n * KEYS:(n + 1) * KEYS])
+
+
+def kernel_model(q, k_cache, v_cache, cu_seqlens, start_pos, slot, scale=None, tiles=None):
     """The kernel's dataflow in float64 on kernel_ctas(): the 128-row Q tile (rows not loaded hold NaN, like
     stale shared memory), 128-key K/V tiles as TMA loads them (unwritten cache rows as they are, zeros past
     the capacity), the causal mask by replacement on the diagonal tiles, online softmax with exp2, V rows
-    past the request's cache end zeroed, O / l stored for the live rows only (the rest of out stays NaN)."""
+    past the request's cache end zeroed, O / l stored for the live rows only (the rest of out stays NaN).
+    tiles(slot, kv_head, n) -> (K, V) tile n as the producer loads it (default: `contiguous_tiles`)."""
     m, hq, d = q.shape
-    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     sl2 = scale * math.log2(math.e)
     cu, st, sl = (t.tolist() for t in (cu_seqlens, start_pos, slot))
     out = torch.full((m, hq, d), float("nan"), dtype=torch.float64)
-    kpad = torch.cat([k_cache.double(), torch.zeros(*k_cache.shape[:2], KEYS, d, dtype=torch.float64)], 2)
-    vpad = torch.cat([v_cache.double(), torch.zeros(*v_cache.shape[:2], KEYS, d, dtype=torch.float64)], 2)
+    tiles = tiles or contiguous_tiles(k_cache, v_cache)
     for cta in kernel_ctas(cu, st, hq, hkv):
         rows = cta["rows"]
         sq = torch.full((TILE, d), float("nan"), dtype=torch.float64)
@@ -199,8 +208,8 @@ def kernel_model(q, k_cache, v_cache, cu_seqlens, start_pos, slot, scale=None):
         acc = torch.zeros(TILE, d, dtype=torch.float64)
         s_ = sl[cta["req"]]
         for n in range(cta["n_tiles"]):
-            kt = kpad[s_, cta["head_kv"], n * KEYS:(n + 1) * KEYS]
-            vt = vpad[s_, cta["head_kv"], n * KEYS:(n + 1) * KEYS].clone()
+            kt, vt = tiles(s_, cta["head_kv"], n)
+            kt, vt = kt.double(), vt.double().clone()
             s = sq @ kt.T
             if n >= cta["n_plain"]:
                 s[torch.arange(KEYS)[None, :] > (pos - n * KEYS)[:, None]] = float("-inf")
@@ -328,10 +337,14 @@ def test_check_ranges(cu, starts, slots, match):
 
 
 def test_registry_entries():
+    from futx.runtime.catalog.prefill_attention import PAGE_SIZES
+
     keys = [s.key for s in select("prefill.attn.*")]
-    assert keys == sorted(attn_key(d) for d in HEAD_DIMS)
+    assert keys == sorted([attn_key(d) for d in HEAD_DIMS] + [attn_key(d, p) for d in HEAD_DIMS for p in PAGE_SIZES])
+    assert PAGE_SIZES == (128, 256)
     for s in select("prefill.attn.*"):
         assert s.expect_sass == ("HGMMA",) and s.module == "futx.prefill.attention"
+        assert dict(s.params).get("page_size", 0) == (int(s.key.rsplit(".p", 1)[1]) if ".p" in s.key else 0)
 
 
 def test_stage_rule_fits_shared_memory():
@@ -347,8 +360,9 @@ def test_stage_rule_fits_shared_memory():
 
 # ---- sm_90a compile: HGMMA in SASS, no local-memory spills ------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.parametrize("page_size", [0, 128, 256])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_compiles_for_sm90a_with_hgmma(tmp_path, d):
+def test_compiles_for_sm90a_with_hgmma(tmp_path, d, page_size):
     pytest.importorskip("cutlass")
     import glob
     import subprocess
@@ -361,7 +375,7 @@ def test_compiles_for_sm90a_with_hgmma(tmp_path, d):
         "from futx.prefill.attention import compile_target\n"
         "from futx.runtime.fingerprint import COMPILE_OPTIONS\n"
         "from futx.runtime.compiler import sass_stats\n"
-        f"fn, fake = compile_target({d})\n"
+        f"fn, fake = compile_target({d}, {page_size})\n"
         "cute.compile(fn, *fake, options=COMPILE_OPTIONS)\n"
         "s = '\\n'.join(open(p, errors='replace').read() for p in glob.glob(os.environ['CUTE_DSL_DUMP_DIR'] + '/*.sass'))\n"
         "print(json.dumps(sass_stats(s)))\n"

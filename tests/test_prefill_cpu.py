@@ -28,7 +28,8 @@ def test_registry_holds_the_shipped_chains_at_the_rule_variants():
     want = {cat.kernel_key(ab, name, v) for ab, names in cat.SHIPPED.items() for name in names for v in cat.VARIANTS}
     assert set(specs) == want
     assert set(specs) <= {s.key for s in select("prefill.gemm.*")}
-    assert len(specs) <= 60        # CI budget: ~5 s per variant with two jobs (whole CI ~13 min)
+    # CI budget: ~5 s per variant with two jobs (whole CI ~13 min at 60; the paged QKV chains, issue 28, add 12)
+    assert len(specs) <= 72
     assert {n for names in cat.SHIPPED.values() for n in names} == set(chains.CHAINS)
     # every registered variant is one the rule can pick, and the rule picks only registered variants
     picked = {cat.choose_variant(m, n, 132) for m in (1, 64, 128, 512, 2048, 8192) for n in (512, 2048, 4096, 28672)}

@@ -41,6 +41,12 @@ FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
     `ScaleState(initial_amax=...)` skips the calibration (e.g. a saved state, or CUDA-graph capture).
     The kernels count saturated elements (`saturations`).
 
+Paged cache (an EngineCache with `layout` (futx.paging.PageLayout) and `table` set, futx.engine.paged_kv): the
+chunk's rows are translated once per call by futx.paging.locate (device ops, inside a captured graph too): the
+QKV epilogue gets each row's page (its "p" chain: RoPE from the true position, the row at in-page row pos % P),
+the mirror its (page, offset) rows, and prefill attention the block table (its paged variant); request slots
+and start positions stay the scheduler's.
+
 Backends: "kernels" (futx.ops.prefill / prefill_attention on a Hopper GPU) and "emulated" (the same
 dataflow in PyTorch: float32 GEMM of the exact E4M3/BF16 operand values, the epilogue math in float32,
 E4M3 via torch.float8_e4m3fn, BF16 wherever the kernels store BF16; any device). The padded path
@@ -50,11 +56,12 @@ E4M3 via torch.float8_e4m3fn, BF16 wherever the kernels store BF16; any device).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 import torch
 
+from futx import paging
 from futx.config import LlamaConfig
 from futx.quant.fold import fold_layer, rms_row_factor
 from futx.quant.fp8 import E4M3_MAX, E4M3Weight, ieee_div, quantize_e4m3_weight
@@ -70,6 +77,7 @@ from futx.runtime.catalog.prefill import Variant, choose_plan
 from futx.runtime.catalog.prefill_attention import HEAD_DIMS as ATTN_HEAD_DIMS
 
 from .cache import EngineCache
+from .paged_kv import cache_layout, gather
 
 FORMATS = ("e4m3", "bf16")
 BACKENDS = ("kernels", "emulated")
@@ -225,9 +233,10 @@ def _rope_cos_sin(row_pos: torch.Tensor, inv_freq32: torch.Tensor) -> tuple[torc
 
 
 def place_qkv(y: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slot: torch.Tensor,
-              row_pos: torch.Tensor, inv_freq32: torch.Tensor) -> torch.Tensor:
+              row_pos: torch.Tensor, inv_freq32: torch.Tensor, paged: bool = False) -> torch.Tensor:
     """QKVPlacement in torch: y float32 [M, (Hq + 2 Hkv) D] (scales and rho applied) -> Q bf16 [M, Hq, D]; RoPE'd
-    K and V (BF16) written to cache[slot, head, pos]."""
+    K and V (BF16) written to cache[slot, head, pos]. paged: row_slot holds pages and the row goes to in-page
+    row pos % P, as the "p" chains do (epilogues/qkv.py)."""
     m = y.shape[0]
     hkv, d = k_cache.shape[1], k_cache.shape[3]
     x = y.view(m, -1, d)
@@ -235,15 +244,19 @@ def place_qkv(y: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
     cos, sin = _rope_cos_sin(row_pos, inv_freq32)
     qk = apply_rope(x[:, :hq + hkv], torch.cat([cos, cos], 1), torch.cat([sin, sin], 1))
     sl, ps = row_slot.long(), row_pos.long()
+    if paged:
+        ps = ps % k_cache.shape[2]
     k_cache[sl, :, ps] = qk[:, hq:].to(torch.bfloat16)
     v_cache[sl, :, ps] = x[:, hq + hkv:].to(torch.bfloat16)
     return qk[:, :hq].to(torch.bfloat16)
 
 
 def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, host: tuple,
-                    out: Optional[torch.Tensor] = None, block: int = 512) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, block: int = 512, table: Optional[torch.Tensor] = None,
+                    page_size: int = 0) -> torch.Tensor:
     """Causal GQA of q [M, Hq, D] over the BF16 cache in float32 (scores, softmax, P V), BF16 out.
-    host = (cu_seqlens, start_positions, slots) as host int tuples (PackedBatch.host_lists())."""
+    host = (cu_seqlens, start_positions, slots) as host int tuples (PackedBatch.host_lists()).
+    table / page_size: a paged cache's block table (each request's K/V gathered through it)."""
     cu, starts, slots = host
     m, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -252,8 +265,12 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = 1.0 / math.sqrt(d)
     for b in range(len(slots)):
         r0, r1, st = cu[b], cu[b + 1], starts[b]
-        k = k_cache[slots[b], :, :st + r1 - r0].float()          # [Hkv, L, D]
-        v = v_cache[slots[b], :, :st + r1 - r0].float()
+        if table is None:
+            k = k_cache[slots[b], :, :st + r1 - r0].float()          # [Hkv, L, D]
+            v = v_cache[slots[b], :, :st + r1 - r0].float()
+        else:
+            k = gather(k_cache, table, slots[b], st + r1 - r0, page_size).float()
+            v = gather(v_cache, table, slots[b], st + r1 - r0, page_size).float()
         for s in range(r0, r1, block):
             e = min(s + block, r1)
             n, first, stop = e - s, st + s - r0, st + e - r0
@@ -321,20 +338,20 @@ class EmulatedPrefillOps:
         return res
 
     def qkv(self, a, w, k_cache, v_cache, row_slot, row_pos, inv_freq, *, rho, a_scale=None, b_scale=None,
-            out=None, variant=None):
+            out=None, variant=None, paged=False):
         y = a.float() @ w.float().T
         row = rho.float() if a_scale is None else a_scale.float() * rho.float()
         y = y * row[:, None]
         if b_scale is not None:
             y = y * b_scale.float()[None, :]
-        q = place_qkv(y, k_cache, v_cache, row_slot, row_pos, inv_freq)
+        q = place_qkv(y, k_cache, v_cache, row_slot, row_pos, inv_freq, paged)
         if out is not None:
             out.view_as(q).copy_(q)
             return out.view_as(q)
         return q
 
-    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None):
-        return attention_torch(q, k_cache, v_cache, host, out)
+    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None, table=None, page_size=0):
+        return attention_torch(q, k_cache, v_cache, host, out, table=table, page_size=page_size)
 
 
 class KernelPrefillOps:
@@ -351,13 +368,14 @@ class KernelPrefillOps:
         return self._gemm.gemm(a, w, policy, out=out, variant=variant, **t)
 
     def qkv(self, a, w, k_cache, v_cache, row_slot, row_pos, inv_freq, *, rho, a_scale=None, b_scale=None,
-            out=None, variant=None):
+            out=None, variant=None, paged=False):
         return self._gemm.qkv(a, w, k_cache, v_cache, row_slot, row_pos, inv_freq, rho=rho, a_scale=a_scale,
-                              b_scale=b_scale, out=out, variant=variant)
+                              b_scale=b_scale, out=out, variant=variant, paged=paged)
 
-    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None):
+    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None, table=None, page_size=0):
         # the ranges were checked on the host from the batch's host lists (PrefillModel.check_rows)
-        return self._attn.attention(q, k_cache, v_cache, cu32, start32, slot32, out=out, check_ranges_on_host=False)
+        return self._attn.attention(q, k_cache, v_cache, cu32, start32, slot32, out=out, check_ranges_on_host=False,
+                                    table=table, page_size=page_size)
 
 
 def make_prefill_ops(backend: str):
@@ -387,6 +405,11 @@ class _Rows:
     host: Optional[tuple]                 # (cu, starts, slots) host tuples (None inside a CUDA graph)
     mirror_slot: torch.Tensor             # the rows whose decode mirror is written (padded path: the real rows)
     mirror_pos: torch.Tensor
+    # a paged cache (`PrefillModel._paged`): each row's page (the QKV epilogue's row_slot), the block table and
+    # its page size; mirror_slot / mirror_pos are then the mirror rows' (page, offset)
+    row_page: Optional[torch.Tensor] = None
+    table: Optional[torch.Tensor] = None
+    page_size: int = 0
 
 
 @dataclass
@@ -516,12 +539,44 @@ class PrefillModel:
             lo, hi = (int(v) for v in torch.aminmax(tokens))
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {lo}..{hi}")
+        n_slots, capacity = self.slots, self.capacity
         for b, (st, sl) in enumerate(zip(starts, slots)):
-            if not 0 <= sl < self.cache.slots:
-                raise ValueError(f"request {b}: cache slot {sl} out of range [0, {self.cache.slots})")
-            if st < 0 or st + cu[b + 1] - cu[b] > self.cache.capacity:
+            if not 0 <= sl < n_slots:
+                raise ValueError(f"request {b}: cache slot {sl} out of range [0, {n_slots})")
+            if st < 0 or st + cu[b + 1] - cu[b] > capacity:
                 raise ValueError(f"request {b}: KV cache overflow: positions {st}..{st + cu[b + 1] - cu[b] - 1} but "
-                                 f"the capacity is {self.cache.capacity}")
+                                 f"the capacity is {capacity}")
+
+    # ---- the cache's request geometry (a paged cache: its PageLayout's, not the page-mode tensors') ----
+    @property
+    def slots(self) -> int:
+        layout = cache_layout(self.cache)
+        return self.cache.slots if layout is None else layout.slots
+
+    @property
+    def capacity(self) -> int:
+        layout = cache_layout(self.cache)
+        return self.cache.capacity if layout is None else layout.capacity
+
+    @property
+    def scratch_slot(self) -> int:
+        layout = cache_layout(self.cache)
+        return self.cache.scratch_slot if layout is None else layout.scratch_slot
+
+    def _paged(self, rows: _Rows) -> _Rows:
+        """A paged cache: the rows translated through the block table (futx.paging.locate; device ops, no host
+        sync, so a CUDA graph captures it). The scheduler's slots and positions were range-checked on the host;
+        pages a request does not own map to the scratch page, so a bad table entry never leaves the cache."""
+        layout = cache_layout(self.cache)
+        if layout is None:
+            return rows
+        table, size = self.cache.table, layout.page_size
+        row_page, row_off = paging.locate(table, rows.row_slot, rows.row_pos, size)
+        if rows.mirror_slot is rows.row_slot and rows.mirror_pos is rows.row_pos:   # every row mirrored
+            m_page, m_off = row_page, row_off
+        else:
+            m_page, m_off = paging.locate(table, rows.mirror_slot, rows.mirror_pos, size)
+        return replace(rows, row_page=row_page, mirror_slot=m_page, mirror_pos=m_off, table=table, page_size=size)
 
     def _rows(self, tokens: torch.Tensor, batch: PackedBatch, real: Optional[torch.Tensor] = None) -> _Rows:
         host = batch.host_lists()
@@ -531,11 +586,15 @@ class PrefillModel:
         ms, mp = row_slot, row_pos
         if real is not None:
             ms, mp = ms[real].contiguous(), mp[real].contiguous()
+        layout = cache_layout(self.cache)
+        if layout is not None:   # every real row on a page its request owns (reads the table back)
+            paging.check_rows(self.cache.table, ms, mp, layout.page_size, layout.scratch_page)
         return _Rows(row_slot, row_pos, i32(batch.cu_seqlens), i32(batch.start_positions), i32(batch.slots), host,
                      ms, mp)
 
     def _run(self, tokens: torch.Tensor, rows: _Rows, group: object,
              pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rows = self._paged(rows)
         x = self.weights.embed[tokens]
         if pad is not None:  # padding rows (bool [M]) start at zero and stay exactly zero through every block
             x = x.masked_fill(pad[:, None], 0)
@@ -553,18 +612,22 @@ class PrefillModel:
         fp8 = self.fmt == "e4m3"
         dev = x.device
         # ---- QKV: RoPE, K/V into the main copy, then the mirror rows ----
+        paged = rows.row_page is not None
+        row_slot = rows.row_page if paged else rows.row_slot
         if fp8:
             x8, a_s = self.quantize(x)
-            q = ops.qkv(x8, w.qkv.data, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq,
-                        rho=rho, a_scale=a_s, b_scale=w.qkv.scale)
+            q = ops.qkv(x8, w.qkv.data, lc.k_cache, lc.v_cache, row_slot, rows.row_pos, self.inv_freq,
+                        rho=rho, a_scale=a_s, b_scale=w.qkv.scale, paged=paged)
         else:
-            q = ops.qkv(x, w.qkv, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq, rho=rho)
+            q = ops.qkv(x, w.qkv, lc.k_cache, lc.v_cache, row_slot, rows.row_pos, self.inv_freq, rho=rho,
+                        paged=paged)
         self._mirror(i, rows)
         # ---- attention ----
         if self.attention_impl == "kernel":
-            attn = ops.attention(q, lc.k_cache, lc.v_cache, rows.cu, rows.start, rows.slot, rows.host)
+            attn = ops.attention(q, lc.k_cache, lc.v_cache, rows.cu, rows.start, rows.slot, rows.host,
+                                 table=rows.table, page_size=rows.page_size)
         else:
-            attn = attention_torch(q, lc.k_cache, lc.v_cache, rows.host)
+            attn = attention_torch(q, lc.k_cache, lc.v_cache, rows.host, table=rows.table, page_size=rows.page_size)
         attn = attn.reshape(m, cfg.q_size)
         # ---- O projection: residual add (+ RMS partials) ----
         if fp8:

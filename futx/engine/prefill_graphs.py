@@ -13,6 +13,12 @@ bucket replayed:
   * requests: the kernels read R from the shapes, so every graph holds `max_requests + 1` request entries;
     unused ones have length 0 (the attention kernel gives them no work tile).
 
+A paged cache (PrefillModel: `cache.layout` / `cache.table` set): the graph body translates the rows through the
+block table on the device (futx.paging.locate inside the graph), so a replay reads the table as it is then; the
+padding request's scratch slot maps every position to the scratch page. The replay path checks slots and
+positions against the layout on the host but not page ownership (that needs the table back on the host): the
+scheduler allocates a chunk's pages before it runs; the eager path checks them.
+
 Graphs are captured once the model's FP8 scale state is calibrated (the first chunk runs eagerly and
 calibrates from real data), largest bucket first into one memory pool. A chunk larger than the largest
 bucket or with more requests runs eagerly.
@@ -91,7 +97,7 @@ class PrefillGraphs:
         if model.attention_impl != "kernel":
             raise ValueError("prefill graphs need the prefill attention kernel (the torch attention reads the "
                              "batch on the host)")
-        cap = model.cache.capacity
+        cap = model.capacity
         self.buckets = tuple(buckets) if buckets else row_buckets(max_rows)
         if max(self.buckets) > cap:
             raise ValueError(f"prefill bucket {max(self.buckets)} rows exceeds the cache capacity {cap} "
@@ -113,14 +119,14 @@ class PrefillGraphs:
     def _body(self, bucket: int) -> None:
         v = self.layout.views(self.dev, bucket)
         rows = _Rows(v["row_slot"], v["row_pos"], v["cu"], v["start"], v["slot"], None, v["row_slot"], v["row_pos"])
-        pad = v["row_slot"] == self.model.cache.scratch_slot
+        pad = v["row_slot"] == self.model.scratch_slot
         x = self.model._run(v["tokens"].long(), rows, self.group, pad)
         self.hidden.copy_(x[v["last"].long()])
 
     def _scratch_batch(self, bucket: int) -> None:
         """Every row in the scratch slot (what warm-up runs on)."""
         self.layout.fill(self.host, torch.zeros(0, dtype=torch.int32), [], [], [], bucket,
-                         self.model.cache.scratch_slot)
+                         self.model.scratch_slot)
         self.dev.copy_(self.host)
 
     def capture(self) -> None:
@@ -157,7 +163,7 @@ class PrefillGraphs:
             self.capture()
         bucket = bucket_of(m, self.buckets)
         self.copied.synchronize()                    # the previous chunk's copy has left the pinned buffer
-        self.layout.fill(self.host, tokens, lengths, starts, slots, bucket, model.cache.scratch_slot)
+        self.layout.fill(self.host, tokens, lengths, starts, slots, bucket, model.scratch_slot)
         self.dev.copy_(self.host, non_blocking=True)
         self.copied.record()
         self.graphs[bucket].replay()

@@ -200,7 +200,7 @@ def gemm(a: torch.Tensor, w: torch.Tensor, policy: str = "bf16", *, chain=None, 
 def qkv(a: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slot: torch.Tensor,
         row_pos: torch.Tensor, inv_freq: torch.Tensor, *, rho: torch.Tensor, a_scale: Optional[torch.Tensor] = None,
         b_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-        variant: Optional[str] = None, splits: Optional[int] = None) -> torch.Tensor:
+        variant: Optional[str] = None, splits: Optional[int] = None, paged: bool = False) -> torch.Tensor:
     """The QKV projection of a packed batch, with RoPE and direct KV-cache placement (paper 3.2.1).
 
     w: [(Hq + 2 Hkv) * hd, K], rows [Q heads | K heads | V heads] (RMSNorm gain folded in);
@@ -209,12 +209,15 @@ def qkv(a: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     row_position); inv_freq: float32 [hd / 2] (futx.rope.inv_freq); rho: float32 [M] RMSNorm row factors;
     E4M3 operands also take a_scale [M] and b_scale [N]. Returns Q, [M, Hq, hd] BF16 (RoPE applied);
     K (RoPE applied) and V are written into the caches. The caller advances the cache lengths.
+    paged: a paged layer [pages + 1, Hkv, P, hd] (futx.paging); row_slot is then each row's page
+    (futx.paging.locate) and row_pos its true position (RoPE), the row lands at in-page row row_pos % P.
     """
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         raise ValueError("k_cache must be a 4-D tensor [slots, Hkv, capacity, head_dim]")
     hkv, hd = k_cache.shape[1], k_cache.shape[3]
     fp8 = a.dtype == torch.float8_e4m3fn
-    policy = f"scale_rho_qkv{hd}_bf16" if fp8 else f"rho_qkv{hd}_bf16"
+    place = f"qkv{hd}" + ("p" if paged else "")
+    policy = f"scale_rho_{place}_bf16" if fp8 else f"rho_{place}_bf16"
     if policy not in SHIPPED["e4m3" if fp8 else "bf16"]:
         known = [f"{ab}: {p}" for ab, names in SHIPPED.items() for p in names if "qkv" in p]
         raise ValueError(f"no QKV placement chain for head_dim {hd} ({'e4m3' if fp8 else 'bf16'} operands); "

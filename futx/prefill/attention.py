@@ -38,11 +38,20 @@ valid rows.
 
 Shared memory: Q 128 x D, stages x (K + V) 128 x D tiles, BF16 with the 128-byte swizzle
 (D = 128: 32 KiB + 3 x 64 KiB; D = 64: 16 KiB + 4 x 32 KiB).
+
+Paged cache (compile-time page size P > 0, futx.paging): the caches are [pages + 1, Hkv, P, D] (the slot mode
+is the page mode) and a block table int32 [slots + 1, max_pages] is one more argument. The TMA view is the same
+(now (P, D, Hkv, pages)); only the producer's tile coordinates change: K/V tile n of request r is in-page tile
+(128 n) % P / 128 of page table[slot[r], (128 n) // P]. P is a multiple of 128, so a tile never straddles two
+pages, and the consumers are unchanged: rows past the request's end in its last page (anything, e.g. another
+request's old rows) are masked and zeroed in V like the unwritten rows of a contiguous slot. P = 0 is the
+contiguous kernel, traced from the same code as before.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -87,12 +96,15 @@ def _acc_as_frg_a(t: cute.Tensor) -> cute.Tensor:
 
 
 class PrefillAttention:
-    """One compiled variant (head dim)."""
+    """One compiled variant (head dim; page size, 0 = contiguous cache)."""
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, page_size: int = 0):
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        if page_size < 0 or page_size % TILE_N:
+            raise ValueError(f"page_size must be 0 (contiguous) or a positive multiple of {TILE_N}, got {page_size}")
         self.hd = head_dim
+        self.page_size = page_size
         self.stages = stages_for(head_dim)
         self.threads = 3 * THREADS_PER_WG
         self.producer_regs = 40
@@ -104,8 +116,11 @@ class PrefillAttention:
     # ---------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCu: cute.Tensor, mStart: cute.Tensor,
-                 mSlot: cute.Tensor, mO: cute.Tensor, scale: Float32, stream):
+                 mSlot: cute.Tensor, mO: cute.Tensor, scale: Float32, stream,
+                 mTable: Optional[cute.Tensor] = None):
         hd = self.hd
+        if const_expr((mTable is None) != (self.page_size == 0)):
+            raise ValueError("a block table goes with a paged variant (page_size > 0) and only with one")
         if const_expr(mQ.element_type != BFloat16 or mK.element_type != BFloat16 or mO.element_type != BFloat16):
             raise TypeError("q, the caches and out must be bfloat16")
         atom = warpgroup.make_smem_layout_atom(
@@ -114,6 +129,7 @@ class PrefillAttention:
         kv_layout = cute.tile_to_shape(atom, (TILE_N, hd, self.stages), order=(0, 1, 2))
         kv_one = cute.select(kv_layout, mode=[0, 1])
         # the caches [slots, Hkv, cap, D] as (cap, D, Hkv, slots): one (cap, D) matrix per (head, slot)
+        # (paged: [pages + 1, Hkv, P, D] as (P, D, Hkv, pages))
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
         mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKt, kv_one, (TILE_N, hd))
@@ -139,7 +155,7 @@ class PrefillAttention:
         # an upper bound of sum_r ceil(len_r / block_t); the surplus CTAs exit at once
         tiles = (mQ.shape[0] + block_t - 1) // block_t + num_req
         self.kernel(mQ, mO, mCu, mStart, mSlot, tma_k, gK_tma, tma_v, gV_tma, q_layout, kv_layout,
-                    scale * LOG2_E, group, block_t).launch(
+                    scale * LOG2_E, group, block_t, mTable).launch(
             grid=(tiles, hkv, 1), block=(self.threads, 1, 1), stream=stream)
 
     def make_mmas(self):
@@ -164,7 +180,7 @@ class PrefillAttention:
     def kernel(self, mQ: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mStart: cute.Tensor, mSlot: cute.Tensor,
                tma_k: cute.CopyAtom, gK_tma: cute.Tensor, tma_v: cute.CopyAtom, gV_tma: cute.Tensor,
                q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout, scale_log2: Float32,
-               group: Int32, block_t: Int32):
+               group: Int32, block_t: Int32, mTable: Optional[cute.Tensor]):
         hd = self.hd
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head_kv, _ = cute.arch.block_idx()
@@ -218,27 +234,57 @@ class PrefillAttention:
                 if warp_idx == 0:
                     cpasync.prefetch_descriptor(tma_k)
                     cpasync.prefetch_descriptor(tma_v)
-                    gK = cute.local_tile(gK_tma[None, None, head_kv, slot], (TILE_N, hd), (None, 0))
-                    gV = cute.local_tile(gV_tma[None, None, head_kv, slot], (TILE_N, hd), (None, 0))
-                    tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                       cute.group_modes(gK, 0, 2))
-                    tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                       cute.group_modes(gV, 0, 2))
-                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                    for n in cutlass.range(n_tiles, unroll=1):
-                        kv_pipe.producer_acquire(state)
-                        bar = kv_pipe.producer_get_barrier(state)
-                        cute.copy(tma_k, tKgK[(None, n)], tKsK[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_v, tVgV[(None, n)], tVsV[(None, state.index)], tma_bar_ptr=bar)
-                        kv_pipe.producer_commit(state)
-                        state.advance()
-                    kv_pipe.producer_tail(state)
+                    if const_expr(self.page_size == 0):
+                        gK = cute.local_tile(gK_tma[None, None, head_kv, slot], (TILE_N, hd), (None, 0))
+                        gV = cute.local_tile(gV_tma[None, None, head_kv, slot], (TILE_N, hd), (None, 0))
+                        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                           cute.group_modes(gK, 0, 2))
+                        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                           cute.group_modes(gV, 0, 2))
+                        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                        for n in cutlass.range(n_tiles, unroll=1):
+                            kv_pipe.producer_acquire(state)
+                            bar = kv_pipe.producer_get_barrier(state)
+                            cute.copy(tma_k, tKgK[(None, n)], tKsK[(None, state.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_v, tVgV[(None, n)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+                            kv_pipe.producer_commit(state)
+                            state.advance()
+                        kv_pipe.producer_tail(state)
+                    else:
+                        self.produce_paged(mTable, slot, head_kv, n_tiles, kv_pipe, sK, sV, tma_k, gK_tma, tma_v,
+                                           gV_tma)
             else:
                 # ======================= consumer warpgroups =======================
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 ctid = tidx - THREADS_PER_WG
                 self.consume(mQ, mO, sQ, sK, sV, kv_pipe, ctid, row0, tok0, n_tok, start, head_kv, group,
                              n_tiles, n_plain, kv_total, scale_log2)
+
+    @cute.jit
+    def produce_paged(self, mTable, slot, head_kv, n_tiles, kv_pipe, sK, sV, tma_k, gK_tma, tma_v, gV_tma):
+        """The producer loop over a paged cache: tile n from page table[slot, n // (P / 128)], in-page tile
+        n % (P / 128) (the page's (P, D) matrix of this head, partitioned per tile like a contiguous slot's)."""
+        hd = self.hd
+        per_page = self.page_size // TILE_N
+        last_entry = mTable.shape[1] - 1
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for n in cutlass.range(n_tiles, unroll=1):
+            # the host checked every tile's entry exists; the clamp keeps a bad batch inside the table
+            page = mTable[slot, cutlass.min(n // per_page, last_entry)]   # loaded before the ring slot frees
+            gK = cute.local_tile(gK_tma[None, None, head_kv, page], (TILE_N, hd), (None, 0))
+            gV = cute.local_tile(gV_tma[None, None, head_kv, page], (TILE_N, hd), (None, 0))
+            tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+            t = n - (n // per_page) * per_page
+            kv_pipe.producer_acquire(state)
+            bar = kv_pipe.producer_get_barrier(state)
+            cute.copy(tma_k, tKgK[(None, t)], tKsK[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_v, tVgV[(None, t)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+            kv_pipe.producer_commit(state)
+            state.advance()
+        kv_pipe.producer_tail(state)
 
     @cute.jit
     def consume(self, mQ, mO, sQ, sK, sV, kv_pipe, ctid, row0, tok0, n_tok, start, head_kv, group, n_tiles,
@@ -389,18 +435,15 @@ class PrefillAttention:
                     move(m, k, chunks[None, coords[0, 0, k][1] // 8])
 
 
-def compile_target(head_dim: int = 128):
-    """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one head dim.
+def compile_target(head_dim: int = 128, page_size: int = 0):
+    """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one head dim and page size.
 
     Arguments: q [M, Hq, D], k_cache, v_cache [slots, Hkv, cap, D] (bfloat16), cu_seqlens [R + 1],
     start_pos [R], slot [R] (int32), out [M, Hq, D] bfloat16, scale (float); the stream comes from the
-    TVM-FFI environment. M, Hq, Hkv, slots, cap and R are runtime values."""
-    kern = PrefillAttention(head_dim)
-
-    @cute.jit
-    def prefill_attention(q: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, cu_seqlens: cute.Tensor,
-                          start_pos: cute.Tensor, slot: cute.Tensor, out: cute.Tensor, scale: Float32, stream):
-        kern(q, k_cache, v_cache, cu_seqlens, start_pos, slot, out, scale, stream)
+    TVM-FFI environment. M, Hq, Hkv, slots, cap and R are runtime values.
+    page_size > 0 (paged cache, futx.paging): k_cache, v_cache [pages + 1, Hkv, P, D] and one more argument
+    after slot, the block table int32 [slots + 1, max_pages] (both extents runtime values)."""
+    kern = PrefillAttention(head_dim, page_size)
 
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
@@ -409,7 +452,24 @@ def compile_target(head_dim: int = 128):
                                         assumed_align=align)
 
     m, hq, hkv, slots, cap, r1, r = (cute.sym_int() for _ in range(7))
-    fake = (t(BFloat16, (m, hq, head_dim)), t(BFloat16, (slots, hkv, cap, head_dim)),
-            t(BFloat16, (slots, hkv, cap, head_dim)), t(Int32, (r1,), 4), t(Int32, (r,), 4), t(Int32, (r,), 4),
-            t(BFloat16, (m, hq, head_dim)), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
-    return prefill_attention, fake
+    q, k, v = t(BFloat16, (m, hq, head_dim)), t(BFloat16, (slots, hkv, cap, head_dim)), \
+        t(BFloat16, (slots, hkv, cap, head_dim))
+    batch = (t(Int32, (r1,), 4), t(Int32, (r,), 4), t(Int32, (r,), 4))
+    tail = (t(BFloat16, (m, hq, head_dim)), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+    if page_size == 0:
+        @cute.jit
+        def prefill_attention(q: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, cu_seqlens: cute.Tensor,
+                              start_pos: cute.Tensor, slot: cute.Tensor, out: cute.Tensor, scale: Float32, stream):
+            kern(q, k_cache, v_cache, cu_seqlens, start_pos, slot, out, scale, stream)
+
+        return prefill_attention, (q, k, v, *batch, *tail)
+
+    @cute.jit
+    def prefill_attention_paged(q: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, cu_seqlens: cute.Tensor,
+                                start_pos: cute.Tensor, slot: cute.Tensor, table: cute.Tensor, out: cute.Tensor,
+                                scale: Float32, stream):
+        kern(q, k_cache, v_cache, cu_seqlens, start_pos, slot, out, scale, stream, table)
+
+    rows, entries = cute.sym_int(), cute.sym_int()
+    return prefill_attention_paged, (q, k, v, *batch, t(Int32, (rows, entries), 4), *tail)

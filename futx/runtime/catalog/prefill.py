@@ -38,9 +38,9 @@ TUNING = ("n256", "n256.st", "n256.pp.g16", "n256.pp.c1", "n256.pp.c2x2", "n256.
 SHIPPED = {
     "e4m3": ("bf16", "scale_bf16", "scale_rho_bf16", "scale_fp8", "scale_rho_swiglu_bf16", "scale_rho_swiglu_fp8",
              "scale_rho_swiglu_split_fp8", "scale_res_bf16", "scale_res_rms_bf16", "scalet_res_rms_bf16",
-             "scale_rho_qkv128_bf16", "scale_rho_qkv64_bf16"),
+             "scale_rho_qkv128_bf16", "scale_rho_qkv64_bf16", "scale_rho_qkv128p_bf16", "scale_rho_qkv64p_bf16"),
     "bf16": ("bf16", "swiglu_bf16", "swiglu_split_bf16", "rho_swiglu_bf16", "res_bf16", "res_rms_bf16",
-             "rho_qkv128_bf16", "rho_qkv64_bf16"),
+             "rho_qkv128_bf16", "rho_qkv64_bf16", "rho_qkv128p_bf16", "rho_qkv64p_bf16"),
 }
 
 
