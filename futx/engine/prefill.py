@@ -55,6 +55,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from futx import paging
 from futx.config import LlamaConfig
 from futx.quant.fold import fold_layer, rms_row_factor
 from futx.quant.fp8 import E4M3_MAX, E4M3Weight, ieee_div, quantize_e4m3_weight
@@ -241,10 +242,14 @@ def place_qkv(y: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
 
 
 def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, host: tuple,
-                    out: Optional[torch.Tensor] = None, block: int = 512) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, block: int = 512, gather=None) -> torch.Tensor:
     """Causal GQA of q [M, Hq, D] over the BF16 cache in float32 (scores, softmax, P V), BF16 out.
-    host = (cu_seqlens, start_positions, slots) as host int tuples (PackedBatch.host_lists())."""
+    host = (cu_seqlens, start_positions, slots) as host int tuples (PackedBatch.host_lists()).
+    gather(t, slot, length) -> [Hkv, length, D]: a slot's positions of a paged cache (EngineCache.gather)."""
     cu, starts, slots = host
+    if gather is None:
+        def gather(t, slot, length):
+            return t[slot, :, :length]
     m, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
@@ -252,8 +257,8 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = 1.0 / math.sqrt(d)
     for b in range(len(slots)):
         r0, r1, st = cu[b], cu[b + 1], starts[b]
-        k = k_cache[slots[b], :, :st + r1 - r0].float()          # [Hkv, L, D]
-        v = v_cache[slots[b], :, :st + r1 - r0].float()
+        k = gather(k_cache, slots[b], st + r1 - r0).float()      # [Hkv, L, D]
+        v = gather(v_cache, slots[b], st + r1 - r0).float()
         for s in range(r0, r1, block):
             e = min(s + block, r1)
             n, first, stop = e - s, st + s - r0, st + e - r0
@@ -333,8 +338,8 @@ class EmulatedPrefillOps:
             return out.view_as(q)
         return q
 
-    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None):
-        return attention_torch(q, k_cache, v_cache, host, out)
+    def attention(self, q, k_cache, v_cache, cu32, start32, slot32, host, out=None, gather=None):
+        return attention_torch(q, k_cache, v_cache, host, out, gather=gather)
 
 
 class KernelPrefillOps:
@@ -421,6 +426,9 @@ class PrefillModel:
             raise ValueError("the engine cache was made for another model shape")
         if backend == "kernels" and cache.device.type != "cuda":
             raise ValueError("the kernel prefill needs a CUDA (Hopper) device; use backend='emulated' elsewhere")
+        if backend == "kernels" and cache.layout is not None:
+            raise ValueError("the paged KV cache is not built into the prefill kernels yet (the emulated prefill "
+                             "runs it); use the contiguous cache on the kernels")
         if glue not in GLUE:
             raise ValueError(f"glue must be one of {GLUE}, got {glue!r}")
         if glue == "kernel" and backend != "kernels":
@@ -531,6 +539,10 @@ class PrefillModel:
         ms, mp = row_slot, row_pos
         if real is not None:
             ms, mp = ms[real].contiguous(), mp[real].contiguous()
+        lay = self.cache.layout
+        if lay is not None:   # the QKV placement stores at (page, offset); the mirror writer locates them itself
+            paging.check_rows(self.cache.table, ms, mp, lay.page_size, lay.scratch_page)
+            row_slot, row_pos = paging.locate(self.cache.table, row_slot, row_pos, lay.page_size)
         return _Rows(row_slot, row_pos, i32(batch.cu_seqlens), i32(batch.start_positions), i32(batch.slots), host,
                      ms, mp)
 
@@ -561,10 +573,13 @@ class PrefillModel:
             q = ops.qkv(x, w.qkv, lc.k_cache, lc.v_cache, rows.row_slot, rows.row_pos, self.inv_freq, rho=rho)
         self._mirror(i, rows)
         # ---- attention ----
-        if self.attention_impl == "kernel":
+        gather = self.cache.gather if self.cache.layout is not None else None
+        if self.attention_impl == "kernel" and gather is None:
             attn = ops.attention(q, lc.k_cache, lc.v_cache, rows.cu, rows.start, rows.slot, rows.host)
+        elif self.attention_impl == "kernel":   # emulated: the kernels' arithmetic over the slot's pages
+            attn = ops.attention(q, lc.k_cache, lc.v_cache, rows.cu, rows.start, rows.slot, rows.host, gather=gather)
         else:
-            attn = attention_torch(q, lc.k_cache, lc.v_cache, rows.host)
+            attn = attention_torch(q, lc.k_cache, lc.v_cache, rows.host, gather=gather)
         attn = attn.reshape(m, cfg.q_size)
         # ---- O projection: residual add (+ RMS partials) ----
         if fp8:
