@@ -49,6 +49,7 @@ class ReferenceEngine:
     name = "reference"
     prefills = True
     prefix_ok = True
+    prefill_is_decode = True   # one model for both phases: a preempted request's tokens may all be prefilled
 
     def __init__(self, weights, max_batch: int, capacity: int, layout: Optional[PageLayout] = None):
         """layout: a paged cache (futx.paged_kvcache) of layout.pages pages for max_batch slots."""

@@ -22,7 +22,10 @@ request's prefill then starts there); a request that finishes publishes its pref
 grows page by page: before each step its rows' positions get pages (num_draft + 1 positions for a verify
 block). When none are left (after evicting idle prefix pages), the youngest running request is preempted: it
 gives its pages back (its prefilled pages stay in the prefix cache) and goes back to the head of the queue with
-its prompt + generated tokens, recomputed on readmission (greedy output unchanged). The oldest running request
+its prompt + generated tokens, recomputed on readmission: the prompt by prefill, the generated tokens by decode
+rows that emit nothing (so the cache gets the bytes it had: the engine's prefill and decode weights differ, FP8
+or BF16 against INT4), all by prefill where both phases are one computation (`engine.prefill_is_decode`, the
+reference model). Greedy output is unchanged. The oldest running request
 is never preempted for a younger one, and a request whose pages could never fit is refused at submit, so the
 loop always makes progress.
 
@@ -319,15 +322,20 @@ class Scheduler:
         """Set h up to run from its history's start (paged: attach its cached prefix and give it the pages of
         its whole history); False, with nothing held, when its pages do not fit now."""
         n = h.length
-        h.prefill_end = n - 1 if self.engine.prefills else 0
-        h.reusable = n - 1
+        if not self.engine.prefills:
+            h.prefill_end, h.reusable = 0, n - 1
+        elif h.preemptions == 0 or getattr(self.engine, "prefill_is_decode", False):
+            h.prefill_end = h.reusable = n - 1
+        else:   # recomputed: the prompt by prefill, its generated tokens by decode rows, as the first time
+            h.prefill_end = h.reusable = len(h.prompt) - 1
         h.pos = 0
         if self.pool is None:
             return True
         size = self.layout.page_size
         hist = h.prompt + h.output
-        # the last history token is always computed (its row emits); attach at most the full pages before it
-        shared = self.prefix.attach(hist, (n - 1) // size) if self.prefix is not None else []
+        # the last history token is always computed (its row emits); attach at most the full pages before it,
+        # and only pages its own run would have prefilled
+        shared = self.prefix.attach(hist, h.reusable // size) if self.prefix is not None else []
         need = pages_for(n, size) - len(shared)
         headroom = len(self._live)   # one page per running request, so admission does not preempt at once
         if need + headroom > self._available():
