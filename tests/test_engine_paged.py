@@ -109,3 +109,29 @@ def test_the_kernels_refuse_a_paged_cache_until_they_read_pages(weights):
     model, _ = _engine(weights, True, slots=1, pages=3)
     with pytest.raises(ValueError, match="paged KV cache is not built into the decode kernels"):
         KernelOps.attention(None, None, None, None, model.cache, 0, None, None)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, weights):
+    from tiny_checkpoint import save_tiny_hf
+
+    return save_tiny_hf(tmp_path_factory.mktemp("paged-tiny"), weights)
+
+
+def test_cli_generate_on_one_page_gives_the_default_outputs(model_dir, tmp_path, capsys):
+    """futx generate --pages 1: the prompts take turns on the one page (admission by pages), same tokens."""
+    import json
+
+    from futx import cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the heat\nhello there\nx\n")
+    outs = []
+    for extra in ([], ["--pages", "1"], ["--pages", "1", "--no-prefix-cache", "--page-size", "256"]):
+        out = tmp_path / f"gen{len(outs)}.json"
+        assert cli.main(["generate", "--model", str(model_dir), "--backend", "emulated", "--prompts", str(prompts),
+                         "--max-new-tokens", "4", "--ignore-eos", "--max-batch", "2", "--json", str(out),
+                         *extra]) == 0
+        outs.append(json.loads(out.read_text())["outputs"])
+    capsys.readouterr()
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 3

@@ -65,6 +65,12 @@ class EngineCache:
     def scratch_slot(self) -> int:
         return self.slots
 
+    @staticmethod
+    def page_bytes(config: LlamaConfig, fmt: str, page_size: int) -> int:
+        """Bytes of one page over all layers (main copy, mirror, scales): what --cache-memory divides."""
+        one = DecodeCache.allocate(fmt, 1, config.num_key_value_heads, page_size, config.head_dim, "meta")
+        return config.num_hidden_layers * sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
+
     # ---- the block table (paged mode) ----------------------------------------------------------------
     def set_pages(self, slot: int, pages: list[int]) -> None:
         """Slot `slot` owns `pages` (in position order); its other table entries become the scratch page."""
