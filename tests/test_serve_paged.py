@@ -106,6 +106,20 @@ def test_a_cached_prefix_is_not_prefilled_again_and_changes_nothing(weights, pac
     all_pages_back(sched)
 
 
+def test_pages_are_shared_as_soon_as_their_prefill_completes(weights):
+    system = prompts_of((2 * P,), seed=7)[0]
+    a, b = prompts_of((50, 9), seed=3, prefix=system)
+    cold = [run(Scheduler(ref_engine(weights, 2, 3 * P, 6), Tok(), prefix_cache=False), [p], [8])[0] for p in (a, b)]
+    sched = Scheduler(ref_engine(weights, 2, 3 * P, 6), Tok(), prefill_chunk=300)
+    ha = sched.submit(a, SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.tick()                                   # a's first chunk: both system pages prefilled and published
+    assert len(sched.prefix) == 2 and not ha.done
+    hb = sched.submit(b, SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.run_until_idle()
+    assert hb.cached == 2 * P and [ha.output, hb.output] == cold
+    all_pages_back(sched)
+
+
 def test_preemption_under_a_tiny_pool_keeps_greedy_outputs_and_returns_every_page(weights):
     prompts = prompts_of((120, 110, 125, 100), seed=2)
     steps = (30, 40, 20, 35)                                  # each grows past its first page

@@ -18,16 +18,17 @@ Paged engines (engine.layout set; futx.engine.pages keeps the books). Slots are 
 memory. A waiting request is admitted when a slot is free and the pages of its whole history fit, leaving one
 page of headroom per running request (so requests already running can grow without preempting the newcomer at
 once). With the prefix cache, admission first attaches the longest cached full-page prefix of the history (the
-request's prefill then starts there); a request that finishes publishes its prefilled full pages. A request
-grows page by page: before each step its rows' positions get pages (num_draft + 1 positions for a verify
-block). When none are left (after evicting idle prefix pages), the youngest running request is preempted: it
-gives its pages back (its prefilled pages stay in the prefix cache) and goes back to the head of the queue with
-its prompt + generated tokens, recomputed on readmission: the prompt by prefill, the generated tokens by decode
-rows that emit nothing (so the cache gets the bytes it had: the engine's prefill and decode weights differ, FP8
-or BF16 against INT4), all by prefill where both phases are one computation (`engine.prefill_is_decode`, the
-reference model). Greedy output is unchanged. The oldest running request
-is never preempted for a younger one, and a request whose pages could never fit is refused at submit, so the
-loop always makes progress.
+request's prefill then starts there), and each full page a prefill completes is published at once (read only
+from then on: a request writes only at or past its position), so requests that arrive together share a system
+prompt too. A request grows page by page: before each step its rows' positions get pages (num_draft + 1
+positions for a verify block). When none are left (after evicting idle prefix pages), the youngest running
+request is preempted: it gives its pages back (its prefilled pages stay in the prefix cache) and goes back to
+the head of the queue with its prompt + generated tokens, recomputed on readmission: the prompt by prefill, the
+generated tokens by decode rows that emit nothing (so the cache gets the bytes it had: the engine's prefill and
+decode weights differ, FP8 or BF16 against INT4), or all by prefill where both phases are one computation
+(`engine.prefill_is_decode`: the reference model). Greedy output is unchanged. The oldest running request is
+never preempted for a younger one, and a request whose pages could never fit is refused at submit, so the loop
+always makes progress.
 
 With a `drafter` (speculative decoding, futx.speculative) the decode step is a block (verify) step: each DECODE
 request feeds the tokens of its history not yet in the cache (its last token; without a prefill, up to
@@ -99,6 +100,7 @@ class Handle:
         self.prefill_end = 0          # positions [0, prefill_end) are prefilled (set on admission)
         self.reusable = 0             # positions below this (once written) may go to the prefix cache
         self.cached = 0               # positions attached from the prefix cache on its first admission
+        self.published = 0            # its leading pages in the prefix cache (or attached from it)
         self.preemptions = 0
         self.steps: list[int] = []    # decode steps it took part in
         self.hidden = None            # speculative drafters that read hidden states: the row of the last token
@@ -343,6 +345,7 @@ class Scheduler:
             return False
         h.pages = shared + self._allocate(need)
         h.pos = len(shared) * size
+        h.published = len(shared)
         if h.preemptions == 0:
             h.cached = h.pos
         self.engine.set_pages(h.slot, h.pages, filled=h.pos)
@@ -388,15 +391,21 @@ class Scheduler:
         self._live.remove(h)
         if h.pages:
             if publish and self.prefix is not None:
-                # positions of its admitted history written (by the prefill, or decode steps on an engine
-                # without one); the last history token and what it generated since are not published
-                done = min(h.pos, h.reusable)
-                self.prefix.publish(h.prompt + h.output, h.pages, done // self.layout.page_size)
+                self._publish(h)
             self.pool.free(h.pages)
             h.pages = []
         self.engine.release(h.slot)
         with self._cv:
             self._free.append(h.slot)
+
+    def _publish(self, h: Handle) -> None:
+        """h's full pages written from its admitted history (by the prefill, or by decode steps on an engine
+        without one) to the prefix cache; never its last history token's page or what it generated since. The
+        pages are read only from now on: h writes only at or past its position."""
+        done = min(h.pos, h.reusable) // self.layout.page_size
+        if done > h.published:
+            self.prefix.publish(h.prompt + h.output, h.pages, done)
+            h.published = done
 
     def _prefill(self) -> None:
         # decode rows come first in the tick's token budget: every running request may take a row (or a block)
@@ -420,6 +429,8 @@ class Scheduler:
             return
         for h, n in owners:
             h.pos += n
+            if self.prefix is not None:   # full pages shared at once: requests arriving together hit them too
+                self._publish(h)
         self.prefill_tokens += sum(n for _, n in owners)
 
     def _decode(self) -> None:
