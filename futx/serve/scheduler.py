@@ -240,6 +240,10 @@ class Scheduler:
     def load(self) -> dict:
         with self._cv:
             load = {"waiting": len(self._waiting), "running": len(self._live), "slots": self.engine.max_batch}
+            if self.layout is not None:
+                load["pages"] = {"page_size": self.layout.page_size, "total": self._pages_now["pages_total"],
+                                 "free": self._pages_now["pages_free"], "cached": self._pages_now["pages_cached"],
+                                 "prefix_cache": self.prefix is not None}
         if self.acceptance is not None:
             s = self.acceptance.summary()
             load["speculative"] = {"drafter": self.drafter.name, "num_draft": self.num_draft,
@@ -395,8 +399,10 @@ class Scheduler:
             self.pool.free(h.pages)
             h.pages = []
         self.engine.release(h.slot)
+        pages = self._page_counts()
         with self._cv:
             self._free.append(h.slot)
+            self._pages_now = pages
 
     def _publish(self, h: Handle) -> None:
         """h's full pages written from its admitted history (by the prefill, or by decode steps on an engine
@@ -586,12 +592,9 @@ class Scheduler:
         pages published unless it failed: an engine error may have left them half written)."""
         h.finish_reason, h.error = reason, error
         rest = first + (h.stream.finish() if reason in ("stop", "length") else "")
-        self._send(h, Event(rest, reason, len(h.prompt), len(h.output), error))
-        if h in self._live:
+        if h in self._live:   # before the last event: a client that then reads /metrics sees its pages back
             self._retire(h, publish=reason != "error")
-        elif h.pages:   # never here: only running requests hold pages
-            self.pool.free(h.pages)
-            h.pages = []
+        self._send(h, Event(rest, reason, len(h.prompt), len(h.output), error))
 
     @staticmethod
     def _send(h: Handle, ev: Event) -> None:
