@@ -5,8 +5,9 @@ the engine's; futx.paging says where a page's positions live).
 PagePool. Pages 0 .. pages-1 (the scratch page, index `pages`, is never handed out). Every page is either free
 (refcount 0, on the free list) or held (refcount >= 1): a request that allocated it holds one reference; a
 request that attached it from the prefix cache holds one more; the prefix cache itself holds one for every
-page it keeps. `free` drops one reference and returns the page to the free list at zero; dropping a reference
-nobody holds is an error (never a silent double free).
+page it keeps (`pin` / `unpin`, so the pool counts the cached pages nobody else holds: `idle`, in O(1) for
+the scheduler's every tick). `free` drops one reference and returns the page to the free list at zero; dropping
+a reference nobody holds is an error (never a silent double free).
 
 PrefixCache. A full page of a request's prompt is named by a hash chain over the tokens before and in it:
 key(j) = H(key(j - 1) || tokens[j P : (j + 1) P]), key(-1) = b"", so equal keys mean equal whole prefixes (and
@@ -38,6 +39,8 @@ class PagePool:
         self.total = pages
         self.refs = [0] * pages
         self._free = list(range(pages - 1, -1, -1))   # pop() hands out the lowest page first
+        self._pinned: set[int] = set()                 # pages the prefix cache holds a reference to
+        self.idle = 0                                  # ... that nobody else holds
 
     @property
     def free_count(self) -> int:
@@ -59,7 +62,25 @@ class PagePool:
         self._check(page)
         if self.refs[page] == 0:
             raise ValueError(f"page {page} is free: only a held page can be shared")
+        if self.refs[page] == 1 and page in self._pinned:
+            self.idle -= 1
         self.refs[page] += 1
+
+    def pin(self, page: int) -> None:
+        """The prefix cache's reference to a held page."""
+        if page in self._pinned:
+            raise ValueError(f"page {page} is pinned already")
+        self.share(page)
+        self._pinned.add(page)
+
+    def unpin(self, page: int) -> None:
+        """Drop the prefix cache's reference."""
+        if page not in self._pinned:
+            raise ValueError(f"page {page} is not pinned")
+        self._pinned.discard(page)
+        if self.refs[page] == 1:
+            self.idle -= 1
+        self.free([page])
 
     def free(self, pages: Sequence[int]) -> None:
         """Drop one reference to each page; a page nobody holds any more goes back to the free list."""
@@ -71,6 +92,8 @@ class PagePool:
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self._free.append(p)
+            elif self.refs[p] == 1 and p in self._pinned:
+                self.idle += 1
 
     def _check(self, page: int) -> None:
         if not isinstance(page, int) or not 0 <= page < self.total:
@@ -84,6 +107,10 @@ class PagePool:
         for p, r in enumerate(self.refs):
             if r < 0 or (r == 0) != (p in free):
                 raise AssertionError(f"page {p}: refcount {r}, {'' if p in free else 'not '}on the free list")
+        if any(self.refs[p] == 0 for p in self._pinned):
+            raise AssertionError("a pinned page is free")
+        if self.idle != sum(1 for p in self._pinned if self.refs[p] == 1):
+            raise AssertionError(f"idle count {self.idle} is wrong")
 
 
 def page_keys(tokens: Sequence[int], page_size: int, pages: int) -> list[bytes]:
@@ -111,7 +138,7 @@ class PrefixCache:
 
     def idle_pages(self) -> int:
         """Cached pages no request holds: what `evict` can free."""
-        return sum(1 for p in self._pages.values() if self.pool.refs[p] == 1)
+        return self.pool.idle
 
     def attach(self, tokens: Sequence[int], max_pages: int) -> list[int]:
         """The pages of the longest cached prefix of `tokens` (at most max_pages full pages), each with one more
@@ -141,7 +168,7 @@ class PrefixCache:
             if key in self._pages:
                 self._pages.move_to_end(key)
                 continue
-            self.pool.share(pages[j])
+            self.pool.pin(pages[j])
             self._pages[key] = pages[j]
             added += 1
         return added
@@ -150,10 +177,15 @@ class PrefixCache:
         """Free up to n cached pages that no request holds, least recently used first; returns how many."""
         if n <= 0:
             return 0
-        idle = [(k, p) for k, p in self._pages.items() if self.pool.refs[p] == 1][:n]
+        idle = []
+        for k, p in self._pages.items():   # least recently used first
+            if len(idle) == n:
+                break
+            if self.pool.refs[p] == 1:
+                idle.append((k, p))
         for k, p in idle:
             del self._pages[k]
-        self.pool.free([p for _, p in idle])
+            self.pool.unpin(p)
         return len(idle)
 
     def clear(self) -> int:
