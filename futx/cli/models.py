@@ -65,17 +65,19 @@ def build_prefill(args, model, float_weights=None):
 
 def paged(args) -> bool:
     """Whether the engine runs the paged cache: on every backend but the kernels until the decode and prefill
-    kernels read pages (futx.engine.backends.KERNELS_PAGED); never for subcommands without the cache options."""
+    kernels read pages (KERNELS_PAGED of futx.engine.backends and futx.engine.prefill); never for subcommands
+    without the cache options."""
     if getattr(args, "page_size", None) is None:
         return False
     if args.backend != "kernels":
         return True
-    from futx.engine.backends import KERNELS_PAGED
+    from futx.engine import backends, prefill
 
-    if not KERNELS_PAGED and (args.pages or args.cache_memory):
+    ready = backends.KERNELS_PAGED and (prefill.KERNELS_PAGED or resolve_prefill(args) != "kernels")
+    if not ready and (args.pages or args.cache_memory):
         raise ValueError("--pages / --cache-memory: the kernels do not read a paged cache yet; on --backend kernels "
                          "the cache is contiguous, --capacity positions for each of --max-batch requests")
-    return KERNELS_PAGED
+    return ready
 
 
 def cache_pages(args, capacity: int, page_bytes: int) -> int:
