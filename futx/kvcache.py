@@ -50,7 +50,7 @@ class KVCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.mirror_fn = mirror
-        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        shape = self._storage_shape()
 
         def alloc() -> list[torch.Tensor]:
             return [torch.full(shape, float("nan"), dtype=dtype, device=self.device)
@@ -60,6 +60,10 @@ class KVCache:
         # No mirror function: decode reads the main copy itself.
         self.k_mirror, self.v_mirror = (self.k, self.v) if mirror is None else (alloc(), alloc())
         self.lengths = torch.zeros(config.num_hidden_layers, slots, dtype=torch.int64)
+
+    def _storage_shape(self) -> tuple:
+        """One layer's K (or V) tensor: [slots, Hkv, capacity, D] here (futx.paged_kvcache: pages)."""
+        return (self.slots, self.kv_heads, self.capacity, self.head_dim)
 
     # ---- addressing -----------------------------------------------------------------------------
     def offset(self, slot, kv_head, position, channel):

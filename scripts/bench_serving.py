@@ -96,7 +96,8 @@ def build_engine(cfg: LlamaConfig, a):
     print(f"{cfg.name}: {cfg.num_hidden_layers} layers, random {a.weights} decode + {a.prefill_format} prefill "
           f"weights in {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
-    model = DecodeModel(packed, a.cache, max_batch=a.max_batch, capacity=a.capacity, backend=a.backend, device=dev)
+    model = DecodeModel(packed, a.cache, max_batch=a.max_batch, capacity=a.capacity, backend=a.backend, device=dev,
+                        pages=a.pages, page_size=a.page_size)
     graphs = None
     if model.device.type == "cuda" and not a.no_graphs:
         from futx.engine.graphs import GraphSteps
@@ -133,6 +134,7 @@ def make_scheduler_class():
             self.prefill_seconds = self.decode_seconds = 0.0
             self.prefill_calls = 0
             self.prefill_tokens = 0
+            self.preemptions = self.prefix_hits = self.prefix_hit_tokens = self.admitted_prompt_tokens = 0
             self.stats = GenerationStats(step_seconds=deque(maxlen=self.stats.step_seconds.maxlen))
             self.step_rows.clear()
 
@@ -176,12 +178,13 @@ def summary(xs, scale: float = 1e3) -> dict:
 def draw_stream(a, vocab: int) -> list[dict]:
     rng = random.Random(a.seed)
     t, reqs = 0.0, []
+    shared = [random.Random(a.seed + 13).randrange(vocab) for _ in range(a.shared_prefix)]   # a system prompt
     for i in range(a.requests):
         if a.rate is not None and a.rate > 0 and i > 0:
             t += rng.expovariate(a.rate)
         p = rng.randint(*a.prompt_len)
         o = rng.randint(*a.output_len)
-        reqs.append({"offset": t, "prompt": [rng.randrange(vocab) for _ in range(p)], "max_tokens": o})
+        reqs.append({"offset": t, "prompt": shared + [rng.randrange(vocab) for _ in range(p)], "max_tokens": o})
     return reqs
 
 
@@ -282,6 +285,8 @@ def analyse(sched, records: list[dict], t_start: float, t_end: float, a) -> dict
         "decode_steps": st.steps, "mean_batch": statistics.fmean(rows) if rows else float("nan"),
         "ms_per_step_median": st.ms_per_step,
         "prefill_calls": sched.prefill_calls, "prefilled_tokens": sched.prefill_tokens,
+        "prefix_hits": sched.prefix_hits, "prefix_hit_tokens": sched.prefix_hit_tokens,
+        "preemptions": sched.preemptions,
         "prefill_s": sched.prefill_seconds, "decode_s": sched.decode_seconds,
         "prefill_fraction": sched.prefill_seconds / wall, "decode_fraction": sched.decode_seconds / wall,
         "other_fraction": max(0.0, 1 - (sched.prefill_seconds + sched.decode_seconds) / wall),
@@ -315,6 +320,8 @@ def render(res: dict) -> str:
               f"| time in prefill / decode / other | {100 * m['prefill_fraction']:.0f}% / "
               f"{100 * m['decode_fraction']:.0f}% / {100 * m['other_fraction']:.0f}% |",
               f"| prefill tokens/s (while prefilling) | {m['prefill_tokens_per_s']:.0f} |",
+              f"| prefix-cache hits / hit tokens / preemptions | {m['prefix_hits']} / {m['prefix_hit_tokens']} / "
+              f"{m['preemptions']} |",
               f"| errors | {m['errors']} |"]
     return "\n".join(lines)
 
@@ -345,6 +352,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=None, help="decode slots (default 32)")
     p.add_argument("--capacity", type=int, default=None, help="cache positions per request (default 2048)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per tick (futx serve's default)")
+    p.add_argument("--pages", type=int, default=None, help="a paged cache of this many pages (default: the "
+                   "contiguous cache, --max-batch slots of --capacity positions)")
+    p.add_argument("--page-size", type=int, default=128, help="positions per page (--pages)")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (a shared system "
+                   "prompt) before its --prompt-len random ones")
+    p.add_argument("--no-prefix-cache", action="store_true", help="--pages: no prefix cache (each prompt prefilled "
+                   "whole)")
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps and prefill chunks")
     p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill chunks (decode graphs kept)")
     p.add_argument("--prefill-glue", default="auto", choices=("auto", "eager", "kernel", "compiled"),
@@ -366,7 +380,7 @@ def main(argv=None) -> int:
     a.capacity = a.capacity or (128 if small else 2048)
     if small and a.prefill_chunk == 512:
         a.prefill_chunk = 32
-    if a.prompt_len[1] + a.output_len[1] - 1 > a.capacity:
+    if a.shared_prefix + a.prompt_len[1] + a.output_len[1] - 1 > a.capacity:
         raise SystemExit(f"prompts up to {a.prompt_len[1]} + outputs up to {a.output_len[1]} exceed --capacity "
                          f"{a.capacity}")
     if a.backend == "kernels" and not torch.cuda.is_available():
@@ -380,7 +394,7 @@ def main(argv=None) -> int:
     dev = engine.model.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     sched = make_scheduler_class()(engine, NullTokenizer(), max_queue=a.requests + 8,
-                                   prefill_chunk=a.prefill_chunk, sync=sync)
+                                   prefill_chunk=a.prefill_chunk, sync=sync, prefix_cache=not a.no_prefix_cache)
     if a.warmup > 0:
         print(f"warm-up: {a.warmup} requests in {warmup(sched, a, cfg.vocab_size):.1f} s", flush=True)
     sched.reset_counters()
@@ -401,7 +415,9 @@ def main(argv=None) -> int:
         "config": {"requests": a.requests, "rate": a.rate, "prompt_len": list(a.prompt_len),
                    "output_len": list(a.output_len), "max_batch": a.max_batch, "capacity": engine.capacity,
                    "prefill_chunk": a.prefill_chunk, "weights": a.weights, "cache": a.cache,
-                   "prefill_format": a.prefill_format, "graphs": engine.graphs is not None, "seed": a.seed},
+                   "prefill_format": a.prefill_format, "graphs": engine.graphs is not None, "seed": a.seed,
+                   "pages": a.pages, "page_size": a.page_size, "shared_prefix": a.shared_prefix,
+                   "prefix_cache": a.pages is not None and not a.no_prefix_cache},
         "metrics": metrics,
         "requests": [{k: r.get(k) for k in ("id", "prompt_tokens", "max_tokens", "generated", "finish_reason",
                                             "ttft_ms", "e2e_ms", "error")} | {"arrival_s": r["arrival"] - t_start}

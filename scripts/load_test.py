@@ -19,6 +19,8 @@ exit status 1:
     the server is alive at the end (/health answers; with --spawn the process has not exited)
     afterwards nothing runs or waits and every cache slot is free (/metrics: futx_cache_slots_free ==
     futx_cache_slots_total), and futx_requests_total{outcome="error"} did not grow
+    afterwards every page of a paged cache is back in the free pool, or held only by the prefix cache (reported
+    apart: futx_cache_pages_free + futx_cache_pages_cached == futx_cache_pages_total)
     everything finished within --time-limit seconds
 
 A summary goes to stdout and, with --json, to a file. Only loopback servers are accepted.
@@ -117,6 +119,7 @@ def build_plan(args, model: str, capacity: int, vocab: int) -> list[Plan]:
     rng.shuffle(cases)        # taken in turn: every case once there are len(MALFORMED) malformed requests
     n_seen = 0
     plans = []
+    shared = [rng.randrange(top) for _ in range(args.shared_prefix)]
     for i, kind in enumerate(kinds):
         max_tokens = rng.randint(*args.max_tokens)
         if kind in ("long", "disconnect"):
@@ -127,6 +130,8 @@ def build_plan(args, model: str, capacity: int, vocab: int) -> list[Plan]:
             if length < 1:
                 raise SystemExit(f"--long-tokens / --max-tokens do not fit the server's capacity {capacity}")
             ids = [rng.randrange(top) for _ in range(length)]
+            if kind == "long" and shared:   # a common "system prompt": the prefix cache's case
+                ids = (shared + ids)[:length]
             stream = kind == "disconnect" or rng.random() < 0.5
             body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
             if stream:
@@ -416,10 +421,16 @@ def wait_idle(host: str, port: int, until: float) -> dict:
     while True:
         m = read_metrics(host, port)
         idle = (m.get("futx_requests_running") == 0 and m.get("futx_requests_waiting") == 0 and
-                m.get("futx_cache_slots_free") == m.get("futx_cache_slots_total"))
+                m.get("futx_cache_slots_free") == m.get("futx_cache_slots_total") and pages_back(m))
         if idle or time.monotonic() >= until:
             return m
         time.sleep(0.1)
+
+
+def pages_back(m: dict) -> bool:
+    """Every page free or held only by the prefix cache (a contiguous cache reports 0 pages: trivially)."""
+    total = m.get("futx_cache_pages_total")
+    return total is not None and m.get("futx_cache_pages_free", -1) + m.get("futx_cache_pages_cached", 0) == total
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -446,6 +457,8 @@ def parse_args(argv=None):
                    "token-id prompts (the rest: short chats)")
     p.add_argument("--long-tokens", type=span, default=(2048, 4096), help="LO:HI prompt tokens of a long request "
                    "(clipped to the server's capacity - max_tokens)")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every long prompt starts with (a shared "
+                   "system prompt: prefix-cache hits); the prompt's length stays drawn from --long-tokens")
     p.add_argument("--chat-words", type=span, default=(4, 40), help="LO:HI words of a chat message")
     p.add_argument("--max-tokens", type=span, default=(8, 128), help="LO:HI max_tokens of a valid request")
     p.add_argument("--seed", type=int, default=0)
@@ -545,6 +558,7 @@ def run(args, host: str, port: int, proc, started: float, log_path: Optional[str
         "server_alive": alive and health_ok,
         "all_slots_free": bool(after) and after.get("futx_cache_slots_free") == after.get("futx_cache_slots_total")
         and after.get("futx_requests_running") == 0 and after.get("futx_requests_waiting") == 0,
+        "all_pages_free": bool(after) and pages_back(after),
         "no_server_errors_counted": bool(after) and grew(outcome_key("error")) == 0,
         "within_time_limit": time.monotonic() - started <= args.time_limit,
     }
@@ -572,6 +586,12 @@ def run(args, host: str, port: int, proc, started: float, log_path: Optional[str
                          for o in ("ok", "client_error", "disconnected", "overloaded", "error"))
     slots = f"{after.get('futx_cache_slots_free')}/{after.get('futx_cache_slots_total')}"
     print(f"load_test: server counters: {counters}; slots free {slots}")
+    if after.get("futx_cache_pages_total"):
+        print(f"load_test: pages free {after.get('futx_cache_pages_free'):.0f} + held only by the prefix cache "
+              f"{after.get('futx_cache_pages_cached'):.0f} of {after['futx_cache_pages_total']:.0f}; "
+              f"preemptions +{grew('futx_preemptions_total'):.0f}; prefix-cache hits "
+              f"+{grew('futx_prefix_cache_hits_total'):.0f} ({grew('futx_prefix_cache_hit_tokens_total'):.0f} "
+              f"tokens, hit rate {after.get('futx_prefix_cache_hit_rate', 0):.3f})")
     for name, ok in summary.requirements.items():
         print(f"load_test: {'PASS' if ok else 'FAIL'} {name}")
     for f in summary.failures[:10]:

@@ -35,6 +35,8 @@ CASES = {
         (["--weights", "int8"], "--weights"),
         (["--prefill-format", "fp4"], "--prefill-format"),
         (["--backend", "kernels"], "--backend", NO_CUDA),
+        (["--page-size", "200"], "--page-size"),
+        (["--cache-main", "none"], "--cache-main"),
     ],
     "ppl": [
         (["--json", "{missing}/r.json", "--max-windows", "1"], "--json"),
@@ -72,6 +74,13 @@ CASES = {
         (["--host", ""], "--host"),
         (["--threads", "-2"], "--threads"),
         (["--backend", "reference", "--prefill", "kernels"], "--prefill"),
+        (["--page-size", "100"], "--page-size"),
+        (["--page-size", "64"], "--page-size"),
+        (["--pages", "0"], "--pages"),
+        (["--pages", "4", "--cache-memory", "1"], "--cache-memory"),
+        (["--cache-memory", "0"], "--cache-memory"),
+        (["--cache-main", "none"], "--cache-main"),
+        (["--token-budget", "0"], "--token-budget"),
     ],
     "build": [
         ([], "--out"),

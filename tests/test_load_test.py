@@ -23,11 +23,13 @@ CFG = tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=4,
 NAME = "tiny-test"
 # the CI scale: 60 requests, 8 concurrent streams on 4 cache slots (so requests queue); 30% malformed (18: every
 # case of the load test at least once) and 10% disconnects; long prompts of 100-400 tokens (the tiny model's
-# stand-in for 2-4k)
+# stand-in for 2-4k) sharing a 1-page prefix, on 5 pages of 128 positions (the default would be 16: requests
+# wait for pages; preemption itself is tested in test_serve_paged.py)
 CI = ["--requests", "60", "--concurrency", "8", "--malformed", "0.3", "--disconnect", "0.1",
-      "--long-tokens", "100:400", "--max-tokens", "4:48", "--time-limit", "90", "--seed", "1"]
+      "--long-tokens", "100:400", "--max-tokens", "4:48", "--time-limit", "90", "--seed", "1", "--shared-prefix",
+      "128"]
 SERVE = ["--backend", "reference", "--capacity", "512", "--max-batch", "4", "--max-queue", "16", "--threads", "1",
-         "--served-model-name", NAME]
+         "--served-model-name", NAME, "--pages", "5"]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,9 @@ def test_load_test_at_ci_scale(model_dir, tmp_path):
     assert all(k["passed"] == k["sent"] for k in kinds.values())
     after = s["metrics_after"]
     assert after["futx_cache_slots_free"] == after["futx_cache_slots_total"] == 4
+    assert after["futx_cache_pages_total"] == 5 and s["requirements"]["all_pages_free"]
+    assert after["futx_cache_pages_free"] + after["futx_cache_pages_cached"] == 5
+    assert after["futx_prefix_cache_hits_total"] > 0
     grew = {o: after[outcome_key(o)] - s["metrics_before"][outcome_key(o)]
             for o in ("ok", "client_error", "error", "overloaded")}
     assert grew["error"] == grew["overloaded"] == 0 and grew["ok"] >= kinds["chat"]["sent"] + kinds["long"]["sent"]

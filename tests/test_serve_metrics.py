@@ -79,6 +79,35 @@ def test_metrics_before_any_request(server):
     assert value(m, "futx_time_to_first_token_seconds_count") == 0
     assert not any(name.startswith("futx_speculative") for name, _ in m)   # no drafter
     assert not any(name.startswith("python_") or name.startswith("process_") for name, _ in m)  # own registry
+    # a contiguous cache has no pages; the prefix and preemption series show from the start, at 0
+    for name in ("futx_cache_pages_total", "futx_cache_pages_free", "futx_cache_pages_cached",
+                 "futx_prefix_cache_hit_rate", "futx_prefix_cache_hits_total", "futx_prefix_cache_hit_tokens_total",
+                 "futx_preemptions_total"):
+        assert value(m, name) == 0, name
+
+
+def test_a_paged_server_shows_its_pages_and_prefix_hits(weights, tok):
+    from futx.paging import PageLayout
+
+    sched = Scheduler(ReferenceEngine(weights, 2, 256, PageLayout.for_capacity(128, 4, 2, 256)), tok,
+                      prefill_chunk=64).start()
+    srv = ServerThread(App(sched, tok, (NAME,), CFG.vocab_size).build()).start()
+    s = Server.__new__(Server)
+    s.sched, s.srv, s.client = sched, srv, httpx.Client(base_url=srv.url, timeout=30)
+    try:
+        m = s.metrics()
+        assert value(m, "futx_cache_pages_total") == 4 and value(m, "futx_cache_pages_free") == 4
+        prompt = list(range(1, 140))                     # one full page before its last token
+        for _ in range(2):
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+            assert s.client.post("/v1/completions", json=body).status_code == 200
+        m = s.metrics()
+        assert value(m, "futx_prefix_cache_hits_total") == 1 and value(m, "futx_prefix_cache_hit_tokens_total") == 128
+        assert value(m, "futx_prefix_cache_hit_rate") == pytest.approx(128 / (2 * 139))
+        assert value(m, "futx_cache_pages_cached") == 1 and value(m, "futx_cache_pages_free") == 3
+        assert value(m, "futx_preemptions_total") == 0
+    finally:
+        s.close()
 
 
 def test_metrics_count_tokens_latencies_and_outcomes(server):

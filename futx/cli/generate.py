@@ -11,8 +11,8 @@ import time
 from futx import files
 
 from . import validators as v
-from .options import (add_engine_arguments, add_model_arguments, add_speculative_arguments, check_engine_options,
-                      check_model_options, check_speculative_options)
+from .options import (add_cache_arguments, add_engine_arguments, add_model_arguments, add_speculative_arguments,
+                      check_cache_options, check_engine_options, check_model_options, check_speculative_options)
 from .registry import register
 
 HELP = "greedy generation on the reference path (streams tokens, reports tokens/s)"
@@ -27,6 +27,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, type=v.text_file,
                    help="a UTF-8 text file of prompts, one per line, generated together (engine backends)")
     add_engine_arguments(p, batch_default=8)
+    add_cache_arguments(p)
     add_speculative_arguments(p)
     p.add_argument("--json", default=None, type=v.output_file,
                    help="decode engine: write the outputs, steps and tokens/s (with --speculative also the "
@@ -36,6 +37,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     check_model_options(args)
     check_engine_options(args)
+    check_cache_options(args)
     if args.prompts and args.backend == "reference":
         raise ValueError("--prompts runs on the decode engine (--backend kernels or emulated)")
     if args.prompts and not read_prompts(args):
@@ -124,7 +126,8 @@ def _run_engine(args: argparse.Namespace) -> int:
     single = len(prompts) == 1
     out = sys.stdout
     drafter = build_drafter(args, engine)
-    scheduler = Scheduler(engine, tok, max_queue=len(prompts), drafter=drafter, num_draft=args.num_draft or 0)
+    scheduler = Scheduler(engine, tok, max_queue=len(prompts), drafter=drafter, num_draft=args.num_draft or 0,
+                          token_budget=args.token_budget, prefix_cache=not args.no_prefix_cache)
     params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
 
     def stream(ev) -> None:

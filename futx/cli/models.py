@@ -63,6 +63,38 @@ def build_prefill(args, model, float_weights=None):
                         glue=getattr(args, "prefill_glue", None) or "auto")
 
 
+def paged(args) -> bool:
+    """Whether the engine runs the paged cache: on every backend but the kernels until the decode and prefill
+    kernels read pages (KERNELS_PAGED of futx.engine.backends and futx.engine.prefill); never for subcommands
+    without the cache options."""
+    if getattr(args, "page_size", None) is None:
+        return False
+    if args.backend != "kernels":
+        return True
+    from futx.engine import backends, prefill
+
+    ready = backends.KERNELS_PAGED and (prefill.KERNELS_PAGED or resolve_prefill(args) != "kernels")
+    if not ready and (args.pages or args.cache_memory):
+        raise ValueError("--pages / --cache-memory: the kernels do not read a paged cache yet; on --backend kernels "
+                         "the cache is contiguous, --capacity positions for each of --max-batch requests")
+    return ready
+
+
+def cache_pages(args, capacity: int, page_bytes: int) -> int:
+    """--pages, or --cache-memory in whole pages, or by default the contiguous cache's memory: --max-batch
+    requests of `capacity` positions."""
+    from futx.paging import pages_for
+
+    if args.pages:
+        return args.pages
+    if args.cache_memory:
+        n = int(args.cache_memory * 1e9 // page_bytes)
+        if n < 1:
+            raise ValueError(f"--cache-memory {args.cache_memory} GB holds no page ({page_bytes} bytes each)")
+        return n
+    return args.max_batch * pages_for(capacity, args.page_size)
+
+
 def speculating(args) -> bool:
     return getattr(args, "speculative", "none") != "none"
 
@@ -77,10 +109,15 @@ def build_engine(args, capacity: int, float_weights=None):
     dev = engine_device(args)
     packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev,
                          float_weights=float_weights)
+    from futx.engine.cache import EngineCache
+
     width = args.num_draft + 1 if speculating(args) else 1
+    pages = None
+    if paged(args):
+        pages = cache_pages(args, capacity, EngineCache.page_bytes(packed.config, args.cache, args.page_size))
     model = DecodeModel(packed, args.cache, max_batch=args.max_batch, capacity=capacity,
                         backend="kernels" if args.backend == "kernels" else "emulated", device=dev,
-                        max_rows=args.max_batch * width)
+                        max_rows=args.max_batch * width, pages=pages, page_size=getattr(args, "page_size", 128))
     graphs = None
     if model.device.type == "cuda" and not args.no_graphs:
         graphs = BlockGraphs(model, width, max_requests=args.max_batch) if width > 1 else GraphSteps(model)
@@ -139,8 +176,17 @@ def build_serving_engine(args, capacity: int, tokenizer=None):
     if capacity < 2:
         raise ValueError(f"--capacity must be at least 2, got {capacity}")
     if args.backend == "reference":
+        from futx.paging import PageLayout
+
         weights, tok = load_model(args)
-        return ReferenceEngine(weights, args.max_batch, capacity), tok
+        layout = None
+        if paged(args):
+            c = weights.config
+            per_page = 2 * c.num_hidden_layers * c.num_key_value_heads * args.page_size * c.head_dim \
+                * weights.dtype.itemsize
+            layout = PageLayout.for_capacity(args.page_size, cache_pages(args, capacity, per_page), args.max_batch,
+                                             capacity)
+        return ReferenceEngine(weights, args.max_batch, capacity, layout), tok
     from futx.engine.packed import is_packed_dir
     from futx.quant.simulated import quantized_weights
 

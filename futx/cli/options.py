@@ -101,6 +101,39 @@ def is_packed(model) -> bool:
     return is_packed_dir(model)
 
 
+# ---- the paged KV cache and the scheduler's budget (futx generate / futx serve) -------------------------------
+PAGE_ALIGN = 128         # futx.paging.PAGE_ALIGN (not imported: futx.paging imports torch)
+CACHE_MAIN = ("bf16", "none")
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("paged KV cache and scheduling")
+    g.add_argument("--page-size", type=v.int_in(PAGE_ALIGN), default=PAGE_ALIGN,
+                   help=f"positions per cache page, a multiple of {PAGE_ALIGN} (default {PAGE_ALIGN})")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--pages", type=v.positive_int, default=None,
+                      help="cache pages in all (memory), shared by the running requests; default: --max-batch x "
+                           "the pages of --capacity positions, the memory of the contiguous cache")
+    size.add_argument("--cache-memory", type=v.positive_float, default=None, metavar="GB",
+                      help="cache memory in GB (10^9 bytes), as whole pages (instead of --pages)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not share prefilled full pages of equal prompt prefixes across requests")
+    g.add_argument("--cache-main", default="bf16", choices=CACHE_MAIN,
+                   help="keep the BF16 main copy of the cache beside the mirror (bf16); none (an INT4-only "
+                        "cache) is not built yet")
+    g.add_argument("--token-budget", type=v.positive_int, default=None,
+                   help="tokens per scheduler tick, decode rows and prefill chunks together (default: "
+                        "--prefill-chunk + the decode rows of a full batch: prefill never waits for decode)")
+
+
+def check_cache_options(args: argparse.Namespace) -> None:
+    if args.page_size % PAGE_ALIGN:
+        raise ValueError(f"--page-size must be a multiple of {PAGE_ALIGN}, got {args.page_size}")
+    if args.cache_main == "none":
+        raise ValueError("--cache-main none (an INT4-only cache, mirror pages only) is not built yet; use "
+                         "--cache-main bf16")
+
+
 # ---- speculative decoding (futx generate / futx serve) ------------------------------------------------------
 SPECULATIVE = ("none", "ngram", "dlite")
 MAX_DRAFT = 7            # futx.speculative.drafter.MAX_DRAFT (not imported: that module is checked without torch)

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from . import validators as v
-from .options import (add_engine_arguments, add_model_arguments, add_speculative_arguments, check_engine_options,
-                      check_model_options, check_speculative_options)
+from .options import (add_cache_arguments, add_engine_arguments, add_model_arguments, add_speculative_arguments,
+                      check_cache_options, check_engine_options, check_model_options, check_speculative_options)
 from .registry import register
 
 HELP = "OpenAI-compatible HTTP server with continuous batching (/v1/completions, /v1/chat/completions)"
@@ -28,6 +28,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                      "with continuous batching on the decode engine. " + PREFILL_NOTE)
     add_model_arguments(p)
     add_engine_arguments(p, batch_default=8)
+    add_cache_arguments(p)
     add_speculative_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", type=v.nonempty, help="address to listen on")
@@ -45,6 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     check_model_options(args)
     check_engine_options(args)
+    check_cache_options(args)
     check_speculative_options(args)
 
 
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     engine, tok = build_serving_engine(args, args.capacity)
     scheduler = Scheduler(engine, tok, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                          drafter=build_drafter(args, engine), num_draft=args.num_draft or 0)
+                          drafter=build_drafter(args, engine), num_draft=args.num_draft or 0,
+                          token_budget=args.token_budget, prefix_cache=not args.no_prefix_cache)
     name = args.served_model_name or engine.config.name
     app = App(scheduler, tok, (name,), engine.config.vocab_size).build()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -69,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
         host, port = runner.addresses[0][:2]
         spec = (f"; speculative {args.speculative}, up to {args.num_draft} drafts per request and step"
                 if args.speculative != "none" else "")
+        lay = scheduler.layout
+        pages = ("" if lay is None else f", {lay.pages} cache pages of {lay.page_size} positions (prefix cache "
+                 f"{'on' if scheduler.prefix is not None else 'off'})")
         print(f"futx serve: {engine.describe()}; up to {engine.max_batch} requests of {engine.capacity} "
-              f"positions; model '{name}'{spec}", file=sys.stderr)
+              f"positions{pages}; model '{name}'{spec}", file=sys.stderr)
         print(f"futx serve: listening on http://{host}:{port}/v1", flush=True)
         try:
             await asyncio.Event().wait()

@@ -66,6 +66,16 @@ def int_in(lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
 positive_int = int_in(1)
 
 
+def positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 < x < float("inf"):
+        raise ArgumentTypeError(f"must be a positive number, got {value}")
+    return x
+
+
 def int_choice(values: Iterable[int]) -> Callable[[str], int]:
     allowed = tuple(values)
 

@@ -128,9 +128,7 @@ class EmulatedOps:
         if cache.values is None:
             raise ValueError("the emulated backend needs an EngineCache made with keep_values=True")
         ctx = int(positions.max()) + 1  # rows attend over their own [0, pos]; later positions are masked
-        idx = slots.long()
-        kk = cache.values[layer][0][:, :, :ctx].index_select(0, idx)        # [M, Hkv, ctx, D] float32
-        vv = cache.values[layer][1][:, :, :ctx].index_select(0, idx)
+        kk, vv = cache.attended_values(layer, slots, ctx)                   # [M, Hkv, ctx, D] float32
         s = (q.float().view(m, hkv, g, d) @ kk.transpose(-1, -2)) / math.sqrt(d)  # [M, Hkv, g, ctx]
         late = torch.arange(ctx, device=q.device)[None, :] > positions.long()[:, None]
         p = torch.softmax(s.masked_fill(late[:, None, None, :], float("-inf")), dim=-1)
@@ -145,6 +143,15 @@ class EmulatedOps:
 
 
 GEMV_HEAD_ROWS = 16
+# whether the decode attention kernel (and the block step's prewrite) address a paged cache through its block
+# table: the paged kernels are their own piece of work (issue 28, branch paged-decode), which flips this
+KERNELS_PAGED = True
+
+
+def check_kernel_cache(cache: EngineCache) -> None:
+    if cache.layout is not None and not KERNELS_PAGED:
+        raise ValueError("the paged KV cache is not built into the decode kernels yet (the emulated backend runs "
+                         "it); use the contiguous cache on --backend kernels")
 BLOCK_ATTENTION = ("prewrite", "columns")   # KernelOps.attention_block's two ways
 
 
@@ -223,6 +230,7 @@ class KernelOps:
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
                   layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        check_kernel_cache(cache)
         c = cache.config
         lc = cache.layers[layer]
         block_table, page_size = cache_paging(cache)   # a paged cache: the kernel reads through its table
@@ -273,6 +281,7 @@ class KernelOps:
         the attention kernel itself stores for these rows (tests/test_speculative_gpu.py checks they are equal).
         A paged cache's rows go to their (page, in-page row) of its block table (futx.paging.locate).
         Capturable: no host synchronization (load_blocks checked the indices)."""
+        check_kernel_cache(cache)
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)

@@ -9,6 +9,12 @@ for rows a prefill kernel already put in the main copy: both store exactly what 
 have stored for the same BF16 row (main copy, then rotation, per-row scale, quantization and fragment-order
 packing from `futx.quant`), so decode cannot tell who wrote a row. `read` returns the
 values decode attention uses (mirror dequantized, rotation undone), for the emulated backend and tests.
+
+Paged mode (`layout`, a futx.paging.PageLayout): every layer's tensors hold `layout.pages` pages of
+`layout.page_size` positions plus the scratch page (futx.paging's storage), `table` is the block table on the
+device, and a row of (slot, position) is stored at futx.paging.locate's (page, offset). The writers and readers
+here translate through the table, so their callers keep speaking slots and positions; `set_pages` fills a
+slot's table row (the scheduler's page bookkeeping is futx.engine.pages). Contiguous mode: layout and table None.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from futx import paging
 from futx.config import LlamaConfig
 from futx.ops.decode_attention import DecodeCache
 from futx.quant import hadamard, layouts
@@ -27,17 +34,25 @@ from .support import check_capacity
 
 class EngineCache:
     def __init__(self, config: LlamaConfig, fmt: str, slots: int, capacity: int, device="cuda",
-                 keep_values: bool = False):
+                 keep_values: bool = False, layout: Optional[paging.PageLayout] = None):
+        """layout: the paged cache (its slots must be `slots`, its table span hold `capacity` positions)."""
         check_capacity(fmt, capacity)
         if slots < 1:
             raise ValueError(f"the cache needs at least one slot, got {slots}")
+        if layout is not None and (layout.slots != slots or layout.capacity < capacity):
+            raise ValueError(f"page layout for {layout.slots} slots of {layout.capacity} positions, the cache has "
+                             f"{slots} slots of {capacity}")
         self.config, self.fmt, self.slots, self.capacity = config, fmt, slots, capacity
         self.device = torch.device(device)
         self.rotate = fmt == "int4"
+        self.layout = layout
         hkv, d = config.num_key_value_heads, config.head_dim
-        shape = (slots + 1, hkv, capacity, d)  # + the scratch slot
+        # the slot mode (+ the scratch slot) or the page mode (+ the scratch page) of futx.ops.decode_attention
+        extent, span = (slots + 1, capacity) if layout is None else (layout.storage_pages(), layout.page_size)
+        shape = (extent, hkv, span, d)
+        self.table: Optional[torch.Tensor] = None if layout is None else layout.new_table(self.device)
         # per layer the tensors of futx.ops.decode_attention, in its layout (E4M3 mirrors as float8)
-        self.layers: list[DecodeCache] = [DecodeCache.allocate(fmt, slots + 1, hkv, capacity, d, self.device)
+        self.layers: list[DecodeCache] = [DecodeCache.allocate(fmt, extent, hkv, span, d, self.device)
                                           for _ in range(config.num_hidden_layers)]
         # keep_values: also keep what decode attention reads as float32 [S, Hkv, C, D] per layer, so the
         # emulated backend reads slices instead of unpacking the mirror every step
@@ -49,6 +64,64 @@ class EngineCache:
     @property
     def scratch_slot(self) -> int:
         return self.slots
+
+    @staticmethod
+    def page_bytes(config: LlamaConfig, fmt: str, page_size: int) -> int:
+        """Bytes of one page over all layers (main copy, mirror, scales): what --cache-memory divides."""
+        one = DecodeCache.allocate(fmt, 1, config.num_key_value_heads, page_size, config.head_dim, "meta")
+        return config.num_hidden_layers * sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
+
+    # ---- the block table (paged mode) ----------------------------------------------------------------
+    def set_pages(self, slot: int, pages: list[int]) -> None:
+        """Slot `slot` owns `pages` (in position order); its other table entries become the scratch page."""
+        lay = self._paged()
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"cache slot {slot} out of range [0, {self.slots})")
+        if len(pages) > lay.max_pages:
+            raise ValueError(f"{len(pages)} pages for one request; its table row holds {lay.max_pages}")
+        if pages and (min(pages) < 0 or max(pages) >= lay.pages):
+            raise ValueError(f"pages must lie in [0, {lay.pages}), got {min(pages)}..{max(pages)}")
+        row = torch.full((lay.max_pages,), lay.scratch_page, dtype=paging.TABLE_DTYPE)
+        row[:len(pages)] = torch.as_tensor(pages, dtype=paging.TABLE_DTYPE)
+        self.table[slot].copy_(row)
+
+    def _paged(self) -> paging.PageLayout:
+        if self.layout is None:
+            raise ValueError("a contiguous cache has no block table")
+        return self.layout
+
+    def _locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The storage indices (slot mode: the slots and positions; page mode: pages and in-page offsets)."""
+        if self.layout is None:
+            return slots.long(), positions.long()
+        pages, offs = paging.locate(self.table, slots, positions, self.layout.page_size)
+        return pages.long(), offs.long()
+
+    def gather(self, t: torch.Tensor, slot: int, length: int) -> torch.Tensor:
+        """Positions [0, length) of slot `slot` of a per-layer tensor t [extent, Hkv, span, ...] as
+        [Hkv, length, ...] (page mode: its pages concatenated; an INT4 key mirror's 8-token blocks count as
+        positions / 8, so pass length = blocks there)."""
+        if self.layout is None:
+            return t[slot, :, :length]
+        per = t.shape[2]                                    # positions (or key blocks) per page
+        n = -(-length // per)
+        g = t.index_select(0, self.table[slot, :n].long())  # [n, Hkv, per, ...]
+        return g.transpose(0, 1).reshape(t.shape[1], n * per, *t.shape[3:])[:, :length]
+
+    def attended_values(self, layer: int, slots: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept float values (keep_values) of positions [0, ctx) of each row's slot: k, v [M, Hkv, ctx, D]."""
+        kv = self.values[layer]
+        if self.layout is None:
+            idx = slots.long()
+            return kv[0][:, :, :ctx].index_select(0, idx), kv[1][:, :, :ctx].index_select(0, idx)
+        p = self.layout.page_size
+        n = -(-ctx // p)
+        pages = self.table.index_select(0, slots.long())[:, :n].reshape(-1).long()   # [M n]
+        m, hkv, d = slots.shape[0], kv[0].shape[1], kv[0].shape[3]
+
+        def one(t):
+            return t.index_select(0, pages).view(m, n, hkv, p, d).transpose(1, 2).reshape(m, hkv, n * p, d)[:, :, :ctx]
+        return one(kv[0]), one(kv[1])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self.layers for t in c.tensors() if t is not None)
@@ -89,6 +162,9 @@ class EngineCache:
             raise ValueError(f"cache slot out of range [0, {self.slots}]")
         c = self.layers[layer]
         slots, positions = slots.to(self.device, torch.long), positions.to(self.device, torch.long)
+        if self.layout is not None:
+            paging.check_rows(self.table, slots, positions, self.layout.page_size, self.layout.scratch_page)
+            slots, positions = self._locate(slots, positions)
         kb, vb = k.to(self.device, torch.bfloat16), v.to(self.device, torch.bfloat16)
         c.k_cache[slots, :, positions] = kb
         c.v_cache[slots, :, positions] = vb
@@ -108,10 +184,12 @@ class EngineCache:
             from futx.ops.mirror_rows import mirror_rows
 
             i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+            # page mode: the kernel indexes the page-mode tensors by (page, offset) as it would (slot, position)
+            slots, positions = self._locate(slots, positions)
             mirror_rows(self.fmt, c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, i32(slots),
                         i32(positions))
             return
-        slots, positions = slots.long(), positions.long()
+        slots, positions = self._locate(slots, positions)
         self._store_mirror(layer, slots, positions, c.k_cache[slots, :, positions].float(),
                            c.v_cache[slots, :, positions].float(), check_finite=False)
 
@@ -146,16 +224,18 @@ class EngineCache:
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) float32 [Hkv, length, D]: the values decode attention uses for positions [0, length)."""
         c = self.layers[layer]
+
+        def g(t, n=length):
+            return self.gather(t, slot, n)
         if self.values is not None:
-            return self.values[layer][0][slot, :, :length], self.values[layer][1][slot, :, :length]
+            return g(self.values[layer][0]), g(self.values[layer][1])
         if self.fmt == "bf16":
-            return c.k_cache[slot, :, :length].float(), c.v_cache[slot, :, :length].float()
+            return g(c.k_cache).float(), g(c.v_cache).float()
         if self.fmt == "e4m3":
-            return (dequantize_rows(c.k_mirror[slot, :, :length], c.k_scale[slot, :, :length]),
-                    dequantize_rows(c.v_mirror[slot, :, :length], c.v_scale[slot, :, :length]))
+            return dequantize_rows(g(c.k_mirror), g(c.k_scale)), dequantize_rows(g(c.v_mirror), g(c.v_scale))
         blocks = -(-length // 8)
-        kq = layouts.unpack_int4_keys(c.k_mirror[slot, :, :blocks])[:, :length]
-        vq = layouts.unpack_int4_values(c.v_mirror[slot, :, :length])
-        k = dequantize_rows(kq, c.k_scale[slot, :, :length])
-        v = dequantize_rows(vq, c.v_scale[slot, :, :length])
+        kq = layouts.unpack_int4_keys(g(c.k_mirror, blocks))[:, :length]
+        vq = layouts.unpack_int4_values(g(c.v_mirror))
+        k = dequantize_rows(kq, g(c.k_scale))
+        v = dequantize_rows(vq, g(c.v_scale))
         return hadamard.unrotate(k), hadamard.unrotate(v)

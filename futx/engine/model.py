@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from futx import paging
 from futx.reference import rms_norm
 
 from .backends import make_ops, rope_table
@@ -84,9 +85,12 @@ class DecodeModel:
     def __init__(self, packed: PackedModel, cache: str = "int4", *, max_batch: int = 8, capacity: int = 2048,
                  backend: str = "kernels", device=None, glue: str = "fused",
                  shared_cache: Optional[EngineCache] = None, max_rows: Optional[int] = None,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, pages: Optional[int] = None, page_size: int = paging.DEFAULT_PAGE_SIZE):
         """max_batch: cache slots (requests); max_rows: rows of one step (default max_batch; more for block
-        steps: requests x (drafts + 1)); keep_logits: also keep each step's logits in buffers.logits."""
+        steps: requests x (drafts + 1)); keep_logits: also keep each step's logits in buffers.logits.
+        pages: a paged cache of that many pages of page_size positions (futx.paging; None: contiguous slots of
+        `capacity` positions); requests still reach at most `capacity` positions, the caller fills the block
+        table (EngineCache.set_pages)."""
         check_formats(packed.weights, cache)
         check_model(packed.config, packed.weights, packed.group_size)
         check_batch(max_batch)
@@ -102,13 +106,16 @@ class DecodeModel:
         self.capacity = round_capacity(capacity)
         self.max_batch = max_batch
         self.max_rows = max_rows
+        layout = None if pages is None else paging.PageLayout.for_capacity(page_size, pages, max_batch,
+                                                                            self.capacity)
         if shared_cache is not None:  # several models over one cache (benchmarks)
-            if (shared_cache.fmt, shared_cache.slots, shared_cache.capacity) != (cache, max_batch, self.capacity):
-                raise ValueError("the shared cache's format, slots or capacity differ from this model's")
+            if (shared_cache.fmt, shared_cache.slots, shared_cache.capacity, shared_cache.layout) != (
+                    cache, max_batch, self.capacity, layout):
+                raise ValueError("the shared cache's format, slots, capacity or pages differ from this model's")
             self.cache = shared_cache
         else:
             self.cache = EngineCache(self.config, cache, max_batch, self.capacity, self.device,
-                                     keep_values=backend == "emulated")
+                                     keep_values=backend == "emulated", layout=layout)
         self.rope = rope_table(self.config, self.capacity, self.device)
         self.buffers = StepBuffers.allocate(max_rows, self.config.hidden_size, self.device,
                                             self.config.vocab_size if keep_logits else None)

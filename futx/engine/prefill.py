@@ -81,6 +81,9 @@ from .paged_kv import cache_layout, gather
 
 FORMATS = ("e4m3", "bf16")
 BACKENDS = ("kernels", "emulated")
+# whether the prefill attention kernel and the QKV epilogue address a paged cache through its block table: their
+# own piece of work (issue 28, branch paged-prefill), which flips this
+KERNELS_PAGED = True
 GLUE = ("auto", "eager", "kernel", "compiled")
 Weight = Union[E4M3Weight, torch.Tensor]
 
@@ -406,7 +409,7 @@ class _Rows:
     mirror_slot: torch.Tensor             # the rows whose decode mirror is written (padded path: the real rows)
     mirror_pos: torch.Tensor
     # a paged cache (`PrefillModel._paged`): each row's page (the QKV epilogue's row_slot), the block table and
-    # its page size; mirror_slot / mirror_pos are then the mirror rows' (page, offset)
+    # its page size (mirror_slot / mirror_pos stay slots and positions: the cache's mirror writer locates them)
     row_page: Optional[torch.Tensor] = None
     table: Optional[torch.Tensor] = None
     page_size: int = 0
@@ -444,6 +447,9 @@ class PrefillModel:
             raise ValueError("the engine cache was made for another model shape")
         if backend == "kernels" and cache.device.type != "cuda":
             raise ValueError("the kernel prefill needs a CUDA (Hopper) device; use backend='emulated' elsewhere")
+        if backend == "kernels" and cache.layout is not None and not KERNELS_PAGED:
+            raise ValueError("the paged KV cache is not built into the prefill kernels yet (the emulated prefill "
+                             "runs it); use the contiguous cache on the kernels")
         if glue not in GLUE:
             raise ValueError(f"glue must be one of {GLUE}, got {glue!r}")
         if glue == "kernel" and backend != "kernels":
@@ -571,12 +577,9 @@ class PrefillModel:
         if layout is None:
             return rows
         table, size = self.cache.table, layout.page_size
-        row_page, row_off = paging.locate(table, rows.row_slot, rows.row_pos, size)
-        if rows.mirror_slot is rows.row_slot and rows.mirror_pos is rows.row_pos:   # every row mirrored
-            m_page, m_off = row_page, row_off
-        else:
-            m_page, m_off = paging.locate(table, rows.mirror_slot, rows.mirror_pos, size)
-        return replace(rows, row_page=row_page, mirror_slot=m_page, mirror_pos=m_off, table=table, page_size=size)
+        row_page, _ = paging.locate(table, rows.row_slot, rows.row_pos, size)
+        # the mirror rows stay (slot, position): EngineCache.mirror_rows translates them itself
+        return replace(rows, row_page=row_page, table=table, page_size=size)
 
     def _rows(self, tokens: torch.Tensor, batch: PackedBatch, real: Optional[torch.Tensor] = None) -> _Rows:
         host = batch.host_lists()

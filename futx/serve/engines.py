@@ -15,15 +15,24 @@ the decode step one token per step instead.
 
 Both prefill prompt[:-1]; the last prompt token is the request's first decode row, whose output is its
 first generated token.
+
+Paged caches (`layout`, a futx.paging.PageLayout; None: one contiguous slot per request): the scheduler owns the
+page bookkeeping (futx.engine.pages) and tells the engine which pages a slot's request holds (`set_pages`,
+before any step writes them); `release` points the slot's table row back at the scratch page. `prefix_ok`: the
+engine can start a request's prefill at a position whose K/V another request wrote (its prefill reads earlier
+positions from the cache; the per-request reference prefill of DecodeEngine keeps its own float K/V instead).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from futx.kvcache import KVCache
+from futx.paged_kvcache import PagedKVCache
+from futx.paging import PageLayout
 from futx.reference import PackedBatch, forward, forward_hidden
 
 
@@ -39,12 +48,24 @@ class Chunk:
 class ReferenceEngine:
     name = "reference"
     prefills = True
+    prefix_ok = True
+    prefill_is_decode = True   # one model for both phases: a preempted request's tokens may all be prefilled
 
-    def __init__(self, weights, max_batch: int, capacity: int):
+    def __init__(self, weights, max_batch: int, capacity: int, layout: Optional[PageLayout] = None):
+        """layout: a paged cache (futx.paged_kvcache) of layout.pages pages for max_batch slots."""
         self.weights, self.config = weights, weights.config
         self.max_batch, self.capacity = max_batch, capacity
         self.device = weights.device
-        self.cache = KVCache(self.config, max_batch, capacity, dtype=weights.dtype, device=self.device)
+        self.layout = layout
+        if layout is None:
+            self.cache = KVCache(self.config, max_batch, capacity, dtype=weights.dtype, device=self.device)
+        else:
+            if layout.slots != max_batch or layout.capacity < capacity:
+                raise ValueError("the page layout does not match the engine's slots and capacity")
+            self.cache = PagedKVCache(self.config, layout, dtype=weights.dtype, device=self.device)
+
+    def set_pages(self, slot: int, pages: list[int], filled: Optional[int] = None) -> None:
+        self.cache.set_pages(slot, pages, filled)
 
     def describe(self) -> str:
         return f"{self.config.name} on the reference path ({self.weights.dtype} on {self.device})"
@@ -84,7 +105,12 @@ class DecodeEngine:
         self.max_batch, self.capacity = model.max_batch, model.capacity
         self.max_rows = model.max_rows
         self.prefills = prefill_weights is not None or prefill_model is not None
+        self.layout = model.cache.layout
+        self.prefix_ok = prefill_model is not None or not self.prefills
         self._ref: dict[int, KVCache] = {}  # per slot: the prompt's reference K/V while it is being prefilled
+
+    def set_pages(self, slot: int, pages: list[int], filled: Optional[int] = None) -> None:
+        self.model.cache.set_pages(slot, pages)
 
     def describe(self) -> str:
         m = self.model
@@ -161,3 +187,5 @@ class DecodeEngine:
 
     def release(self, slot: int) -> None:
         self._ref.pop(slot, None)  # the engine's cache rows are simply overwritten by the next request
+        if self.layout is not None:
+            self.model.cache.set_pages(slot, [])

@@ -4,8 +4,15 @@ Every metric lives in the server's own CollectorRegistry (never the process-glob
 several servers (tests) and each /metrics shows only its own. Names, all prefixed `futx_`:
 
     requests_running, requests_waiting                gauges, read from the scheduler at scrape time
-    cache_slots_free, cache_slots_total               gauges: today's cache is one slot per request (a paged
-                                                      cache will add cache_pages_free / cache_pages_total)
+    cache_slots_free, cache_slots_total               gauges: slots (rows of a step), one per running request
+    cache_pages_free, cache_pages_total               gauges: pages of a paged cache in the free pool / in all
+                                                      (0 on a contiguous cache)
+    cache_pages_cached                                gauge: pages held only by the prefix cache (reusable by a
+                                                      later prompt, evicted on demand: as good as free)
+    prefix_cache_hit_rate                             gauge: prefix_cache_hit_tokens / prompt_tokens
+    prefix_cache_hits_total, prefix_cache_hit_tokens_total   counters: admissions that attached cached pages, and
+                                                      the prompt positions those pages held (not prefilled)
+    preemptions_total                                 counter: requests preempted for lack of pages (recomputed)
     requests_total{outcome}                           counter: ok, client_error (4xx), disconnected,
                                                       overloaded (503 queue full), error (5xx or engine failure)
     prompt_tokens_total, generation_tokens_total      counters (generated tokens as the scheduler emits them)
@@ -43,6 +50,17 @@ class ServerMetrics:
         self.slots_free = Gauge("futx_cache_slots_free", "Cache slots (one per request) not held by a request",
                                 registry=r)
         self.slots_total = Gauge("futx_cache_slots_total", "Cache slots (one per request)", registry=r)
+        self.pages_free = Gauge("futx_cache_pages_free", "Pages of the paged KV cache in the free pool", registry=r)
+        self.pages_total = Gauge("futx_cache_pages_total", "Pages of the paged KV cache", registry=r)
+        self.pages_cached = Gauge("futx_cache_pages_cached", "Pages held only by the prefix cache (evictable)",
+                                  registry=r)
+        self.hit_rate = Gauge("futx_prefix_cache_hit_rate", "Prompt positions attached from the prefix cache / "
+                              "prompt tokens of admitted requests", registry=r)
+        self.hits = Counter("futx_prefix_cache_hits", "Admissions that attached cached prefix pages", registry=r)
+        self.hit_tokens = Counter("futx_prefix_cache_hit_tokens", "Prompt positions attached from the prefix cache "
+                                  "(not prefilled)", registry=r)
+        self.preemptions = Counter("futx_preemptions", "Requests preempted for lack of cache pages (recomputed)",
+                                   registry=r)
         self.requests = Counter("futx_requests", "Generation requests by outcome", ["outcome"], registry=r)
         for o in OUTCOMES:
             self.requests.labels(o)   # every outcome shows, at 0, from the start
@@ -66,6 +84,14 @@ class ServerMetrics:
         self.waiting.set_function(snapshot("waiting"))
         self.slots_free.set_function(snapshot("slots_free"))
         self.slots_total.set_function(snapshot("slots_total"))
+        self.pages_free.set_function(snapshot("pages_free"))
+        self.pages_total.set_function(snapshot("pages_total"))
+        self.pages_cached.set_function(snapshot("pages_cached"))
+
+        def rate():
+            s = scheduler.snapshot()
+            return s["prefix_hit_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+        self.hit_rate.set_function(rate)
         if scheduler.drafter is not None and self.acceptance is None:
             n = scheduler.num_draft
             self.acceptance = Histogram("futx_speculative_accepted_tokens", "Drafts accepted per verification",
@@ -73,8 +99,14 @@ class ServerMetrics:
         scheduler.metrics = self
 
     # ---- called by the scheduler (its thread) -------------------------------------------------------------
-    def admitted(self, prompt_tokens: int) -> None:
+    def admitted(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        if cached_tokens:
+            self.hits.inc()
+            self.hit_tokens.inc(cached_tokens)
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
 
     def tokens(self, ttft: Optional[float], gaps: tuple[float, int]) -> None:
         """ttft: seconds to this request's first token (None if it had one before); gaps: (seconds per token,

@@ -9,9 +9,26 @@ A request moves WAITING -> PREFILL -> DECODE -> finished:
     finished  max_tokens ("length"), EOS or a stop string ("stop"), the client went away ("cancelled") or the
               engine failed ("error"); the slot is freed before the next tick
 
-Each tick runs one prefill chunk batch and one decode step over all DECODE rows (any mix of lengths). The
-loop runs in its own thread (`start`) or in the caller's (`run_until_idle`, for `futx generate`). Every new
-piece of text goes to the request's `sink` as an Event, from the loop's thread.
+Each tick runs one prefill chunk batch and one decode step over all DECODE rows (any mix of lengths), within a
+token budget: decode rows first (one token each, num_draft + 1 with a drafter), prefill chunks in what is left
+(at most `prefill_chunk`). The loop runs in its own thread (`start`) or in the caller's (`run_until_idle`, for
+`futx generate`). Every new piece of text goes to the request's `sink` as an Event, from the loop's thread.
+
+Paged engines (engine.layout set; futx.engine.pages keeps the books). Slots are rows of a step; pages are the
+memory. A waiting request is admitted when a slot is free and the pages of its whole history fit, leaving one
+page of headroom per running request (so requests already running can grow without preempting the newcomer at
+once). With the prefix cache, admission first attaches the longest cached full-page prefix of the history (the
+request's prefill then starts there), and each full page a prefill completes is published at once (read only
+from then on: a request writes only at or past its position), so requests that arrive together share a system
+prompt too. A request grows page by page: before each step its rows' positions get pages (num_draft + 1
+positions for a verify block). When none are left (after evicting idle prefix pages), the youngest running
+request is preempted: it gives its pages back (its prefilled pages stay in the prefix cache) and goes back to
+the head of the queue with its prompt + generated tokens, recomputed on readmission: the prompt by prefill, the
+generated tokens by decode rows that emit nothing (so the cache gets the bytes it had: the engine's prefill and
+decode weights differ, FP8 or BF16 against INT4), or all by prefill where both phases are one computation
+(`engine.prefill_is_decode`: the reference model). Greedy output is unchanged. The oldest running request is
+never preempted for a younger one, and a request whose pages could never fit is refused at submit, so the loop
+always makes progress.
 
 With a `drafter` (speculative decoding, futx.speculative) the decode step is a block (verify) step: each DECODE
 request feeds the tokens of its history not yet in the cache (its last token; without a prefill, up to
@@ -36,6 +53,8 @@ from typing import Callable, Collection, Optional
 import torch
 
 from futx.engine.generate import GenerationStats
+from futx.engine.pages import PagePool, PrefixCache
+from futx.paging import pages_for
 
 from .detok import TextStream
 from .engines import Chunk
@@ -52,7 +71,7 @@ class QueueFull(RuntimeError):
 
 
 class RequestTooLong(ValueError):
-    """Prompt + max_tokens exceed a cache slot."""
+    """Prompt + max_tokens exceed a cache slot (or every page of a paged cache)."""
 
 
 @dataclass
@@ -77,6 +96,12 @@ class Handle:
         self.gen = params.generator()
         self.slot = -1
         self.pos = 0                  # next cache position this request writes
+        self.pages: list[int] = []    # paged engines: the pages holding positions [0, len(pages) P)
+        self.prefill_end = 0          # positions [0, prefill_end) are prefilled (set on admission)
+        self.reusable = 0             # positions below this (once written) may go to the prefix cache
+        self.cached = 0               # positions attached from the prefix cache on its first admission
+        self.published = 0            # its leading pages in the prefix cache (or attached from it)
+        self.preemptions = 0
         self.steps: list[int] = []    # decode steps it took part in
         self.hidden = None            # speculative drafters that read hidden states: the row of the last token
         self.finish_reason: Optional[str] = None
@@ -93,6 +118,14 @@ class Handle:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        """Tokens of its history: the prompt and what it generated (a preempted request recomputes them all)."""
+        return len(self.prompt) + len(self.output)
+
+    def token_at(self, pos: int) -> int:
+        return self.prompt[pos] if pos < len(self.prompt) else self.output[pos - len(self.prompt)]
 
     @property
     def text(self) -> str:
@@ -112,10 +145,14 @@ class Handle:
 
 class Scheduler:
     def __init__(self, engine, tokenizer, *, max_queue: int = 64, prefill_chunk: int = 512,
-                 eos_ids: Optional[Collection[int]] = None, drafter=None, num_draft: int = 0):
+                 eos_ids: Optional[Collection[int]] = None, drafter=None, num_draft: int = 0,
+                 token_budget: Optional[int] = None, prefix_cache: bool = True):
         """drafter: a futx.speculative Drafter (speculative decoding with up to num_draft drafts per request and
         step; the engine must run block steps: DecodeEngine over a DecodeModel with max_rows >= max_batch x
-        (num_draft + 1))."""
+        (num_draft + 1)). token_budget: tokens per tick, decode rows and prefill chunks together (default
+        prefill_chunk + the decode rows of a full batch: prefill never waits for decode); it must exceed a full
+        batch's decode rows, so prefill always moves. prefix_cache: share prefilled full pages across requests
+        (paged engines that allow it)."""
         if max_queue < 1 or prefill_chunk < 1:
             raise ValueError(f"max_queue and prefill_chunk must be positive, got {max_queue} and {prefill_chunk}")
         self.drafter, self.num_draft = drafter, num_draft
@@ -132,6 +169,24 @@ class Scheduler:
             self.acceptance = AcceptanceStats(keep_log=False)   # a server runs for days
         self.engine, self.tokenizer = engine, tokenizer
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.width = num_draft + 1 if drafter is not None else 1   # decode tokens per request and step
+        rows = engine.max_batch * self.width
+        self.token_budget = prefill_chunk + rows if token_budget is None else token_budget
+        if self.token_budget <= rows:
+            raise ValueError(f"the token budget ({self.token_budget}) must exceed the decode rows of a full batch "
+                             f"({rows}), or prefill could never run")
+        self.layout = getattr(engine, "layout", None)
+        self.pool: Optional[PagePool] = None
+        self.prefix: Optional[PrefixCache] = None
+        if self.layout is not None:
+            self.pool = PagePool(self.layout.pages)
+            if prefix_cache and getattr(engine, "prefix_ok", False):
+                self.prefix = PrefixCache(self.pool, self.layout.page_size)
+        self.preemptions = 0
+        self.prefix_hits = 0          # first admissions that attached cached pages
+        self.prefix_hit_tokens = 0    # ... and their positions
+        self.admitted_prompt_tokens = 0
+        self._pages_now = self._page_counts()
         self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
         # recent steps only: a server runs for days (ms_per_step is a median over these)
         self.stats = GenerationStats(step_seconds=deque(maxlen=STATS_WINDOW))
@@ -155,6 +210,10 @@ class Scheduler:
         if need > self.engine.capacity:
             raise RequestTooLong(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) needs "
                                  f"{need} cache positions; this server holds {self.engine.capacity} per request")
+        if self.pool is not None and pages_for(need, self.layout.page_size) > self.pool.total:
+            raise RequestTooLong(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                                 f"{pages_for(need, self.layout.page_size)} pages of {self.layout.page_size} "
+                                 f"positions; this server's cache has {self.pool.total}")
         h = Handle(next(self._ids), list(prompt), params, self.tokenizer, self.eos_ids, sink)
         with self._cv:
             if self._stopping:
@@ -181,6 +240,10 @@ class Scheduler:
     def load(self) -> dict:
         with self._cv:
             load = {"waiting": len(self._waiting), "running": len(self._live), "slots": self.engine.max_batch}
+            if self.layout is not None:
+                load["pages"] = {"page_size": self.layout.page_size, "total": self._pages_now["pages_total"],
+                                 "free": self._pages_now["pages_free"], "cached": self._pages_now["pages_cached"],
+                                 "prefix_cache": self.prefix is not None}
         if self.acceptance is not None:
             s = self.acceptance.summary()
             load["speculative"] = {"drafter": self.drafter.name, "num_draft": self.num_draft,
@@ -188,10 +251,21 @@ class Scheduler:
         return load
 
     def snapshot(self) -> dict:
-        """Requests and cache slots now (the /metrics gauges)."""
+        """Requests, cache slots and pages now (the /metrics gauges; the page counts as of the last tick, the
+        books being the loop thread's)."""
         with self._cv:
             return {"waiting": len(self._waiting), "running": len(self._live), "slots_free": len(self._free),
-                    "slots_total": self.engine.max_batch}
+                    "slots_total": self.engine.max_batch, **self._pages_now, "preemptions": self.preemptions,
+                    "prefix_hits": self.prefix_hits, "prefix_hit_tokens": self.prefix_hit_tokens,
+                    "prompt_tokens": self.admitted_prompt_tokens}
+
+    def _page_counts(self) -> dict:
+        """pages_total; pages_free (in the pool); pages_cached: held only by the prefix cache (free for the
+        taking: evicted on demand). Zeros on a contiguous engine."""
+        if self.pool is None:
+            return {"pages_total": 0, "pages_free": 0, "pages_cached": 0}
+        return {"pages_total": self.pool.total, "pages_free": self.pool.free_count,
+                "pages_cached": self.prefix.idle_pages() if self.prefix is not None else 0}
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -216,34 +290,138 @@ class Scheduler:
         self._admit()
         self._prefill()
         self._decode()
+        pages = self._page_counts()
+        with self._cv:
+            self._pages_now = pages
 
     def _admit(self) -> None:
         for h in [h for h in self._live if h._cancel.is_set()]:
             self._finish(h, "cancelled")
+        admitted = []
         with self._cv:
             waiting = [h for h in self._waiting if not h._cancel.is_set()]
             gone = [h for h in self._waiting if h._cancel.is_set()]
             self._waiting = deque(waiting)
             while self._waiting and self._free:
-                h = self._waiting.popleft()
-                h.slot = self._free.pop()
+                h = self._waiting[0]
+                h.slot = self._free[-1]
+                if not self._place(h):   # its pages do not fit yet: oldest first, nobody overtakes it
+                    h.slot = -1
+                    break
+                self._waiting.popleft()
+                self._free.pop()
                 self._live.append(h)
+                admitted.append(h)
+        for h in admitted:
+            if h.preemptions == 0:
+                self.admitted_prompt_tokens += len(h.prompt)
+                if h.cached:
+                    self.prefix_hits += 1
+                    self.prefix_hit_tokens += h.cached
                 if self.metrics is not None:
-                    self.metrics.admitted(len(h.prompt))
+                    self.metrics.admitted(len(h.prompt), h.cached)
         for h in gone:
             self._send(h, Event("", "cancelled", len(h.prompt)))
             h.finish_reason = "cancelled"
 
-    def _prefill_end(self, h: Handle) -> int:
-        return len(h.prompt) - 1 if self.engine.prefills else 0
+    def _place(self, h: Handle) -> bool:
+        """Set h up to run from its history's start (paged: attach its cached prefix and give it the pages of
+        its whole history); False, with nothing held, when its pages do not fit now."""
+        n = h.length
+        if not self.engine.prefills:
+            h.prefill_end, h.reusable = 0, n - 1
+        elif h.preemptions == 0 or getattr(self.engine, "prefill_is_decode", False):
+            h.prefill_end = h.reusable = n - 1
+        else:   # recomputed: the prompt by prefill, its generated tokens by decode rows, as the first time
+            h.prefill_end = h.reusable = len(h.prompt) - 1
+        h.pos = 0
+        if self.pool is None:
+            return True
+        size = self.layout.page_size
+        hist = h.prompt + h.output
+        # the last history token is always computed (its row emits); attach at most the full pages before it,
+        # and only pages its own run would have prefilled
+        shared = self.prefix.attach(hist, h.reusable // size) if self.prefix is not None else []
+        need = pages_for(n, size) - len(shared)
+        headroom = len(self._live)   # one page per running request, so admission does not preempt at once
+        if need + headroom > self._available():
+            self.pool.free(shared)
+            return False
+        h.pages = shared + self._allocate(need)
+        h.pos = len(shared) * size
+        h.published = len(shared)
+        if h.preemptions == 0:
+            h.cached = h.pos
+        self.engine.set_pages(h.slot, h.pages, filled=h.pos)
+        return True
+
+    def _available(self) -> int:
+        return self.pool.free_count + (self.prefix.idle_pages() if self.prefix is not None else 0)
+
+    def _allocate(self, n: int) -> list[int]:
+        if n > self.pool.free_count and self.prefix is not None:
+            self.prefix.evict(n - self.pool.free_count)
+        return self.pool.allocate(n)
+
+    def _grow(self, h: Handle, end: int) -> bool:
+        """Pages for h's positions [0, end) before a step writes them; preempts the youngest running request
+        (h itself if it is the youngest: then False) until they fit."""
+        need = pages_for(min(end, self.engine.capacity), self.layout.page_size) - len(h.pages)
+        while need > 0 and need > self._available():
+            victim = self._live[-1]
+            self._preempt(victim)
+            if victim is h:
+                return False
+        if need > 0:
+            h.pages += self._allocate(need)
+            self.engine.set_pages(h.slot, h.pages)
+        return True
+
+    def _preempt(self, h: Handle) -> None:
+        """Take h's pages and slot back and queue it first again, to be recomputed from its history."""
+        log.info("preempting request %d (%d pages) for lack of cache pages", h.id, len(h.pages))
+        self.preemptions += 1
+        h.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.preempted()
+        self._retire(h, publish=True)
+        h.slot, h.pos, h.hidden = -1, 0, None
+        with self._cv:
+            self._waiting.appendleft(h)
+
+    def _retire(self, h: Handle, publish: bool) -> None:
+        """h leaves the running batch: its prefilled full pages to the prefix cache (publish), pages and slot
+        freed."""
+        self._live.remove(h)
+        if h.pages:
+            if publish and self.prefix is not None:
+                self._publish(h)
+            self.pool.free(h.pages)
+            h.pages = []
+        self.engine.release(h.slot)
+        pages = self._page_counts()
+        with self._cv:
+            self._free.append(h.slot)
+            self._pages_now = pages
+
+    def _publish(self, h: Handle) -> None:
+        """h's full pages written from its admitted history (by the prefill, or by decode steps on an engine
+        without one) to the prefix cache; never its last history token's page or what it generated since. The
+        pages are read only from now on: h writes only at or past its position."""
+        done = min(h.pos, h.reusable) // self.layout.page_size
+        if done > h.published:
+            self.prefix.publish(h.prompt + h.output, h.pages, done)
+            h.published = done
 
     def _prefill(self) -> None:
-        budget, chunks, owners = self.prefill_chunk, [], []
+        # decode rows come first in the tick's token budget: every running request may take a row (or a block)
+        budget = min(self.prefill_chunk, self.token_budget - self.width * len(self._live))
+        chunks, owners = [], []
         for h in self._live:
-            end = self._prefill_end(h)
+            end = h.prefill_end
             if h.pos < end and budget > 0:
                 n = min(budget, end - h.pos)
-                chunks.append(Chunk(h.slot, h.prompt[h.pos:h.pos + n], h.pos, end))
+                chunks.append(Chunk(h.slot, [h.token_at(p) for p in range(h.pos, h.pos + n)], h.pos, end))
                 owners.append((h, n))
                 budget -= n
         if not chunks:
@@ -257,18 +435,25 @@ class Scheduler:
             return
         for h, n in owners:
             h.pos += n
+            if self.prefix is not None:   # full pages shared at once: requests arriving together hit them too
+                self._publish(h)
         self.prefill_tokens += sum(n for _, n in owners)
 
     def _decode(self) -> None:
-        rows = [h for h in self._live if h.pos >= self._prefill_end(h)]
+        rows = [h for h in self._live if h.pos >= h.prefill_end]
+        if self.pool is not None:   # pages for what the step writes, oldest first (a younger one may go)
+            for h in list(rows):
+                if h in self._live:
+                    self._grow(h, h.pos + self.width)
+            rows = [h for h in rows if h in self._live]
         if not rows:
             return
         if self.drafter is not None:
             self._verify(rows)
             return
-        tokens = [h.prompt[h.pos] if h.pos < len(h.prompt) else h.output[-1] for h in rows]
-        # rows whose output is a token: the last prompt token onwards; logits only when one of them samples
-        emits = [h.pos + 1 >= len(h.prompt) for h in rows]
+        tokens = [h.token_at(h.pos) for h in rows]
+        # rows whose output is a token: the history's last token onwards; logits only when one of them samples
+        emits = [h.pos + 1 >= h.length for h in rows]
         want_logits = any(e and not h.params.greedy for h, e in zip(rows, emits))
         t0 = time.perf_counter()
         try:
@@ -403,15 +588,13 @@ class Scheduler:
             self._send(h, Event(text))
 
     def _finish(self, h: Handle, reason: str, error: Optional[str] = None, first: str = "") -> None:
-        """Retire an admitted request: last event (with the held-back text), slot freed."""
+        """Retire an admitted request: last event (with the held-back text), slot and pages freed (its prefilled
+        pages published unless it failed: an engine error may have left them half written)."""
         h.finish_reason, h.error = reason, error
         rest = first + (h.stream.finish() if reason in ("stop", "length") else "")
+        if h in self._live:   # before the last event: a client that then reads /metrics sees its pages back
+            self._retire(h, publish=reason != "error")
         self._send(h, Event(rest, reason, len(h.prompt), len(h.output), error))
-        if h in self._live:
-            self._live.remove(h)
-            self.engine.release(h.slot)
-            with self._cv:
-                self._free.append(h.slot)
 
     @staticmethod
     def _send(h: Handle, ev: Event) -> None:
