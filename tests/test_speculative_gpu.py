@@ -259,7 +259,6 @@ def test_scheduler_with_drafts_on_the_kernels_equals_the_plain_scheduler(weights
         lg = lgs[len(hp.prompt) - 1 + j]
         gap = float(lg[hp.output[j]] - lg[h.output[j]])
         assert gap <= TIE, f"token {j}: {h.output[j]} with drafts, {hp.output[j]} without; logit gap {gap:.4f}"
-    assert len(spec[4].output) == 10
 
 
 @pytest.mark.parametrize("prefill", ["reference", "kernels"])
