@@ -112,5 +112,27 @@ def time_candidates(cands: dict, flops: float | None = None, rounds: int = 5, ta
     return out
 
 
+def capture_calls(fn, calls: int) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph of fn(0), fn(1), ..., fn(calls - 1) (captured on a side stream)."""
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    return g
+
+
+def replay_us(g, calls: int) -> float:
+    """µs per call of one replay of a graph of `calls` calls (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))

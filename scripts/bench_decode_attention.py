@@ -55,27 +55,15 @@ def _labels(model: str, ablate: bool) -> list[str]:
 
 # ---- child: one process measures points until done or a CUDA fault ------------------------------------------
 def _graph(fn, calls: int):
-    import torch
+    from bench_common import capture_calls
 
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    return g
+    return capture_calls(fn, calls)
 
 
 def _time_us(g, calls: int) -> float:
-    import torch
+    from bench_common import replay_us
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
+    return replay_us(g, calls)
 
 
 def _fill_cache(cache, fmt):

@@ -89,23 +89,15 @@ def _build(da, batch: int, ctx: int, seed: int):
 
 
 def _graph(fn, calls: int):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    return g
+    from bench_common import capture_calls
+
+    return capture_calls(fn, calls)
 
 
 def _time_us(g, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
+    from bench_common import replay_us
+
+    return replay_us(g, calls)
 
 
 def bench_point(da, batch: int, ctx: int, rounds: int, min_calls: int) -> list[dict]:
