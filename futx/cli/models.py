@@ -64,9 +64,9 @@ def build_prefill(args, model, float_weights=None):
 
 
 def paged(args) -> bool:
-    """Whether the engine runs the paged cache: on every backend but the kernels until the decode and prefill
-    kernels read pages (KERNELS_PAGED of futx.engine.backends and futx.engine.prefill); never for subcommands
-    without the cache options."""
+    """Whether the engine runs the paged cache: on every backend but the kernels by default; on the kernels when
+    --pages / --cache-memory ask for it and the decode and prefill kernels read pages (KERNELS_PAGED of
+    futx.engine.backends and futx.engine.prefill); never for subcommands without the cache options."""
     if getattr(args, "page_size", None) is None:
         return False
     if args.backend != "kernels":
@@ -74,10 +74,13 @@ def paged(args) -> bool:
     from futx.engine import backends, prefill
 
     ready = backends.KERNELS_PAGED and (prefill.KERNELS_PAGED or resolve_prefill(args) != "kernels")
-    if not ready and (args.pages or args.cache_memory):
+    asked = bool(args.pages or args.cache_memory)
+    if not ready and asked:
         raise ValueError("--pages / --cache-memory: the kernels do not read a paged cache yet; on --backend kernels "
                          "the cache is contiguous, --capacity positions for each of --max-batch requests")
-    return ready
+    # on the kernels the paged cache is opt-in (--pages / --cache-memory) until the whole paged path has been run
+    # end to end on a GPU (docs/serving.md); the kernels themselves are tested paged against contiguous
+    return ready and asked
 
 
 def cache_pages(args, capacity: int, page_bytes: int) -> int:
