@@ -12,7 +12,7 @@ import torch
 
 from futx.checkpoint.synthetic import random_weights, tiny_config
 from futx.engine import DecodeModel, pack_model
-from futx.engine.backends import KernelOps
+from futx.engine.backends import KernelOps, split_rope
 from futx.engine.generate import generate
 from futx.engine.graphs import BlockGraphs
 from futx.engine.speculative import generate_speculative
@@ -102,6 +102,33 @@ def test_prewritten_rows_are_the_attention_kernels_own_bytes(packed, cf):
     for ta, tb in zip(a.cache.layers[0].tensors(), b.cache.layers[0].tensors()):
         if ta is not None:
             assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cf", FORMATS)
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_block_attention_against_float64_over_the_fake_quantized_cache(packed, cf, k):
+    """KernelOps.attention_block (one launch after the prewrite) for 3 requests of k + 1 rows at odd positions over
+    a random cache: every row against float64 softmax attention over [0, its pos] of what the cache then holds
+    (EngineCache.read: the mirror dequantized, the rotation undone), the block's earlier rows and its own included."""
+    m = _model(packed, "int4", cf, batch=3, capacity=96, rows=3 * (k + 1))
+    c = m.config
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    m.cache.randomize(5)
+    g = torch.Generator(device="cuda").manual_seed(11 + k)
+    starts = [5, 30, 61]
+    positions = torch.tensor([s_ + j for s_ in starts for j in range(k + 1)], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([i for i in range(3) for _ in range(k + 1)], dtype=torch.int32, device="cuda")
+    qkv = torch.randn(len(positions), (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    out = torch.full((len(positions), hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    m.ops.attention_block(qkv, positions, slots, m.cache, 0, m.rope, out, k + 1)
+    q, _, _ = split_rope(qkv, c, m.rope, positions)
+    for r in range(len(positions)):
+        kk, vv = m.cache.read(0, int(slots[r]), int(positions[r]) + 1)          # [Hkv, pos + 1, D]
+        qh = q[r].double().view(hkv, hq // hkv, d)
+        p = torch.softmax((qh @ kk.double().transpose(1, 2)) / d ** 0.5, dim=-1)
+        ref = (p @ vv.double()).reshape(hq, d)
+        err = float((out[r].double() - ref).norm() / ref.norm())
+        assert err < (1e-2 if cf == "bf16" else 3e-2), (r, err)
 
 
 @pytest.mark.parametrize("wf", ["int4", "bf16"])
