@@ -64,9 +64,9 @@ def build_prefill(args, model, float_weights=None):
 
 
 def paged(args) -> bool:
-    """Whether the engine runs the paged cache: on every backend but the kernels until the decode and prefill
-    kernels read pages (KERNELS_PAGED of futx.engine.backends and futx.engine.prefill); never for subcommands
-    without the cache options."""
+    """Whether the engine runs the paged cache: on every backend; on the kernels while the decode and prefill
+    kernels' paged switches (KERNELS_PAGED of futx.engine.backends and futx.engine.prefill) are on; never for
+    subcommands without the cache options."""
     if getattr(args, "page_size", None) is None:
         return False
     if args.backend != "kernels":
