@@ -1,7 +1,7 @@
 """Test helpers for the paged KV cache (futx.paging): the same contents in a contiguous DecodeCache and in a paged
-one at randomly permuted pages, the contiguous view gathered back through a block table, and a minimal paged
-engine cache for KernelOps (the engine's own paged EngineCache lives on its branch; this one holds exactly what
-KernelOps reads: config, fmt, rotate, layers, layout, table)."""
+one at randomly permuted pages, the contiguous view gathered back through a block table, and the engine's paged
+EngineCache (futx.engine.cache, `layout` set) built on a given table, empty or holding a contiguous cache's
+contents."""
 
 from __future__ import annotations
 
@@ -97,29 +97,27 @@ def gather(paged: DecodeCache, table: torch.Tensor, page_size: int) -> dict:
     return out
 
 
-class PagedTestCache:
-    """What KernelOps reads of a paged engine cache: layers of DecodeCache.allocate(fmt, layout.storage_pages(),
-    Hkv, P, D), `layout` (futx.paging.PageLayout) and `table` (device int32 [slots + 1, max_pages])."""
+def engine_cache(config, fmt: str, layout: paging.PageLayout, table: torch.Tensor, device="cuda",
+                 keep_values: bool = False):
+    """The engine's paged EngineCache (futx.engine.cache: `layout` set, page-mode layers) for `layout`, its block
+    table filled from `table` through EngineCache.set_pages (each slot's entries up to its first scratch entry)."""
+    from futx.engine.cache import EngineCache
 
-    def __init__(self, config, fmt: str, layout: paging.PageLayout, table: torch.Tensor, device="cuda"):
-        self.config, self.fmt, self.layout = config, fmt, layout
-        self.rotate = fmt == "int4"
-        self.slots = layout.slots
-        self.table = table.to(device)
-        hkv, d = config.num_key_value_heads, config.head_dim
-        self.layers = [DecodeCache.allocate(fmt, layout.storage_pages(), hkv, layout.page_size, d, device)
-                       for _ in range(config.num_hidden_layers)]
+    cache = EngineCache(config, fmt, layout.slots, layout.capacity, device, keep_values=keep_values, layout=layout)
+    for s, row in enumerate(table[:layout.slots].tolist()):
+        owned = row.index(layout.scratch_page) if layout.scratch_page in row else len(row)
+        cache.set_pages(s, row[:owned])
+    if not torch.equal(cache.table.cpu(), table.cpu()):
+        raise ValueError("the table's rows must own a prefix of their entries (scratch page after)")
+    return cache
 
-    @classmethod
-    def from_cache(cls, cache, layout: paging.PageLayout, table: torch.Tensor) -> "PagedTestCache":
-        """The contents of a contiguous EngineCache's request slots at the table's pages (to_paged per layer)."""
-        out = cls.__new__(cls)
-        out.config, out.fmt, out.layout, out.rotate, out.slots = cache.config, cache.fmt, layout, cache.rotate, \
-            layout.slots
-        out.table = table.to(cache.device)
-        out.layers = [to_paged(c, layout, out.table) for c in cache.layers]
-        return out
 
-    @property
-    def scratch_slot(self) -> int:
-        return self.layout.scratch_slot
+def engine_cache_from(cache, layout: paging.PageLayout, table: torch.Tensor):
+    """A paged EngineCache (engine_cache) holding a contiguous EngineCache's request slots at the table's pages
+    (to_paged per layer: unowned pages and the scratch page poisoned)."""
+    out = engine_cache(cache.config, cache.fmt, layout, table, cache.device)
+    for c, lc in zip(cache.layers, out.layers):
+        src = tensors(to_paged(c, layout, out.table))
+        for name, t in tensors(lc).items():
+            t.copy_(src[name])
+    return out

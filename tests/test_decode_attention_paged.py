@@ -183,10 +183,12 @@ def test_cache_paging_of_engine_caches():
 
     from futx.engine.backends import cache_paging
 
-    assert cache_paging(SimpleNamespace()) == (None, 0)               # today's EngineCache: no layout
-    assert cache_paging(SimpleNamespace(layout=None, table=None)) == (None, 0)
+    from futx.engine.cache import EngineCache
+
+    assert cache_paging(SimpleNamespace()) == (None, 0)               # an object without a layout
+    assert cache_paging(EngineCache(_config(), "bf16", 2, 512, "cpu")) == (None, 0)   # contiguous: layout None
     lay = paging.PageLayout(256, pages=4, slots=2, max_pages=2)
-    cache = pc.PagedTestCache(_config(), "bf16", lay, lay.new_table(), device="cpu")
+    cache = EngineCache(_config(), "bf16", 2, lay.capacity, "cpu", layout=lay)
     table, p = cache_paging(cache)
     assert table is cache.table and p == 256
 
@@ -204,7 +206,7 @@ def test_prewrite_rows_land_on_their_pages():
     gen = torch.Generator().manual_seed(3)
     table = pc.random_table(lay, gen)
     contig = EngineCache(cfg, "bf16", slots=2, capacity=lay.capacity, device="cpu")
-    paged = pc.PagedTestCache(cfg, "bf16", lay, table, device="cpu")
+    paged = pc.engine_cache(cfg, "bf16", lay, table, device="cpu")
     before = {n: t.clone() for n, t in pc.tensors(paged.layers[0]).items()}
     rope = rope_table(cfg, lay.capacity, "cpu")
     slots = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32)

@@ -209,7 +209,7 @@ def test_graph_replay_reads_the_table_at_run_time(da):
     _assert_same(out, eager)
 
 
-# ---- KernelOps on a paged engine cache (tests/paged_cache.PagedTestCache) ------------------------------------
+# ---- KernelOps on the paged EngineCache (tests/paged_cache.engine_cache_from) ---------------------------------
 def _engine(fmt, seed, layout_pages_spare=2, capacity=1100, slots=3):
     from futx.config import LlamaConfig
     from futx.engine.backends import rope_table
@@ -222,7 +222,7 @@ def _engine(fmt, seed, layout_pages_spare=2, capacity=1100, slots=3):
     contig = EngineCache(cfg, fmt, slots=slots, capacity=lay.capacity, device=DEV)
     contig.randomize(seed)
     table = pc.random_table(lay, torch.Generator().manual_seed(seed))
-    return cfg, contig, pc.PagedTestCache.from_cache(contig, lay, table), rope_table(cfg, lay.capacity, DEV)
+    return cfg, contig, pc.engine_cache_from(contig, lay, table), rope_table(cfg, lay.capacity, DEV)
 
 
 def _check_engine_caches(contig, paged):

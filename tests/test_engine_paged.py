@@ -103,12 +103,18 @@ def test_paged_engine_gives_the_contiguous_tokens(weights):
     assert _run(model, pm, prompts, cut, 6) == flat
 
 
-def test_the_kernels_refuse_a_paged_cache_until_they_read_pages(weights):
-    from futx.engine.backends import KernelOps
+def test_the_kernels_take_a_paged_cache_unless_switched_off(weights, monkeypatch):
+    """KERNELS_PAGED (on since the paged kernels merged) is the switch: off, the kernel ops refuse a paged cache
+    before touching it; on, the check passes (the kernels themselves: tests/test_decode_attention_paged_gpu.py)."""
+    from futx.engine import backends
 
     model, _ = _engine(weights, True, slots=1, pages=3)
+    assert backends.KERNELS_PAGED
+    backends.check_kernel_cache(model.cache)
+    monkeypatch.setattr(backends, "KERNELS_PAGED", False)
+    backends.check_kernel_cache(_engine(weights, False, slots=1)[0].cache)   # contiguous: always fine
     with pytest.raises(ValueError, match="paged KV cache is not built into the decode kernels"):
-        KernelOps.attention(None, None, None, None, model.cache, 0, None, None)
+        backends.KernelOps.attention(None, None, None, None, model.cache, 0, None, None)
 
 
 @pytest.fixture(scope="module")

@@ -297,18 +297,16 @@ def weights():
 
 def paged_engine_cache(fmt, gen, keep_values=True, owned=None, config=CFG, device="cpu", size=SIZE,
                        max_pages=MAX_PAGES):
-    """A paged EngineCache as the paged engine builds it (futx.paging): the layers in page mode (an EngineCache
-    of `pages` "slots" of P positions: DecodeCache.allocate(fmt, pages + 1, Hkv, P, D)), `layout` and `table`
-    set; slot s owns owned[s] randomly permuted pages (default: all max_pages)."""
+    """The engine's paged EngineCache (futx.engine.cache with `layout`: page-mode layers of DecodeCache.allocate(
+    fmt, pages + 1, Hkv, P, D) and the block table) for SLOTS requests of max_pages pages; slot s owns owned[s]
+    randomly permuted pages (default: all max_pages), given through EngineCache.set_pages."""
     owned = [max_pages] * SLOTS if owned is None else owned
     pages = SLOTS * max_pages + 2
-    cache = EngineCache(config, fmt, pages, size, device, keep_values=keep_values)
-    cache.layout = paging.PageLayout(size, pages, SLOTS, max_pages)
-    cache.table = cache.layout.new_table(device)
+    layout = paging.PageLayout(size, pages, SLOTS, max_pages)
+    cache = EngineCache(config, fmt, SLOTS, size * max_pages, device, keep_values=keep_values, layout=layout)
     perm = torch.randperm(pages, generator=gen).tolist()
     for s in range(SLOTS):
-        for j in range(owned[s]):
-            cache.table[s, j] = perm.pop()
+        cache.set_pages(s, [perm.pop() for _ in range(owned[s])])
     return cache
 
 
@@ -391,18 +389,15 @@ def test_dequantize_pages_writes_what_decode_reads(fmt):
     hkv, d, size = CFG.num_key_value_heads, CFG.head_dim, SIZE
     slot, n = 2, 300
     pos = torch.arange(n)
-    pages, offs = paging.locate(cache.table, torch.full((n,), slot), pos, size)
     for i in range(CFG.num_hidden_layers):
         k, v = torch.randn(2, n, hkv, d, generator=gen)
-        cache.write_rows(i, pages, offs, k, v)
+        cache.write_rows(i, torch.full((n,), slot), pos, k, v)   # (slot, position): the cache locates the rows
         lc = cache.layers[i]
         lc.k_cache.fill_(float("nan"))   # the main copy dropped
         lc.v_cache.fill_(float("nan"))
     dequantize_slot(cache, slot, n - 10)
     for i, lc in enumerate(cache.layers):
-        reads = [cache.read(i, int(cache.table[slot, j]), size) for j in range(paging.pages_for(n, size))]
-        for t, (main, want) in enumerate(((lc.k_cache, torch.cat([r[0] for r in reads], 1)),
-                                          (lc.v_cache, torch.cat([r[1] for r in reads], 1)))):
+        for t, (main, want) in enumerate(zip((lc.k_cache, lc.v_cache), cache.read(i, slot, n))):
             got = gather(main, cache.table, slot, n, size)
             assert torch.equal(got[:, :n - 10], want[:, :n - 10].to(torch.bfloat16)), (i, t)
             assert torch.isnan(got[:, n - 10:].float()).all()   # the rows past n are left alone

@@ -263,9 +263,8 @@ def test_dequantize_pages_captures_in_a_graph(fmt):
                                size=SIZE, max_pages=MAX_PAGES)
     lc, n, slot = cache.layers[0], 300, 1
     pos = torch.arange(n, device=DEV)
-    pages, offs = paging.locate(cache.table, torch.full_like(pos, slot), pos, SIZE)
     k, v = torch.randn(2, n, cfg.num_key_value_heads, cfg.head_dim, device=DEV)
-    cache.write_rows(0, pages, offs, k, v)
+    cache.write_rows(0, torch.full_like(pos, slot), pos, k, v)   # (slot, position): the cache locates the rows
     dequantize_pages(lc, cache.table, SIZE, slot, n)
     want = lc.k_cache.clone(), lc.v_cache.clone()
     lc.k_cache.fill_(float("nan"))

@@ -15,7 +15,6 @@ import math
 
 import torch
 
-from futx import paging
 from futx.config import LlamaConfig
 from futx.quant.fold import rms_row_factor
 from futx.rope import apply_rope, cos_sin
@@ -144,7 +143,8 @@ class EmulatedOps:
 
 GEMV_HEAD_ROWS = 16
 # whether the decode attention kernel (and the block step's prewrite) address a paged cache through its block
-# table: the paged kernels are their own piece of work (issue 28, branch paged-decode), which flips this
+# table: on since the paged kernels (issue 28, branch paged-decode) merged; False refuses a paged cache on the
+# kernels again (futx.cli.models.paged then keeps --backend kernels contiguous)
 KERNELS_PAGED = True
 
 
@@ -152,6 +152,8 @@ def check_kernel_cache(cache: EngineCache) -> None:
     if cache.layout is not None and not KERNELS_PAGED:
         raise ValueError("the paged KV cache is not built into the decode kernels yet (the emulated backend runs "
                          "it); use the contiguous cache on --backend kernels")
+
+
 BLOCK_ATTENTION = ("prewrite", "columns")   # KernelOps.attention_block's two ways
 
 
@@ -162,19 +164,6 @@ def cache_paging(cache: EngineCache) -> tuple:
     if layout is None:
         return None, 0
     return cache.table, layout.page_size
-
-
-def mirror_located_rows(cache: EngineCache, layer: int, at_slot: torch.Tensor, at_row: torch.Tensor) -> None:
-    """The mirror of main-copy rows (at_slot[m], :, at_row[m]) of the layer's tensors (a paged cache: page, in-page
-    row) by futx's mirror kernel. Capturable: no checks, no host synchronization."""
-    if cache.fmt == "bf16":
-        return
-    from futx.ops.mirror_rows import mirror_rows
-
-    c = cache.layers[layer]
-    i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    mirror_rows(cache.fmt, c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, i32(at_slot),
-                i32(at_row))
 
 
 class KernelOps:
@@ -287,26 +276,16 @@ class KernelOps:
         x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
         k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)   # RoPE at the true positions
         lc = cache.layers[layer]
-        block_table, page_size = cache_paging(cache)
-        at_s, at_p = (slots, positions) if block_table is None else \
-            paging.locate(block_table, slots, positions, page_size)
-        idx_s, idx_p = at_s.long(), at_p.long()
-        lc.k_cache[idx_s, :, idx_p] = k
-        lc.v_cache[idx_s, :, idx_p] = x[:, hq + hkv:]
-        if block_table is None:
-            cache.mirror_rows(layer, slots, positions, kernel=True)
-        else:
-            mirror_located_rows(cache, layer, at_s, at_p)
+        at_s, at_p = cache.locate(slots, positions)   # the rows located once, for the main copy and the mirror
+        lc.k_cache[at_s, :, at_p] = k
+        lc.v_cache[at_s, :, at_p] = x[:, hq + hkv:]
+        cache.mirror_stored_rows(layer, at_s, at_p)
 
     @staticmethod
     def mirror_rows(cache: EngineCache, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """The mirror of rows (slots[m], positions[m]) already in the main copy (a prefill wrote them), by futx's
-        mirror kernel; a paged cache's rows are translated to (page, in-page row) first. Capturable."""
-        block_table, page_size = cache_paging(cache)
-        if block_table is None:
-            cache.mirror_rows(layer, slots, positions, kernel=True)
-            return
-        mirror_located_rows(cache, layer, *paging.locate(block_table, slots, positions, page_size))
+        mirror kernel: EngineCache.mirror_rows, which translates a paged cache's rows itself. Capturable."""
+        cache.mirror_rows(layer, slots, positions, kernel=True)
 
 
 def make_ops(backend: str, glue: str = "fused"):

@@ -90,8 +90,10 @@ class EngineCache:
             raise ValueError("a contiguous cache has no block table")
         return self.layout
 
-    def _locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The storage indices (slot mode: the slots and positions; page mode: pages and in-page offsets)."""
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The storage indices of rows (slots[m], positions[m]) (slot mode: the slots and positions; page mode:
+        pages and in-page offsets by futx.paging.locate): the one translation every writer here goes through.
+        Device ops, no checks, no host synchronization (capturable)."""
         if self.layout is None:
             return slots.long(), positions.long()
         pages, offs = paging.locate(self.table, slots, positions, self.layout.page_size)
@@ -164,7 +166,7 @@ class EngineCache:
         slots, positions = slots.to(self.device, torch.long), positions.to(self.device, torch.long)
         if self.layout is not None:
             paging.check_rows(self.table, slots, positions, self.layout.page_size, self.layout.scratch_page)
-            slots, positions = self._locate(slots, positions)
+            slots, positions = self.locate(slots, positions)
         kb, vb = k.to(self.device, torch.bfloat16), v.to(self.device, torch.bfloat16)
         c.k_cache[slots, :, positions] = kb
         c.v_cache[slots, :, positions] = vb
@@ -178,20 +180,28 @@ class EngineCache:
         if self.fmt == "bf16" and self.values is None:
             return
         c = self.layers[layer]
+        slots, positions = self.locate(slots, positions)
         if kernel:
-            if self.values is not None:
-                raise ValueError("the mirror kernel keeps no float values (a cache made with keep_values=True)")
-            from futx.ops.mirror_rows import mirror_rows
-
-            i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-            # page mode: the kernel indexes the page-mode tensors by (page, offset) as it would (slot, position)
-            slots, positions = self._locate(slots, positions)
-            mirror_rows(self.fmt, c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, i32(slots),
-                        i32(positions))
+            self.mirror_stored_rows(layer, slots, positions)
             return
-        slots, positions = self._locate(slots, positions)
         self._store_mirror(layer, slots, positions, c.k_cache[slots, :, positions].float(),
                            c.v_cache[slots, :, positions].float(), check_finite=False)
+
+    def mirror_stored_rows(self, layer: int, at_slot: torch.Tensor, at_row: torch.Tensor) -> None:
+        """`mirror_rows(kernel=True)` of rows already located (`locate`: storage indices, i.e. a paged cache's
+        page and in-page row), for a caller that wrote their main copy there itself (KernelOps.prewrite_rows):
+        futx's mirror kernel indexes the page-mode tensors by (page, offset) as it would (slot, position).
+        Unchecked, capturable."""
+        if self.fmt == "bf16" and self.values is None:
+            return
+        if self.values is not None:
+            raise ValueError("the mirror kernel keeps no float values (a cache made with keep_values=True)")
+        from futx.ops.mirror_rows import mirror_rows
+
+        c = self.layers[layer]
+        i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+        mirror_rows(self.fmt, c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, i32(at_slot),
+                    i32(at_row))
 
     def _store_mirror(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kf: torch.Tensor,
                       vf: torch.Tensor, check_finite: bool) -> None:

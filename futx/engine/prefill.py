@@ -41,11 +41,12 @@ FP8 scale conventions (value ~ e4m3 * scale everywhere, as futx.quant.fp8):
     `ScaleState(initial_amax=...)` skips the calibration (e.g. a saved state, or CUDA-graph capture).
     The kernels count saturated elements (`saturations`).
 
-Paged cache (an EngineCache with `layout` (futx.paging.PageLayout) and `table` set, futx.engine.paged_kv): the
-chunk's rows are translated once per call by futx.paging.locate (device ops, inside a captured graph too): the
-QKV epilogue gets each row's page (its "p" chain: RoPE from the true position, the row at in-page row pos % P),
-the mirror its (page, offset) rows, and prefill attention the block table (its paged variant); request slots
-and start positions stay the scheduler's.
+Paged cache (an EngineCache made with a `layout` (futx.paging.PageLayout), its block table `table`;
+futx.engine.paged_kv): each path translates (slot, position) once, on the device (inside a captured graph too):
+the QKV epilogue gets each row's page from futx.paging.locate (`_paged`; its "p" chain: RoPE from the true
+position, the row at in-page row pos % P), the mirror rows stay (slot, position) and EngineCache.mirror_rows
+locates them, and prefill attention gets the block table (its paged variant reads the pages itself); request
+slots and start positions stay the scheduler's.
 
 Backends: "kernels" (futx.ops.prefill / prefill_attention on a Hopper GPU) and "emulated" (the same
 dataflow in PyTorch: float32 GEMM of the exact E4M3/BF16 operand values, the epilogue math in float32,
@@ -433,8 +434,8 @@ class _Stats:
 class PrefillModel:
     """Prefill weights + the engine's cache + one backend: packed (or padded) prefill of a batch of requests.
 
-    K/V of every layer land in `cache` (an EngineCache: main copy by the QKV epilogue, mirror rows through
-    `EngineCache.write_rows`), so decode continues from the cache at once."""
+    K/V of every layer land in `cache` (an EngineCache, contiguous or paged: main copy by the QKV epilogue, mirror
+    rows through `EngineCache.mirror_rows`), so decode continues from the cache at once."""
 
     def __init__(self, weights: PrefillWeights, cache: EngineCache, backend: str = "kernels", *,
                  margin: float = 2.0, initial_amax: Optional[float] = None, glue: str = "auto",
@@ -553,21 +554,19 @@ class PrefillModel:
                 raise ValueError(f"request {b}: KV cache overflow: positions {st}..{st + cu[b + 1] - cu[b] - 1} but "
                                  f"the capacity is {capacity}")
 
-    # ---- the cache's request geometry (a paged cache: its PageLayout's, not the page-mode tensors') ----
+    # ---- the cache's request geometry (slots and positions per request; a paged EngineCache keeps them too:
+    # its PageLayout's table span may exceed `capacity`, which is what the engine's requests reach) ----
     @property
     def slots(self) -> int:
-        layout = cache_layout(self.cache)
-        return self.cache.slots if layout is None else layout.slots
+        return self.cache.slots
 
     @property
     def capacity(self) -> int:
-        layout = cache_layout(self.cache)
-        return self.cache.capacity if layout is None else layout.capacity
+        return self.cache.capacity
 
     @property
     def scratch_slot(self) -> int:
-        layout = cache_layout(self.cache)
-        return self.cache.scratch_slot if layout is None else layout.scratch_slot
+        return self.cache.scratch_slot
 
     def _paged(self, rows: _Rows) -> _Rows:
         """A paged cache: the rows translated through the block table (futx.paging.locate; device ops, no host
