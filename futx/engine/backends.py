@@ -144,7 +144,7 @@ class EmulatedOps:
 GEMV_HEAD_ROWS = 16
 # whether the decode attention kernel (and the block step's prewrite) address a paged cache through its block
 # table: on since the paged kernels (issue 28, branch paged-decode) merged; False refuses a paged cache on the
-# kernels again (futx.cli.models.paged then keeps --backend kernels contiguous)
+# kernels again (the CLI's model builder then keeps --backend kernels contiguous)
 KERNELS_PAGED = True
 
 
