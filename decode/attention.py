@@ -140,7 +140,9 @@ class DecodeAttention:
         # Out-of-range positions or slots never touch the cache: the rows come out as NaN (the op
         # validates on the host; this guards graph replays with bad device-side inputs).
         if cutlass.const_expr(p.paged):  # the new row goes to (row_page, row_off) of the block table
-            bad, row_page, row_off = self.locate_row(t.block_table, mKc.shape[0], slot, pos)
+            # (mirror_only: the main copy holds only the staging pages; the mirror's extent counts the pages)
+            extent = t.k_scale.shape[0] if cutlass.const_expr(p.mirror_only) else mKc.shape[0]
+            bad, row_page, row_off = self.locate_row(t.block_table, extent, slot, pos)
         else:
             cap = mKc.shape[2]
             bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
@@ -255,8 +257,9 @@ class DecodeAttention:
         raw = [mNew[b, src_head, c0 + i] for i in range(n)]
         if cutlass.const_expr(p.fused_qkv and is_key):
             raw = [v.to(BFloat16) for v in self.rope([v.to(Float32) for v in raw], t.rope, pos, lane)]
-        for i in cutlass.range_constexpr(n):
-            mMain[slot, kvh, row, c0 + i] = raw[i]
+        if cutlass.const_expr(not p.mirror_only):   # mirror_only: the page may have no main copy
+            for i in cutlass.range_constexpr(n):
+                mMain[slot, kvh, row, c0 + i] = raw[i]
         if cutlass.const_expr(p.quantized):
             mirror_row.store_row([v.to(Float32) for v in raw], mMir, mScale, slot, kvh, row, lane, fmt=p.fmt,
                                  rotate=p.rotate, head_dim=p.head_dim, is_key=is_key)
@@ -803,6 +806,7 @@ def fake_args(plan: AttnPlan):
     B, HQ, HKV, S, C, NSPL = (cute.sym_int() for _ in range(6))
     C8, HT, R = cute.sym_int(), cute.sym_int(), cute.sym_int()
     TS, MP = cute.sym_int(), cute.sym_int()  # block table rows (slots + 1) and entries (paged: S counts pages)
+    SM = cute.sym_int() if plan.mirror_only else S  # mirror_only: the main copy's own (smaller) page extent
     mirror = {"int4": (Uint8, (S, HKV, C8, 32, D // 8)), "e4m3": (Uint8, (S, HKV, C, D))}
     value = {"int4": (Uint8, (S, HKV, C, D // 2)), "e4m3": (Uint8, (S, HKV, C, D))}
     make = {
@@ -810,8 +814,8 @@ def fake_args(plan: AttnPlan):
         "v_new": lambda: t(BFloat16, (B, HKV, D)), "qkv": lambda: t(BFloat16, (B, HT, D)),
         "rope": lambda: t(Float32, (R, D)), "positions": lambda: t(Int32, (B,), 4),
         "slots": lambda: t(Int32, (B,), 4), "block_table": lambda: t(Int32, (TS, MP), 4),
-        "k_cache": lambda: t(BFloat16, (S, HKV, C, D)),
-        "v_cache": lambda: t(BFloat16, (S, HKV, C, D)), "k_mirror": lambda: t(*mirror[plan.fmt]),
+        "k_cache": lambda: t(BFloat16, (SM, HKV, C, D)),
+        "v_cache": lambda: t(BFloat16, (SM, HKV, C, D)), "k_mirror": lambda: t(*mirror[plan.fmt]),
         "k_scale": lambda: t(Float32, (S, HKV, C)), "v_mirror": lambda: t(*value[plan.fmt]),
         "v_scale": lambda: t(Float32, (S, HKV, C)), "lut": lambda: t(Int32, (256,)),
         "out": lambda: t(BFloat16, (B, HQ, D)), "ws_o": lambda: t(Float32, (B, HKV, NSPL, MAX_GROUP, D)),
@@ -822,10 +826,12 @@ def fake_args(plan: AttnPlan):
 
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, k_dequant: str | None = None,
                    v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
-                   lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0):
+                   lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0,
+                   mirror_only: bool = False):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
-    differ in it are distinct registry entries; page_size > 0: the paged cache's entry)."""
+    differ in it are distinct registry entries; page_size > 0: the paged cache's entry; mirror_only: its twin
+    for a main copy of staging pages only)."""
     plan = default_plan(fmt, head_dim, rotate, k_dequant, v_dequant, warps, stages, saturating_warps,
-                        lean_issue, fused_qkv, page_size)
+                        lean_issue, fused_qkv, page_size, mirror_only)
     return make_entry(plan), fake_args(plan)

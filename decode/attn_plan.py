@@ -160,6 +160,8 @@ class AttnPlan:
                                # RoPE (rotate-half, cos/sin table [capacity, D]) to q and the new k row
     page_size: int = 0         # 0: contiguous cache [slots, Hkv, capacity, ...]; P > 0: paged (futx.paging), the
                                # cache tensors' slot mode holds pages of P positions, reached through a block table
+    mirror_only: bool = False  # paged mirror formats: the new row goes to the mirror only (the main copy holds only
+                               # the staging pages of futx.paging, fewer than the mirror: the INT4-only cache)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -181,6 +183,8 @@ class AttnPlan:
             if self.page_size % self.tile_tokens:  # a tile never straddles two pages: one table entry per tile
                 raise ValueError(f"decode attention: page size {self.page_size} is not a multiple of the "
                                  f"{self.tile_tokens}-token tile")
+        if self.mirror_only and not (self.page_size and self.fmt != "bf16"):
+            raise ValueError("decode attention: a mirror-only kernel needs a paged cache with a mirror (int4 / e4m3)")
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -429,20 +433,22 @@ class AttnPlan:
 
 def default_plan(fmt: str, head_dim: int, rotate: bool = False, k_dequant: str | None = None,
                  v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
-                 lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0) -> AttnPlan:
+                 lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0,
+                 mirror_only: bool = False) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
     D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
     INT4 keys and values by "pair" dequantization (no shared-memory table) with lean issue: the fastest INT4
     kernel, or within 2.5%, at every measured batch and context (docs/routing.md A1-A2; numbers in
     docs/results-decode-attention.md). None = that default; the keywords after `rotate` are the tuning
     variants' overrides (futx.runtime.catalog.decode_attention.VARIANTS); page_size > 0 the paged cache's kernel
-    (same tiles: every page size divides into whole tiles)."""
+    (same tiles: every page size divides into whole tiles); mirror_only its twin that stores no main-copy row."""
     int4 = fmt == "int4"
     tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
     return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, tile_tokens=tt, stages=stages, warps=warps,
                     k_dequant=k_dequant or ("pair" if int4 else "lut"),
                     v_dequant=v_dequant or ("pair" if int4 else "alu"), saturating_warps=saturating_warps,
-                    lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv, page_size=page_size)
+                    lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv, page_size=page_size,
+                    mirror_only=mirror_only)
 
 
 SMEM_PER_SM = SMEM_PER_CTA  # residency budget: the per-CTA cap, a conservative bound on what an SM holds

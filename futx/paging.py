@@ -22,6 +22,14 @@ request in slot s; row `slots` is the scratch slot's, every entry the scratch pa
 at (table[s, p // P], p % P). A table row's entries past the request's pages are the scratch page, never
 garbage, so a kernel that reads one entry too far stays inside the cache.
 
+Staging pages (the INT4-only cache, `--cache-main none`). A layout with `staging` S > 0 keeps the BF16 main copy
+only for requests being prefilled: page indices [0, S) are *staging* pages (main copy and mirror), index S is the
+scratch page, and [S + 1, S + 1 + pages) are the cache's *mirror-only* pages (the memory: no main copy). The main
+copy tensors then hold S + 1 pages, the mirror tensors S + 1 + pages. A request is prefilled on staging pages (the
+prefill kernels read and write the main copy through the table as always), then its mirror rows are copied to its
+own mirror-only pages and the table row points there (futx.serve.scheduler); decode attention reads the mirror only
+and, on such a cache, writes no main-copy row (its `.mo` kernel). S >= max_pages, so any one request can prefill.
+
 Page size. A multiple of 128 (the prefill attention kernel's K/V tile, so one TMA tile never straddles two
 pages; the decode kernel's 16/32-token tiles and the 8-token INT4 key blocks divide it too). 128 is the default;
 the choice is measured (docs/serving.md).
@@ -61,22 +69,44 @@ class PageLayout:
     pages: int
     slots: int
     max_pages: int
+    staging: int = 0     # > 0: the INT4-only cache's staging pages (module docstring); 0: every page has its main copy
 
     def __post_init__(self):
         check_page_size(self.page_size)
         for name in ("pages", "slots", "max_pages"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"PageLayout.{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.staging, int) or isinstance(self.staging, bool) or self.staging < 0:
+            raise ValueError(f"PageLayout.staging must be a non-negative integer, got {self.staging!r}")
+        if 0 < self.staging < self.max_pages:
+            raise ValueError(f"{self.staging} staging pages cannot prefill one request of {self.max_pages} pages "
+                             f"({self.capacity} positions): give at least {self.max_pages}")
 
     @classmethod
-    def for_capacity(cls, page_size: int, pages: int, slots: int, capacity: int) -> "PageLayout":
+    def for_capacity(cls, page_size: int, pages: int, slots: int, capacity: int, staging: int = 0) -> "PageLayout":
         """A layout whose requests may grow to `capacity` positions."""
-        return cls(page_size, pages, slots, pages_for(capacity, check_page_size(page_size)))
+        return cls(page_size, pages, slots, pages_for(capacity, check_page_size(page_size)), staging)
 
     @property
     def scratch_page(self) -> int:
-        return self.pages
+        return self.staging if self.staging else self.pages
+
+    @property
+    def first_page(self) -> int:
+        """Index of the first of the cache's `pages` pages (after the staging pages and the scratch page)."""
+        return self.staging + 1 if self.staging else 0
+
+    def page_ids(self) -> range:
+        """The indices of the cache's pages (what futx.engine.pages.PagePool hands out)."""
+        return range(self.first_page, self.first_page + self.pages)
+
+    def staging_ids(self) -> range:
+        return range(self.staging)
+
+    def main_pages(self) -> int:
+        """The main copy tensors' page extent: every page (+ scratch), or the staging pages (+ scratch)."""
+        return self.staging + 1 if self.staging else self.pages + 1
 
     @property
     def scratch_slot(self) -> int:
@@ -88,8 +118,9 @@ class PageLayout:
         return self.max_pages * self.page_size
 
     def storage_pages(self) -> int:
-        """The page mode's extent in the cache tensors (the usable pages and the scratch page)."""
-        return self.pages + 1
+        """The page mode's extent in the mirror tensors (the usable pages, the scratch page and any staging pages);
+        the main copy's is main_pages()."""
+        return self.pages + 1 + self.staging
 
     def new_table(self, device=None) -> torch.Tensor:
         """A block table with every entry the scratch page."""

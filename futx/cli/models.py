@@ -74,7 +74,7 @@ def paged(args) -> bool:
     from futx.engine import backends, prefill
 
     ready = backends.KERNELS_PAGED and (prefill.KERNELS_PAGED or resolve_prefill(args) != "kernels")
-    asked = bool(args.pages or args.cache_memory)
+    asked = bool(args.pages or args.cache_memory) or getattr(args, "cache_main", "bf16") == "none"
     if not ready and asked:
         raise ValueError("--pages / --cache-memory: the kernels do not read a paged cache yet; on --backend kernels "
                          "the cache is contiguous, --capacity positions for each of --max-batch requests")
@@ -83,19 +83,35 @@ def paged(args) -> bool:
     return ready and asked
 
 
-def cache_pages(args, capacity: int, page_bytes: int) -> int:
-    """--pages, or --cache-memory in whole pages, or by default the contiguous cache's memory: --max-batch
-    requests of `capacity` positions."""
+def cache_pages(args, capacity: int, page_bytes: int, reserved: int = 0) -> int:
+    """--pages, or --cache-memory in whole pages (less `reserved` bytes: the staging pages), or by default the
+    contiguous cache's memory: --max-batch requests of `capacity` positions."""
     from futx.paging import pages_for
 
     if args.pages:
         return args.pages
     if args.cache_memory:
-        n = int(args.cache_memory * 1e9 // page_bytes)
+        n = int((args.cache_memory * 1e9 - reserved) // page_bytes)
         if n < 1:
-            raise ValueError(f"--cache-memory {args.cache_memory} GB holds no page ({page_bytes} bytes each)")
+            raise ValueError(f"--cache-memory {args.cache_memory} GB holds no page ({page_bytes} bytes each"
+                             + (f", after {reserved / 1e9:.2f} GB of staging pages)" if reserved else ")"))
         return n
     return args.max_batch * pages_for(capacity, args.page_size)
+
+
+def staging_pages(args, capacity: int) -> int:
+    """The INT4-only cache's staging pages (--cache-main none): --staging-pages, by default twice the pages of
+    `capacity` positions (two long prompts prefilled at once); 0 when every page keeps its main copy."""
+    from futx.paging import pages_for
+
+    if getattr(args, "cache_main", "bf16") != "none":
+        return 0
+    least = pages_for(capacity, args.page_size)
+    n = args.staging_pages or 2 * least
+    if n < least:
+        raise ValueError(f"--staging-pages {n}: one request of --capacity {capacity} needs {least} pages to be "
+                         "prefilled")
+    return n
 
 
 def speculating(args) -> bool:
@@ -115,12 +131,18 @@ def build_engine(args, capacity: int, float_weights=None):
     from futx.engine.cache import EngineCache
 
     width = args.num_draft + 1 if speculating(args) else 1
-    pages = None
+    pages, staging = None, staging_pages(args, capacity)
     if paged(args):
-        pages = cache_pages(args, capacity, EngineCache.page_bytes(packed.config, args.cache, args.page_size))
+        full = EngineCache.page_bytes(packed.config, args.cache, args.page_size)
+        if staging:   # the INT4-only cache: pages of mirror only, beside the staging pages of both copies
+            pages = cache_pages(args, capacity, EngineCache.page_bytes(packed.config, args.cache, args.page_size,
+                                                                      main=False), staging * full)
+        else:
+            pages = cache_pages(args, capacity, full)
     model = DecodeModel(packed, args.cache, max_batch=args.max_batch, capacity=capacity,
                         backend="kernels" if args.backend == "kernels" else "emulated", device=dev,
-                        max_rows=args.max_batch * width, pages=pages, page_size=getattr(args, "page_size", 128))
+                        max_rows=args.max_batch * width, pages=pages, page_size=getattr(args, "page_size", 128),
+                        staging=staging)
     graphs = None
     if model.device.type == "cuda" and not args.no_graphs:
         graphs = BlockGraphs(model, width, max_requests=args.max_batch) if width > 1 else GraphSteps(model)

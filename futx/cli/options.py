@@ -119,8 +119,12 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not share prefilled full pages of equal prompt prefixes across requests")
     g.add_argument("--cache-main", default="bf16", choices=CACHE_MAIN,
-                   help="keep the BF16 main copy of the cache beside the mirror (bf16); none (an INT4-only "
-                        "cache) is not built yet")
+                   help="bf16: keep the BF16 main copy of every page beside the mirror; none: the INT4-only cache "
+                        "(pages hold the --cache int4/e4m3 mirror only; prompts are prefilled on --staging-pages "
+                        "pages that keep a main copy, then moved; decode engine, paged)")
+    g.add_argument("--staging-pages", type=v.positive_int, default=None,
+                   help="--cache-main none: pages with a main copy for requests being prefilled, at least the "
+                        "pages of --capacity positions (default: twice that)")
     g.add_argument("--token-budget", type=v.positive_int, default=None,
                    help="tokens per scheduler tick, decode rows and prefill chunks together (default: "
                         "--prefill-chunk + the decode rows of a full batch: prefill never waits for decode)")
@@ -129,9 +133,18 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
 def check_cache_options(args: argparse.Namespace) -> None:
     if args.page_size % PAGE_ALIGN:
         raise ValueError(f"--page-size must be a multiple of {PAGE_ALIGN}, got {args.page_size}")
-    if args.cache_main == "none":
-        raise ValueError("--cache-main none (an INT4-only cache, mirror pages only) is not built yet; use "
-                         "--cache-main bf16")
+    if args.cache_main != "none":
+        if args.staging_pages is not None:
+            raise ValueError("--staging-pages applies to --cache-main none")
+        return
+    if args.backend == "reference":
+        raise ValueError("--cache-main none: the INT4-only cache is the decode engine's (--backend kernels, or "
+                         "emulated for its PyTorch emulation)")
+    if args.cache not in ("int4", "e4m3"):
+        raise ValueError(f"--cache-main none keeps only the mirror: it needs --cache int4 or e4m3, not {args.cache}")
+    if getattr(args, "speculative", "none") != "none":
+        raise ValueError("--cache-main none: speculative decoding's verify step writes the main copy; use "
+                         "--cache-main bf16 with --speculative")
 
 
 # ---- speculative decoding (futx generate / futx serve) ------------------------------------------------------

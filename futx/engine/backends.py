@@ -271,6 +271,9 @@ class KernelOps:
         A paged cache's rows go to their (page, in-page row) of its block table (futx.paging.locate).
         Capturable: no host synchronization (load_blocks checked the indices)."""
         check_kernel_cache(cache)
+        if getattr(cache, "staged", False):
+            raise ValueError("the verify step's rows need a main copy: speculative decoding does not run on the "
+                             "INT4-only cache (--cache-main none)")
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)

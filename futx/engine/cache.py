@@ -15,6 +15,11 @@ Paged mode (`layout`, a futx.paging.PageLayout): every layer's tensors hold `lay
 device, and a row of (slot, position) is stored at futx.paging.locate's (page, offset). The writers and readers
 here translate through the table, so their callers keep speaking slots and positions; `set_pages` fills a
 slot's table row (the scheduler's page bookkeeping is futx.engine.pages). Contiguous mode: layout and table None.
+
+Staged mode (a layout with staging pages: the INT4-only cache, futx.paging): the main copy holds only the staging
+pages (+ scratch); a request is prefilled on staging pages and `copy_pages` then moves its mirror rows to its own
+mirror-only pages. Rows written on mirror-only pages get no main copy (the decode kernel's `.mo` twin, and
+`write_rows` here, store the mirror only).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class EngineCache:
         if layout is not None and (layout.slots != slots or layout.capacity < capacity):
             raise ValueError(f"page layout for {layout.slots} slots of {layout.capacity} positions, the cache has "
                              f"{slots} slots of {capacity}")
+        if layout is not None and layout.staging and fmt == "bf16":
+            raise ValueError("a cache without its main copy (staging pages) needs a mirror: --cache int4 or e4m3")
         self.config, self.fmt, self.slots, self.capacity = config, fmt, slots, capacity
         self.device = torch.device(device)
         self.rotate = fmt == "int4"
@@ -52,7 +59,8 @@ class EngineCache:
         shape = (extent, hkv, span, d)
         self.table: Optional[torch.Tensor] = None if layout is None else layout.new_table(self.device)
         # per layer the tensors of futx.ops.decode_attention, in its layout (E4M3 mirrors as float8)
-        self.layers: list[DecodeCache] = [DecodeCache.allocate(fmt, extent, hkv, span, d, self.device)
+        main = layout.main_pages() if self.staged else None   # staged: the main copy of the staging pages only
+        self.layers: list[DecodeCache] = [DecodeCache.allocate(fmt, extent, hkv, span, d, self.device, main)
                                           for _ in range(config.num_hidden_layers)]
         # keep_values: also keep what decode attention reads as float32 [S, Hkv, C, D] per layer, so the
         # emulated backend reads slices instead of unpacking the mirror every step
@@ -65,11 +73,18 @@ class EngineCache:
     def scratch_slot(self) -> int:
         return self.slots
 
+    @property
+    def staged(self) -> bool:
+        """A paged cache whose main copy holds only staging pages (the INT4-only cache)."""
+        return self.layout is not None and self.layout.staging > 0
+
     @staticmethod
-    def page_bytes(config: LlamaConfig, fmt: str, page_size: int) -> int:
-        """Bytes of one page over all layers (main copy, mirror, scales): what --cache-memory divides."""
+    def page_bytes(config: LlamaConfig, fmt: str, page_size: int, main: bool = True) -> int:
+        """Bytes of one page over all layers (main copy unless main=False, mirror, scales): what --cache-memory
+        divides."""
         one = DecodeCache.allocate(fmt, 1, config.num_key_value_heads, page_size, config.head_dim, "meta")
-        return config.num_hidden_layers * sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
+        kept = one.tensors() if main else one.tensors()[2:]
+        return config.num_hidden_layers * sum(t.numel() * t.element_size() for t in kept if t is not None)
 
     # ---- the block table (paged mode) ----------------------------------------------------------------
     def set_pages(self, slot: int, pages: list[int]) -> None:
@@ -79,8 +94,10 @@ class EngineCache:
             raise ValueError(f"cache slot {slot} out of range [0, {self.slots})")
         if len(pages) > lay.max_pages:
             raise ValueError(f"{len(pages)} pages for one request; its table row holds {lay.max_pages}")
-        if pages and (min(pages) < 0 or max(pages) >= lay.pages):
-            raise ValueError(f"pages must lie in [0, {lay.pages}), got {min(pages)}..{max(pages)}")
+        if pages and (min(pages) < 0 or max(pages) >= lay.storage_pages() or lay.scratch_page in pages):
+            raise ValueError(f"pages must be the cache's ({lay.page_ids()}"
+                             + (f" or staging {lay.staging_ids()}" if lay.staging else "")
+                             + f"), got {min(pages)}..{max(pages)}")
         row = torch.full((lay.max_pages,), lay.scratch_page, dtype=paging.TABLE_DTYPE)
         row[:len(pages)] = torch.as_tensor(pages, dtype=paging.TABLE_DTYPE)
         self.table[slot].copy_(row)
@@ -125,6 +142,26 @@ class EngineCache:
             return t.index_select(0, pages).view(m, n, hkv, p, d).transpose(1, 2).reshape(m, hkv, n * p, d)[:, :, :ctx]
         return one(kv[0]), one(kv[1])
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Mirror rows (and kept values) of pages src[i] -> dst[i], every layer: a staged request's prefilled
+        pages to its own mirror-only pages (or cached pages to staging pages). The main copy is not copied."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_pages: {len(src)} source pages, {len(dst)} destinations")
+        if not src:
+            return
+        extent = self.layout.storage_pages() if self.layout is not None else 0
+        if min(src + dst) < 0 or max(src + dst) >= extent:
+            raise ValueError(f"copy_pages: pages must lie in [0, {extent})")
+        s = torch.as_tensor(src, dtype=torch.long, device=self.device)
+        d = torch.as_tensor(dst, dtype=torch.long, device=self.device)
+        for i, c in enumerate(self.layers):
+            kept = [] if self.values is None else list(self.values[i])
+            for t in (c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, *kept):
+                if t is not None:
+                    if t.dtype == torch.float8_e4m3fn:   # as bytes (index kernels need not cover float8)
+                        t = t.view(torch.uint8)
+                    t.index_copy_(0, d, t.index_select(0, s))
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self.layers for t in c.tensors() if t is not None)
 
@@ -168,8 +205,13 @@ class EngineCache:
             paging.check_rows(self.table, slots, positions, self.layout.page_size, self.layout.scratch_page)
             slots, positions = self.locate(slots, positions)
         kb, vb = k.to(self.device, torch.bfloat16), v.to(self.device, torch.bfloat16)
-        c.k_cache[slots, :, positions] = kb
-        c.v_cache[slots, :, positions] = vb
+        if self.staged:   # rows on mirror-only pages have no main copy
+            main = slots < c.k_cache.shape[0]
+            c.k_cache[slots[main], :, positions[main]] = kb[main]
+            c.v_cache[slots[main], :, positions[main]] = vb[main]
+        else:
+            c.k_cache[slots, :, positions] = kb
+            c.v_cache[slots, :, positions] = vb
         self._store_mirror(layer, slots, positions, kb.float(), vb.float(), check_finite=True)
 
     def mirror_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kernel: bool = False) -> None:
@@ -200,8 +242,11 @@ class EngineCache:
 
         c = self.layers[layer]
         i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-        mirror_rows(self.fmt, c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, i32(at_slot),
-                    i32(at_row))
+        # staged: the rows are on staging pages (or the scratch page), all inside the main copy's extent; the
+        # kernel sees mirrors of that extent
+        n = c.k_cache.shape[0]
+        mirror_rows(self.fmt, c.k_cache, c.v_cache, c.k_mirror[:n], c.k_scale[:n], c.v_mirror[:n], c.v_scale[:n],
+                    i32(at_slot), i32(at_row))
 
     def _store_mirror(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kf: torch.Tensor,
                       vf: torch.Tensor, check_finite: bool) -> None:

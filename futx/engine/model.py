@@ -85,12 +85,14 @@ class DecodeModel:
     def __init__(self, packed: PackedModel, cache: str = "int4", *, max_batch: int = 8, capacity: int = 2048,
                  backend: str = "kernels", device=None, glue: str = "fused",
                  shared_cache: Optional[EngineCache] = None, max_rows: Optional[int] = None,
-                 keep_logits: bool = False, pages: Optional[int] = None, page_size: int = paging.DEFAULT_PAGE_SIZE):
+                 keep_logits: bool = False, pages: Optional[int] = None, page_size: int = paging.DEFAULT_PAGE_SIZE,
+                 staging: int = 0):
         """max_batch: cache slots (requests); max_rows: rows of one step (default max_batch; more for block
         steps: requests x (drafts + 1)); keep_logits: also keep each step's logits in buffers.logits.
         pages: a paged cache of that many pages of page_size positions (futx.paging; None: contiguous slots of
         `capacity` positions); requests still reach at most `capacity` positions, the caller fills the block
-        table (EngineCache.set_pages)."""
+        table (EngineCache.set_pages). staging: the INT4-only cache's staging pages (futx.paging; 0: every page
+        keeps its main copy)."""
         check_formats(packed.weights, cache)
         check_model(packed.config, packed.weights, packed.group_size)
         check_batch(max_batch)
@@ -106,8 +108,10 @@ class DecodeModel:
         self.capacity = round_capacity(capacity)
         self.max_batch = max_batch
         self.max_rows = max_rows
+        if staging and pages is None:
+            raise ValueError("staging pages need a paged cache (pages=...)")
         layout = None if pages is None else paging.PageLayout.for_capacity(page_size, pages, max_batch,
-                                                                            self.capacity)
+                                                                            self.capacity, staging)
         if shared_cache is not None:  # several models over one cache (benchmarks)
             if (shared_cache.fmt, shared_cache.slots, shared_cache.capacity, shared_cache.layout) != (
                     cache, max_batch, self.capacity, layout):

@@ -2,7 +2,7 @@
 for reuse by later requests. Host-side integers only: no tensors, no kernels (the block table on the device is
 the engine's; futx.paging says where a page's positions live).
 
-PagePool. Pages 0 .. pages-1 (the scratch page, index `pages`, is never handed out). Every page is either free
+PagePool. Pages first .. first+pages-1 (futx.paging.PageLayout.page_ids; the scratch page is never handed out). Every page is either free
 (refcount 0, on the free list) or held (refcount >= 1): a request that allocated it holds one reference; a
 request that attached it from the prefix cache holds one more; the prefix cache itself holds one for every
 page it keeps (`pin` / `unpin`, so the pool counts the cached pages nobody else holds: `idle`, in O(1) for
@@ -33,12 +33,15 @@ DIGEST_BYTES = 16
 
 
 class PagePool:
-    def __init__(self, pages: int):
+    def __init__(self, pages: int, first: int = 0):
+        """pages: how many; first: the index of the first (a layout's first_page)."""
         if not isinstance(pages, int) or pages < 1:
             raise ValueError(f"a page pool needs at least one page, got {pages!r}")
-        self.total = pages
-        self.refs = [0] * pages
-        self._free = list(range(pages - 1, -1, -1))   # pop() hands out the lowest page first
+        if not isinstance(first, int) or first < 0:
+            raise ValueError(f"a page pool's first page index must be >= 0, got {first!r}")
+        self.total, self.first = pages, first
+        self.refs = [0] * pages          # refs[page - first]: the references to each page
+        self._free = list(range(first + pages - 1, first - 1, -1))   # pop() hands out the lowest page first
         self._pinned: set[int] = set()                 # pages the prefix cache holds a reference to
         self.idle = 0                                  # ... that nobody else holds
 
@@ -54,17 +57,17 @@ class PagePool:
             raise MemoryError(f"{n} pages asked, {len(self._free)} of {self.total} free")
         got = [self._free.pop() for _ in range(n)]
         for p in got:
-            self.refs[p] = 1
+            self.refs[p - self.first] = 1
         return got
 
     def share(self, page: int) -> None:
         """One more reference to a held page."""
         self._check(page)
-        if self.refs[page] == 0:
+        if self.refs[page - self.first] == 0:
             raise ValueError(f"page {page} is free: only a held page can be shared")
-        if self.refs[page] == 1 and page in self._pinned:
+        if self.refs[page - self.first] == 1 and page in self._pinned:
             self.idle -= 1
-        self.refs[page] += 1
+        self.refs[page - self.first] += 1
 
     def pin(self, page: int) -> None:
         """The prefix cache's reference to a held page."""
@@ -78,7 +81,7 @@ class PagePool:
         if page not in self._pinned:
             raise ValueError(f"page {page} is not pinned")
         self._pinned.discard(page)
-        if self.refs[page] == 1:
+        if self.refs[page - self.first] == 1:
             self.idle -= 1
         self.free([page])
 
@@ -86,30 +89,34 @@ class PagePool:
         """Drop one reference to each page; a page nobody holds any more goes back to the free list."""
         for p in pages:
             self._check(p)
-            if self.refs[p] == 0:
+            if self.refs[p - self.first] == 0:
                 raise ValueError(f"page {p} freed but nobody holds it (double free)")
         for p in pages:
-            self.refs[p] -= 1
-            if self.refs[p] == 0:
+            self.refs[p - self.first] -= 1
+            if self.refs[p - self.first] == 0:
                 self._free.append(p)
-            elif self.refs[p] == 1 and p in self._pinned:
+            elif self.refs[p - self.first] == 1 and p in self._pinned:
                 self.idle += 1
 
+    def refcount(self, page: int) -> int:
+        self._check(page)
+        return self.refs[page - self.first]
+
     def _check(self, page: int) -> None:
-        if not isinstance(page, int) or not 0 <= page < self.total:
-            raise ValueError(f"page {page!r} out of range [0, {self.total})")
+        if not isinstance(page, int) or not self.first <= page < self.first + self.total:
+            raise ValueError(f"page {page!r} out of range [{self.first}, {self.first + self.total})")
 
     def check(self) -> None:
         """The invariants (tests): every page free xor held, the free list without duplicates."""
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a page is on the free list twice")
-        for p, r in enumerate(self.refs):
+        for p, r in enumerate(self.refs, self.first):
             if r < 0 or (r == 0) != (p in free):
                 raise AssertionError(f"page {p}: refcount {r}, {'' if p in free else 'not '}on the free list")
-        if any(self.refs[p] == 0 for p in self._pinned):
+        if any(self.refs[p - self.first] == 0 for p in self._pinned):
             raise AssertionError("a pinned page is free")
-        if self.idle != sum(1 for p in self._pinned if self.refs[p] == 1):
+        if self.idle != sum(1 for p in self._pinned if self.refs[p - self.first] == 1):
             raise AssertionError(f"idle count {self.idle} is wrong")
 
 
@@ -181,7 +188,7 @@ class PrefixCache:
         for k, p in self._pages.items():   # least recently used first
             if len(idle) == n:
                 break
-            if self.pool.refs[p] == 1:
+            if self.pool.refcount(p) == 1:
                 idle.append((k, p))
         for k, p in idle:
             del self._pages[k]

@@ -61,7 +61,7 @@ def _counters(device: torch.device, batch: int, kv_heads: int) -> torch.Tensor:
 
 
 def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-                 cache_format: str, rotate: bool) -> None:
+                 cache_format: str, rotate: bool, mirror_only: bool = False) -> None:
     """Everything that can be checked without reading device memory; raises ValueError/TypeError."""
     if cache_format not in FORMATS:
         raise ValueError(f"decode_attention: cache_format must be one of {FORMATS}, got {cache_format!r}")
@@ -97,7 +97,8 @@ def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, 
         checks.shape(name, t, (b, hkv, d))
     checks.shape("positions", positions, (b,))
     checks.shape("slots", slots, (b,))
-    mirrors = check_mirror_tensors("decode_attention", cache_format, k_cache, k_mirror, k_scale, v_mirror, v_scale)
+    mirrors = check_mirror_tensors("decode_attention", cache_format, k_cache, k_mirror, k_scale, v_mirror, v_scale,
+                                   mirror_only)
     for name, t in (("q", q), *new_rows, ("positions", positions), ("slots", slots),
                     ("k_cache", k_cache), ("v_cache", v_cache), *mirrors):
         if t is not None:
@@ -105,10 +106,26 @@ def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, 
             checks.aligned(name, t)
 
 
-def check_mirror_tensors(op: str, cache_format: str, k_cache, k_mirror, k_scale, v_mirror, v_scale) -> tuple:
+def mirror_extent(k_cache: torch.Tensor, k_scale: Optional[torch.Tensor]) -> int:
+    """Slots (pages) of the mirror: k_cache's first extent, or the mirror's own when the main copy holds fewer
+    (a paged cache of staging pages: futx.paging, the INT4-only cache)."""
+    return k_cache.shape[0] if k_scale is None else k_scale.shape[0]
+
+
+def check_mirror_tensors(op: str, cache_format: str, k_cache, k_mirror, k_scale, v_mirror, v_scale,
+                         mirror_only: bool = False) -> tuple:
     """Devices, dtypes and shapes of a cache's mirror tensors against its main copy k_cache [S, Hkv, C, D];
-    returns them as (name, tensor) pairs."""
+    returns them as (name, tensor) pairs. mirror_only: the mirror may hold more pages than the main copy (a
+    paged cache whose main copy is staging pages only; only its kernels that write no main row accept it)."""
     s, hkv, cap, d = k_cache.shape
+    if mirror_only and k_scale is not None:
+        if k_scale.dim() != 3 or k_scale.shape[0] < s:
+            raise ValueError(f"{op}: a mirror-only cache's mirror must hold at least the main copy's {s} pages, "
+                             f"k_scale is {list(k_scale.shape)}")
+        s = k_scale.shape[0]
+    elif k_scale is not None and k_scale.dim() == 3 and k_scale.shape[0] > s:
+        raise ValueError(f"{op}: the mirror holds {k_scale.shape[0]} pages but the main copy {s}: a mirror-only "
+                         "cache (staging main pages) runs only on the engine's paged fused-QKV entry")
     mirrors = (("k_mirror", k_mirror), ("k_scale", k_scale), ("v_mirror", v_mirror), ("v_scale", v_scale))
     if cache_format == "bf16":
         if any(t is not None for _, t in mirrors):
@@ -161,17 +178,18 @@ def check_block_table(op: str, block_table, page_size: int, k_cache: torch.Tenso
 
 
 def check_paged_rows(positions: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, page_size: int,
-                     pages: int) -> None:
+                     pages: int, scratch_page: Optional[int] = None) -> None:
     """Host-side checks of a paged launch (reads the table rows back): check_positions over the table's span and
     slots, every entry of the batch's table rows a page of the cache (the kernel reads them unchecked), each new
-    row on a page its request owns (futx.paging.check_rows) and no two new rows on the same page row."""
+    row on a page its request owns (futx.paging.check_rows) and no two new rows on the same page row. pages: the
+    cache tensors' page extent (the scratch page included); scratch_page: default the last (pages - 1)."""
     check_positions(positions, slots, block_table.shape[1] * page_size, block_table.shape[0])
     rows = block_table[slots.long()]
     if bool(((rows < 0) | (rows >= pages)).any()):
         bad = int(((rows < 0) | (rows >= pages)).any(1).nonzero()[0, 0])
         raise ValueError(f"decode_attention: block_table row {int(slots[bad])} holds entries outside the cache's "
                          f"{pages} pages: {rows[bad].tolist()}")
-    paging.check_rows(block_table, slots, positions, page_size, pages - 1)
+    paging.check_rows(block_table, slots, positions, page_size, pages - 1 if scratch_page is None else scratch_page)
     page, off = paging.locate(block_table, slots, positions, page_size)
     flat = page.long() * page_size + off
     if torch.unique(flat).numel() != flat.numel():
@@ -211,11 +229,15 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
             out, qkv=None, rope=None, block_table=None, page_size=0) -> None:
     """Validate, size the split-KV workspace and launch. With `qkv` (and `rope`) the fused entry of the engine
     runs: q, k_new, v_new are None and come from qkv's heads. With `block_table` the paged cache's kernel."""
+    # a paged cache whose mirror holds more pages than its main copy (staging pages: the INT4-only cache) runs the
+    # fused entry's mirror-only kernel, which writes no main-copy row
+    mirror_only = qkv is not None and block_table is not None and cache_format != "bf16" \
+        and isinstance(k_scale, torch.Tensor) and k_scale.dim() == 3 and k_scale.shape[0] > k_cache.shape[0]
     if qkv is not None:
         _check_fused(qkv, rope, out, k_cache, block_table, page_size)
         q = out  # same shape and device: what check_inputs validates the query against
     check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
-                 cache_format, rotate)
+                 cache_format, rotate, mirror_only)
     if qkv is None:  # (the fused entry checked it with its RoPE table)
         check_block_table("decode_attention", block_table, page_size, k_cache)
     checks.cuda("out", out, q.device)
@@ -233,7 +255,7 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
     variant, plan = resolve(cache_format, d, rotate, variant, page_size if paged else 0)
     if check_positions_on_host and not torch.cuda.is_current_stream_capturing():
         if paged:
-            check_paged_rows(positions, slots, block_table, page_size, s)
+            check_paged_rows(positions, slots, block_table, page_size, mirror_extent(k_cache, k_scale), s - 1)
         else:
             check_positions(positions, slots, cap, s)
     if num_splits == 0:
@@ -242,7 +264,7 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
     ws_o = torch.empty(b, hkv, num_splits, MAX_GROUP, d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(b, hkv, num_splits, MAX_GROUP, 2, dtype=torch.float32, device=q.device)
     fused = qkv is not None
-    key = qkv_key(cache_format, d, rotate, plan.page_size) if fused else \
+    key = qkv_key(cache_format, d, rotate, plan.page_size, mirror_only) if fused else \
         attn_key(cache_format, d, rotate, variant, plan.page_size)
     given = dict(q=q, k_new=k_new, v_new=v_new, qkv=qkv, rope=rope, positions=positions, slots=slots,
                  block_table=block_table, k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale,
@@ -374,12 +396,17 @@ class DecodeCache:
 
     @classmethod
     def allocate(cls, fmt: str, slots: int, kv_heads: int, capacity: int, head_dim: int,
-                 device: torch.device | str = "cuda") -> "DecodeCache":
+                 device: torch.device | str = "cuda", main_slots: Optional[int] = None) -> "DecodeCache":
+        """main_slots: the main copy's own (smaller) first extent, for a paged cache of staging main pages
+        (futx.paging: the INT4-only cache); default `slots`."""
         if fmt not in FORMATS:
             raise ValueError(f"DecodeCache: unknown format {fmt!r}; known {FORMATS}")
+        if main_slots is not None and (fmt == "bf16" or not 1 <= main_slots <= slots):
+            raise ValueError(f"DecodeCache: main_slots {main_slots} needs a mirror format and 1..{slots}")
         shape = (slots, kv_heads, capacity, head_dim)
+        main = (slots if main_slots is None else main_slots, kv_heads, capacity, head_dim)
         kw = dict(device=device)
-        c = cls(fmt, torch.zeros(shape, dtype=torch.bfloat16, **kw), torch.zeros(shape, dtype=torch.bfloat16, **kw))
+        c = cls(fmt, torch.zeros(main, dtype=torch.bfloat16, **kw), torch.zeros(main, dtype=torch.bfloat16, **kw))
         if fmt == "bf16":
             return c
         c.k_scale = torch.zeros(shape[:3], dtype=torch.float32, **kw)

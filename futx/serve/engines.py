@@ -112,6 +112,25 @@ class DecodeEngine:
     def set_pages(self, slot: int, pages: list[int], filled: Optional[int] = None) -> None:
         self.model.cache.set_pages(slot, pages)
 
+    def stage(self, slot: int, shared: list[int], staging: list[int], filled: int) -> None:
+        """INT4-only cache: slot `slot` is prefilled on `staging` pages; the attached cached pages `shared` (its
+        positions [0, filled)) are copied there first and their main copy dequantized from the mirror, so the
+        prefill attends to them as the kernels read them."""
+        from futx.engine.paged_kv import dequantize_slot
+
+        cache = self.model.cache
+        cache.copy_pages(shared, staging[:len(shared)])
+        cache.set_pages(slot, staging)
+        if filled:
+            dequantize_slot(cache, slot, filled)
+
+    def unstage(self, slot: int, staging: list[int], pages: list[int], keep: int) -> None:
+        """INT4-only cache: slot `slot`'s prefill is done: the mirror rows of its staging pages past the first
+        `keep` (the attached prefix, already in pages[:keep]) to its own pages, its table row to them."""
+        cache = self.model.cache
+        cache.copy_pages(staging[keep:], pages[keep:len(staging)])
+        cache.set_pages(slot, pages)
+
     def describe(self) -> str:
         m = self.model
         g = ("CUDA graphs" if self.graphs is not None else

@@ -30,6 +30,13 @@ decode weights differ, FP8 or BF16 against INT4), or all by prefill where both p
 never preempted for a younger one, and a request whose pages could never fit is refused at submit, so the loop
 always makes progress.
 
+INT4-only cache (a layout with staging pages, futx.paging: `--cache-main none`). The pages above hold only the
+mirror. A request that has a prompt to prefill also takes staging pages (main copy + mirror) for positions
+[0, prefill end) on admission; its table row points at them while it is prefilled (the prefill kernels read and
+write the main copy as always; an attached cached prefix is first copied there and its main copy dequantized from
+the mirror), and when its prefill completes its mirror rows are copied to its own pages, the table row points
+there and the staging pages go back. Its full pages are published to the prefix cache then (not chunk by chunk).
+
 With a `drafter` (speculative decoding, futx.speculative) the decode step is a block (verify) step: each DECODE
 request feeds the tokens of its history not yet in the cache (its last token; without a prefill, up to
 num_draft + 1 prompt tokens at once) and up to `num_draft` drafts, and keeps the prefix the target agrees with
@@ -97,6 +104,7 @@ class Handle:
         self.slot = -1
         self.pos = 0                  # next cache position this request writes
         self.pages: list[int] = []    # paged engines: the pages holding positions [0, len(pages) P)
+        self.staging: list[int] = []  # INT4-only cache: the staging pages it is being prefilled on
         self.prefill_end = 0          # positions [0, prefill_end) are prefilled (set on admission)
         self.reusable = 0             # positions below this (once written) may go to the prefix cache
         self.cached = 0               # positions attached from the prefix cache on its first admission
@@ -177,9 +185,15 @@ class Scheduler:
                              f"({rows}), or prefill could never run")
         self.layout = getattr(engine, "layout", None)
         self.pool: Optional[PagePool] = None
+        self.staging: Optional[PagePool] = None   # the INT4-only cache's staging pages
         self.prefix: Optional[PrefixCache] = None
         if self.layout is not None:
-            self.pool = PagePool(self.layout.pages)
+            self.pool = PagePool(self.layout.pages, self.layout.first_page)
+            if self.layout.staging and drafter is not None:
+                raise ValueError("speculative decoding does not run on the INT4-only cache (--cache-main none): "
+                                 "its verify step writes the main copy")
+            if self.layout.staging:
+                self.staging = PagePool(self.layout.staging)
             if prefix_cache and getattr(engine, "prefix_ok", False):
                 self.prefix = PrefixCache(self.pool, self.layout.page_size)
         self.preemptions = 0
@@ -264,8 +278,11 @@ class Scheduler:
         taking: evicted on demand). Zeros on a contiguous engine."""
         if self.pool is None:
             return {"pages_total": 0, "pages_free": 0, "pages_cached": 0}
-        return {"pages_total": self.pool.total, "pages_free": self.pool.free_count,
-                "pages_cached": self.prefix.idle_pages() if self.prefix is not None else 0}
+        counts = {"pages_total": self.pool.total, "pages_free": self.pool.free_count,
+                  "pages_cached": self.prefix.idle_pages() if self.prefix is not None else 0}
+        if self.staging is not None:
+            counts.update(staging_total=self.staging.total, staging_free=self.staging.free_count)
+        return counts
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -344,7 +361,10 @@ class Scheduler:
         shared = self.prefix.attach(hist, h.reusable // size) if self.prefix is not None else []
         need = pages_for(n, size) - len(shared)
         headroom = len(self._live)   # one page per running request, so admission does not preempt at once
-        if need + headroom > self._available():
+        # INT4-only cache: staging pages for the positions its prefill writes and reads
+        stage = pages_for(h.prefill_end, size) if self.staging is not None and \
+            h.prefill_end > len(shared) * size else 0
+        if need + headroom > self._available() or stage > (self.staging.free_count if stage else 0):
             self.pool.free(shared)
             return False
         h.pages = shared + self._allocate(need)
@@ -352,8 +372,19 @@ class Scheduler:
         h.published = len(shared)
         if h.preemptions == 0:
             h.cached = h.pos
-        self.engine.set_pages(h.slot, h.pages, filled=h.pos)
+        if stage:
+            h.staging = self.staging.allocate(stage)
+            self.engine.stage(h.slot, shared, h.staging, h.pos)
+        else:
+            self.engine.set_pages(h.slot, h.pages, filled=h.pos)
         return True
+
+    def _unstage(self, h: Handle) -> None:
+        """h's prefill is complete: its prefilled rows to its own pages (all but the attached prefix, which they
+        hold already), its table row there, the staging pages back."""
+        self.engine.unstage(h.slot, h.staging, h.pages, h.published)
+        self.staging.free(h.staging)
+        h.staging = []
 
     def _available(self) -> int:
         return self.pool.free_count + (self.prefix.idle_pages() if self.prefix is not None else 0)
@@ -393,6 +424,9 @@ class Scheduler:
         """h leaves the running batch: its prefilled full pages to the prefix cache (publish), pages and slot
         freed."""
         self._live.remove(h)
+        if h.staging:   # retired mid-prefill (INT4-only cache): its own pages hold nothing yet
+            self.staging.free(h.staging)
+            h.staging, publish = [], False
         if h.pages:
             if publish and self.prefix is not None:
                 self._publish(h)
@@ -435,8 +469,10 @@ class Scheduler:
             return
         for h, n in owners:
             h.pos += n
-            if self.prefix is not None:   # full pages shared at once: requests arriving together hit them too
-                self._publish(h)
+            if h.staging and h.pos >= h.prefill_end:
+                self._unstage(h)
+            if self.prefix is not None and not h.staging:   # full pages shared at once: requests arriving
+                self._publish(h)                            # together hit them too
         self.prefill_tokens += sum(n for _, n in owners)
 
     def _decode(self) -> None:

@@ -5,7 +5,8 @@ SPECS holds exactly what the op launches: `futx::decode_attention` always runs t
 (format, head dim, rotation) (decode.attn_plan.default_plan), the engine's entry the `.qkv` kernels. The
 INT4 design alternatives of VARIANTS are the tuning space (named with the op's `variant=` argument once
 scripts/tuning_space.py has registered them); docs/routing.md gives the measured reason for the default.
-A paged cache (the op's `block_table=`, futx.paging) runs the `.p<page size>` twin of the same kernel."""
+A paged cache (the op's `block_table=`, futx.paging) runs the `.p<page size>` twin of the same kernel; a paged cache
+whose main copy holds only staging pages (the INT4-only cache) the engine entry's `.mo` twin (mirror row only)."""
 
 from futx.runtime.registry import KernelSpec
 
@@ -69,16 +70,19 @@ def attn_spec(fmt: str, head_dim: int, rotate: bool, variant: str = "", page_siz
 ENGINE_CACHES = (("int4", True), ("e4m3", False), ("bf16", False))
 
 
-def qkv_key(fmt: str, head_dim: int, rotate: bool, page_size: int = 0) -> str:
-    return attn_key(fmt, head_dim, rotate) + ".qkv" + _paged(page_size)
+def qkv_key(fmt: str, head_dim: int, rotate: bool, page_size: int = 0, mirror_only: bool = False) -> str:
+    return attn_key(fmt, head_dim, rotate) + ".qkv" + _paged(page_size) + (".mo" if mirror_only else "")
 
 
-def _qkv_spec(fmt: str, head_dim: int, rotate: bool, page_size: int = 0) -> KernelSpec:
-    return KernelSpec(key=qkv_key(fmt, head_dim, rotate, page_size), module="decode.attention",
+def _qkv_spec(fmt: str, head_dim: int, rotate: bool, page_size: int = 0, mirror_only: bool = False) -> KernelSpec:
+    return KernelSpec(key=qkv_key(fmt, head_dim, rotate, page_size, mirror_only), module="decode.attention",
                       params=(("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate), ("fused_qkv", True))
-                      + _page_params(page_size), sources=SOURCES, expect_sass=("HMMA",),
+                      + _page_params(page_size) + ((("mirror_only", True),) if mirror_only else ()),
+                      sources=SOURCES, expect_sass=("HMMA",),
                       doc=f"decode attention of the engine over the {fmt} cache, head dim {head_dim}: q/k/v from the "
-                          "QKV projection output, RoPE in the kernel, new K/V row written" + _page_doc(page_size))
+                          "QKV projection output, RoPE in the kernel, new K/V row written" + _page_doc(page_size)
+                          + ("; the mirror row only (the main copy holds staging pages only: the INT4-only cache)"
+                             if mirror_only else ""))
 
 
 # The paged cache (futx.paging): every shipped entry at the default page size, and the 8B INT4 entries at 256
@@ -94,4 +98,9 @@ def _entries(page_size: int) -> list[KernelSpec]:
         [_qkv_spec(fmt, d, rot, page_size) for fmt, rot in ENGINE_CACHES for d in (64, 128)]
 
 
-SPECS = _entries(0) + _entries(128) + [attn_spec("int4", 128, True, page_size=256), _qkv_spec("int4", 128, True, 256)]
+# The mirror-only cache (futx.paging staging pages, `--cache-main none`): the engine's entries of the mirror formats.
+MIRROR_ONLY = [_qkv_spec(fmt, d, rot, 128, mirror_only=True) for fmt, rot in ENGINE_CACHES if fmt != "bf16"
+               for d in (64, 128)]
+
+SPECS = _entries(0) + _entries(128) + [attn_spec("int4", 128, True, page_size=256),
+                                       _qkv_spec("int4", 128, True, 256)] + MIRROR_ONLY

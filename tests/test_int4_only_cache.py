@@ -1,0 +1,152 @@
+"""The INT4-only cache (`--cache-main none`, futx.paging staging pages) on the CPU: the layout's index spaces,
+EngineCache's smaller main copy and its page moves, and the scheduler on the emulated decode engine: the same
+greedy tokens as the cache with a main copy on every page (prefills on staging pages, decode on mirror-only
+pages), with chunked prompts, prefix hits, preemption, and every page and staging page back at the end."""
+
+import pytest
+import torch
+
+from futx.engine import DecodeModel
+from futx.engine.cache import EngineCache
+from futx.engine.prefill import PrefillModel, pack_prefill
+from futx.paging import PageLayout
+from futx.serve import SamplingParams, Scheduler
+from futx.serve.engines import DecodeEngine
+
+from test_serve_paged import CFG, P, Tok, all_pages_back, packed, prompts_of, run, weights  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def staged_engine(packed, weights, slots, capacity, pages, staging, fmt="int4"):  # noqa: F811
+    model = DecodeModel(packed, fmt, max_batch=slots, capacity=capacity, backend="emulated", device="cpu",
+                        pages=pages, staging=staging)
+    pm = PrefillModel(pack_prefill(weights, "bf16"), model.cache, "emulated")
+    return DecodeEngine(model, None, None, pm)
+
+
+def full_engine(packed, weights, slots, capacity, pages, fmt="int4"):  # noqa: F811
+    return staged_engine(packed, weights, slots, capacity, pages, 0, fmt)
+
+
+def all_staging_back(sched):
+    assert sched.staging.free_count == sched.staging.total
+    sched.staging.check()
+    assert not any(h.staging for h in sched._live)
+
+
+def test_layout_index_spaces():
+    lay = PageLayout.for_capacity(P, pages=10, slots=3, capacity=3 * P, staging=4)
+    assert (lay.scratch_page, lay.first_page, lay.main_pages(), lay.storage_pages()) == (4, 5, 5, 15)
+    assert list(lay.staging_ids()) == [0, 1, 2, 3] and list(lay.page_ids()) == list(range(5, 15))
+    assert int(lay.new_table().unique()) == 4                     # unowned entries: the scratch page
+    plain = PageLayout.for_capacity(P, pages=10, slots=3, capacity=3 * P)
+    assert (plain.scratch_page, plain.first_page, plain.main_pages(), plain.storage_pages()) == (10, 0, 11, 11)
+    with pytest.raises(ValueError, match="staging pages cannot prefill one request"):
+        PageLayout.for_capacity(P, pages=10, slots=3, capacity=3 * P, staging=2)
+    with pytest.raises(ValueError, match="staging"):
+        PageLayout.for_capacity(P, pages=10, slots=3, capacity=3 * P, staging=-1)
+
+
+def test_engine_cache_holds_the_main_copy_of_staging_pages_only():
+    lay = PageLayout.for_capacity(P, pages=6, slots=2, capacity=2 * P, staging=2)
+    cache = EngineCache(CFG, "int4", 2, 2 * P, "cpu", layout=lay)
+    c = cache.layers[0]
+    assert c.k_cache.shape[0] == 3 and c.k_scale.shape[0] == 9 and c.k_mirror.shape[0] == 9
+    per, whole = EngineCache.page_bytes(CFG, "int4", P, main=False), EngineCache.page_bytes(CFG, "int4", P)
+    assert cache.nbytes() == 9 * per + 3 * (whole - per)         # mirrors of every page, main copies of 3
+    with pytest.raises(ValueError, match="needs a mirror"):
+        EngineCache(CFG, "bf16", 2, 2 * P, "cpu", layout=lay)
+    # rows on a mirror-only page: mirror written, no main copy touched; copy_pages moves mirror rows
+    cache.set_pages(0, [3])
+    k = torch.randn(2, CFG.num_key_value_heads, CFG.head_dim)
+    before = c.k_cache.clone()
+    cache.write_rows(0, torch.tensor([0, 0]), torch.tensor([5, 6]), k, k)
+    assert torch.equal(c.k_cache, before)
+    got = cache.read(0, 0, 7)[0][:, 5:7]
+    cache.copy_pages([3], [4])
+    cache.set_pages(0, [4])
+    assert torch.equal(cache.read(0, 0, 7)[0][:, 5:7], got)
+    with pytest.raises(ValueError, match="copy_pages"):
+        cache.copy_pages([3], [99])
+
+
+@pytest.mark.parametrize("fmt", ("int4", "e4m3"))
+def test_int4_only_gives_the_tokens_of_the_full_cache(packed, weights, fmt):  # noqa: F811
+    from futx.engine import pack_model
+
+    pk = packed if fmt == "int4" else pack_model(weights, "int4", progress=False)
+    prompts = prompts_of((300, 140, 20, 129), seed=4)
+    want = run(Scheduler(full_engine(pk, weights, 2, 3 * P, 8, fmt), Tok(), prefill_chunk=100), prompts,
+               (12, 12, 12, 12))
+    sched = Scheduler(staged_engine(pk, weights, 2, 3 * P, 8, 3, fmt), Tok(), prefill_chunk=100)
+    assert run(sched, prompts, (12, 12, 12, 12)) == want           # chunked prompts, two requests at once
+    all_pages_back(sched)
+    all_staging_back(sched)
+
+
+def test_a_cached_prefix_is_staged_and_changes_nothing_but_the_prefill(packed, weights):  # noqa: F811
+    system = prompts_of((2 * P,), seed=7)[0]
+    prompts = prompts_of((30, 5, 140), seed=1, prefix=system)
+    cold = Scheduler(staged_engine(packed, weights, 2, 4 * P, 12, 4), Tok(), prefill_chunk=200, prefix_cache=False)
+    want = [run(cold, [p], [6])[0] for p in prompts]
+    sched = Scheduler(staged_engine(packed, weights, 2, 4 * P, 12, 4), Tok(), prefill_chunk=200)
+    got = [run(sched, [p], [6])[0] for p in prompts]
+    assert sched.prefix_hits == 2 and sched.prefill_tokens == cold.prefill_tokens - 2 * 2 * P
+    # the hits' prefills attend to the prefix through the mirror (dequantized: stage below), the cold runs' to its
+    # BF16 main copy: the first prompt (no hit) and the short one agree; the 140-token prefill over the INT4
+    # prefix leaves this random tiny model's greedy path (its logits are tested in test_stage_...)
+    assert got[:2] == want[:2] and [len(g) for g in got] == [6, 6, 6]
+    all_pages_back(sched)
+    all_staging_back(sched)
+
+
+def test_stage_copies_the_prefix_and_dequantizes_its_main_copy(packed, weights):  # noqa: F811
+    eng = staged_engine(packed, weights, 2, 3 * P, 6, 3)
+    cache = eng.model.cache
+    shared = [7, 9]                                    # cached mirror-only pages of positions [0, 2P)
+    cache.set_pages(1, shared)
+    g = torch.Generator().manual_seed(3)
+    for i in range(CFG.num_hidden_layers):            # mirror rows (and the emulation's kept values) as written
+        k, v = (torch.randn(2 * P, CFG.num_key_value_heads, CFG.head_dim, generator=g) for _ in range(2))
+        cache.write_rows(i, torch.ones(2 * P, dtype=torch.long), torch.arange(2 * P), k, v)
+    want = [cache.read(i, 1, 2 * P) for i in range(CFG.num_hidden_layers)]
+    eng.stage(1, shared, [2, 0, 1], 2 * P - 5)
+    assert cache.table[1, :3].tolist() == [2, 0, 1]
+    for i, (k, v) in enumerate(want):
+        got_k, got_v = cache.read(i, 1, 2 * P)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)              # the mirror rows were copied
+        lc = cache.layers[i]
+        main_k = torch.cat([lc.k_cache[2], lc.k_cache[0]], dim=1)[:, :2 * P - 5]
+        assert torch.equal(main_k, k[:, :2 * P - 5].to(torch.bfloat16))    # the main copy: what decode reads
+    # unstage: rows past the attached prefix to the request's own pages
+    eng.unstage(1, [2, 0, 1], shared + [8], keep=2)
+    assert cache.table[1, :3].tolist() == [7, 9, 8]
+
+
+def test_preemption_and_waiting_for_staging_pages(packed, weights):  # noqa: F811
+    prompts = prompts_of((200, 180, 150, 60), seed=9)
+    want = run(Scheduler(full_engine(packed, weights, 3, 3 * P, 24), Tok(), prefill_chunk=64), prompts,
+               (100, 100, 100, 100))
+    # 5 mirror-only pages for 4 requests of 2-3 pages each, 3 staging pages (one long prompt at a time)
+    # without the prefix cache a preempted request is recomputed exactly as it first ran: the same tokens
+    sched = Scheduler(staged_engine(packed, weights, 3, 3 * P, 5, 3), Tok(), prefill_chunk=64, prefix_cache=False)
+    assert run(sched, prompts, (100, 100, 100, 100)) == want
+    assert sched.preemptions > 0
+    all_pages_back(sched)
+    all_staging_back(sched)
+    # with it, its prefilled pages come back from the cache (attended through the mirror): it completes
+    sched = Scheduler(staged_engine(packed, weights, 3, 3 * P, 5, 3), Tok(), prefill_chunk=64)
+    got = run(sched, prompts, (100, 100, 100, 100))
+    assert sched.preemptions > 0 and sched.prefix_hits == 0 and got[0] == want[0]
+    all_pages_back(sched)
+    all_staging_back(sched)
+
+
+def test_speculative_decoding_is_refused_on_the_int4_only_cache(packed, weights):  # noqa: F811
+    from futx.speculative.ngram import NgramDrafter
+
+    model = DecodeModel(packed, "int4", max_batch=2, capacity=2 * P, backend="emulated", device="cpu", pages=4,
+                        staging=2, max_rows=2 * 3)
+    with pytest.raises(ValueError, match="INT4-only cache"):
+        Scheduler(DecodeEngine(model), Tok(), drafter=NgramDrafter(), num_draft=2)
