@@ -97,7 +97,7 @@ def build_engine(cfg: LlamaConfig, a):
           f"weights in {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     model = DecodeModel(packed, a.cache, max_batch=a.max_batch, capacity=a.capacity, backend=a.backend, device=dev,
-                        pages=a.pages, page_size=a.page_size)
+                        pages=a.pages, page_size=a.page_size, staging=a.staging_pages or 0)
     graphs = None
     if model.device.type == "cuda" and not a.no_graphs:
         from futx.engine.graphs import GraphSteps
@@ -355,6 +355,11 @@ def main(argv=None) -> int:
     p.add_argument("--pages", type=int, default=None, help="a paged cache of this many pages (default: the "
                    "contiguous cache, --max-batch slots of --capacity positions)")
     p.add_argument("--page-size", type=int, default=128, help="positions per page (--pages)")
+    p.add_argument("--staging-pages", type=int, default=None, help="--pages: the INT4-only cache (futx serve "
+                   "--cache-main none) with this many staging pages (pages then hold the mirror only)")
+    p.add_argument("--rates", default=None, help="comma-separated Poisson rates (req/s): one stream per rate in "
+                   "this process (engine built once), a sweep table, bench_serving_sweep.json/.md and --plot")
+    p.add_argument("--plot", default=None, help="--rates: PNG of output tokens/s against TPOT and ITL p99")
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (a shared system "
                    "prompt) before its --prompt-len random ones")
     p.add_argument("--no-prefix-cache", action="store_true", help="--pages: no prefix cache (each prompt prefilled "
@@ -383,6 +388,16 @@ def main(argv=None) -> int:
     if a.shared_prefix + a.prompt_len[1] + a.output_len[1] - 1 > a.capacity:
         raise SystemExit(f"prompts up to {a.prompt_len[1]} + outputs up to {a.output_len[1]} exceed --capacity "
                          f"{a.capacity}")
+    if a.staging_pages and a.pages is None:
+        raise SystemExit("--staging-pages needs --pages (the INT4-only cache is paged)")
+    rates = None
+    if a.rates:
+        try:
+            rates = [float(r) for r in a.rates.split(",")]
+        except ValueError:
+            raise SystemExit(f"--rates: comma-separated req/s, got {a.rates!r}") from None
+        if any(r <= 0 for r in rates):
+            raise SystemExit("--rates must be positive")
     if a.backend == "kernels" and not torch.cuda.is_available():
         raise SystemExit("--backend kernels needs a CUDA GPU (use --backend emulated on a CPU)")
     out = a.out or os.environ.get("OUT")
@@ -391,6 +406,94 @@ def main(argv=None) -> int:
     t_setup = time.perf_counter()
     with torch.inference_mode():
         engine = build_engine(cfg, a)
+    dev = engine.model.device
+    if rates is not None:
+        return sweep(engine, cfg, a, rates, out, t_setup)
+    res, sched = measure(engine, cfg, a, t_setup, argv)
+    md = render(res)
+    print(md, flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "bench_serving.json").write_text(json.dumps(res, indent=1))
+        Path(out, "bench_serving.md").write_text(md + "\n")
+        print(f"wrote {out}/bench_serving.json and .md", flush=True)
+    if res["metrics"]["errors"]:
+        print(f"warning: {res['metrics']['errors']} requests did not finish with their drawn length", file=sys.stderr)
+        return 1
+    return 0
+
+
+TPOT_TARGET_MS = 50.0   # the serving goal: the highest rate whose TPOT p99 stays within it (issue 28)
+
+
+def sweep(engine, cfg, a, rates: list[float], out, t_setup: float) -> int:
+    """One stream per Poisson rate through the same engine (a fresh scheduler each; a full cache and page pool
+    again), the rows side by side, and the best rate within the TPOT target."""
+    runs = []
+    for r in rates:
+        a.rate = r
+        res, _ = measure(engine, cfg, a, t_setup if not runs else time.perf_counter(), None)
+        print(render(res), flush=True)
+        runs.append(res)
+    ok = [x for x in runs if x["metrics"]["tpot_ms"]["p99"] <= TPOT_TARGET_MS and not x["metrics"]["errors"]]
+    best = max(ok, key=lambda x: x["metrics"]["requests_per_s"]) if ok else None
+    doc = {"bench": "serving-sweep", "command": " ".join(sys.argv), "tpot_target_ms": TPOT_TARGET_MS,
+           "best_rate": best["config"]["rate"] if best else None, "runs": runs}
+    md = render_sweep(doc)
+    print(md, flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "bench_serving_sweep.json").write_text(json.dumps(doc, indent=1))
+        Path(out, "bench_serving_sweep.md").write_text(md + "\n")
+        print(f"wrote {out}/bench_serving_sweep.json and .md", flush=True)
+    if a.plot:
+        plot_sweep(doc, a.plot)
+    return 1 if any(x["metrics"]["errors"] for x in runs) else 0
+
+
+def render_sweep(doc: dict) -> str:
+    r0 = doc["runs"][0]
+    c = r0["config"]
+    lines = [f"futx serve scheduler, {r0['shape']} ({r0['layers']} layers), {r0['device']}, {r0['date']}; "
+             f"{c['requests']} requests per rate, prompts {c['prompt_len'][0]}..{c['prompt_len'][1]} (+ shared "
+             f"prefix {c['shared_prefix']}), outputs {c['output_len'][0]}..{c['output_len'][1]}; {r0['engine']}", "",
+             "| rate req/s | requests/s | output tok/s | TTFT p50 / p99 ms | ITL p99 ms | TPOT p50 / p99 ms | "
+             "mean batch | prefix hits | preemptions | errors |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in doc["runs"]:
+        m = x["metrics"]
+        lines.append(f"| {x['config']['rate']:g} | {m['requests_per_s']:.2f} | {m['output_tokens_per_s']:.0f} | "
+                     f"{m['ttft_ms']['p50']:.0f} / {m['ttft_ms']['p99']:.0f} | {m['itl_ms']['p99']:.1f} | "
+                     f"{m['tpot_ms']['p50']:.1f} / {m['tpot_ms']['p99']:.1f} | {m['mean_batch']:.1f} | "
+                     f"{m['prefix_hits']} | {m['preemptions']} | {m['errors']} |")
+    best = doc["best_rate"]
+    lines += ["", f"Highest rate with TPOT p99 <= {doc['tpot_target_ms']:g} ms: "
+              + (f"{best:g} req/s" if best is not None else "none of those measured")]
+    return "\n".join(lines)
+
+
+def plot_sweep(doc: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (render one from the JSON elsewhere)", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ms = [x["metrics"] for x in doc["runs"]]
+    for key, name in (("tpot_ms", "TPOT p99"), ("itl_ms", "ITL p99")):
+        ax.plot([m[key]["p99"] for m in ms], [m["output_tokens_per_s"] for m in ms], marker="o", label=name)
+    ax.axvline(doc["tpot_target_ms"], color="gray", ls="--", lw=1)
+    ax.set_xlabel("latency p99 (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def measure(engine, cfg, a, t_setup: float, argv):
+    """One stream (a.rate) through a fresh scheduler over `engine`: (result dict, scheduler)."""
     dev = engine.model.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     sched = make_scheduler_class()(engine, NullTokenizer(), max_queue=a.requests + 8,
@@ -417,7 +520,8 @@ def main(argv=None) -> int:
                    "prefill_chunk": a.prefill_chunk, "weights": a.weights, "cache": a.cache,
                    "prefill_format": a.prefill_format, "graphs": engine.graphs is not None, "seed": a.seed,
                    "pages": a.pages, "page_size": a.page_size, "shared_prefix": a.shared_prefix,
-                   "prefix_cache": a.pages is not None and not a.no_prefix_cache},
+                   "prefix_cache": a.pages is not None and not a.no_prefix_cache,
+                   "staging_pages": a.staging_pages, "cache_bytes": engine.model.cache.nbytes()},
         "metrics": metrics,
         "requests": [{k: r.get(k) for k in ("id", "prompt_tokens", "max_tokens", "generated", "finish_reason",
                                             "ttft_ms", "e2e_ms", "error")} | {"arrival_s": r["arrival"] - t_start}
@@ -425,17 +529,7 @@ def main(argv=None) -> int:
     }
     if dev.type == "cuda":
         res["max_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
-    md = render(res)
-    print(md, flush=True)
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "bench_serving.json").write_text(json.dumps(res, indent=1))
-        Path(out, "bench_serving.md").write_text(md + "\n")
-        print(f"wrote {out}/bench_serving.json and .md", flush=True)
-    if metrics["errors"]:
-        print(f"warning: {metrics['errors']} requests did not finish with their drawn length", file=sys.stderr)
-        return 1
-    return 0
+    return res, sched
 
 
 if __name__ == "__main__":
