@@ -20,7 +20,8 @@ exit status 1:
     afterwards nothing runs or waits and every cache slot is free (/metrics: futx_cache_slots_free ==
     futx_cache_slots_total), and futx_requests_total{outcome="error"} did not grow
     afterwards every page of a paged cache is back in the free pool, or held only by the prefix cache (reported
-    apart: futx_cache_pages_free + futx_cache_pages_cached == futx_cache_pages_total)
+    apart: futx_cache_pages_free + futx_cache_pages_cached == futx_cache_pages_total), and so is every staging page
+    of an INT4-only cache (futx_cache_staging_pages_free == futx_cache_staging_pages_total)
     everything finished within --time-limit seconds
 
 A summary goes to stdout and, with --json, to a file. Only loopback servers are accepted.
@@ -428,9 +429,12 @@ def wait_idle(host: str, port: int, until: float) -> dict:
 
 
 def pages_back(m: dict) -> bool:
-    """Every page free or held only by the prefix cache (a contiguous cache reports 0 pages: trivially)."""
+    """Every page free or held only by the prefix cache (a contiguous cache reports 0 pages: trivially), every
+    staging page free (a server without the gauges, or without staging pages, reports none)."""
     total = m.get("futx_cache_pages_total")
-    return total is not None and m.get("futx_cache_pages_free", -1) + m.get("futx_cache_pages_cached", 0) == total
+    staging = m.get("futx_cache_staging_pages_free", 0) == m.get("futx_cache_staging_pages_total", 0)
+    return total is not None and staging \
+        and m.get("futx_cache_pages_free", -1) + m.get("futx_cache_pages_cached", 0) == total
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -591,7 +595,10 @@ def run(args, host: str, port: int, proc, started: float, log_path: Optional[str
               f"{after.get('futx_cache_pages_cached'):.0f} of {after['futx_cache_pages_total']:.0f}; "
               f"preemptions +{grew('futx_preemptions_total'):.0f}; prefix-cache hits "
               f"+{grew('futx_prefix_cache_hits_total'):.0f} ({grew('futx_prefix_cache_hit_tokens_total'):.0f} "
-              f"tokens, hit rate {after.get('futx_prefix_cache_hit_rate', 0):.3f})")
+              f"tokens, hit rate {after.get('futx_prefix_cache_hit_rate', 0):.3f})"
+              + (f"; staging pages free {after.get('futx_cache_staging_pages_free'):.0f} of "
+                 f"{after['futx_cache_staging_pages_total']:.0f}" if after.get("futx_cache_staging_pages_total")
+                 else ""))
     for name, ok in summary.requirements.items():
         print(f"load_test: {'PASS' if ok else 'FAIL'} {name}")
     for f in summary.failures[:10]:

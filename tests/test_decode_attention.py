@@ -70,7 +70,9 @@ def test_every_variant_has_consistent_maps(spec):
     page = p.pop("page_size", 0)  # a paged cache's entry: the same plan, addressed through a block table
     assert plan.page_size == page and ("page_size" in spec.param_dict) == (page > 0)
     if p.pop("fused_qkv", False):  # the engine's entry: the default plan, q/k/v from the QKV output
-        assert not p and spec.key == qkv_key(fmt, d, rotate, page) and spec in SPECS
+        mirror_only = p.pop("mirror_only", False)   # its INT4-only cache twin (no main-copy row)
+        assert plan.mirror_only == mirror_only and (not mirror_only or (page and fmt != "bf16"))
+        assert not p and spec.key == qkv_key(fmt, d, rotate, page, mirror_only) and spec in SPECS
         return
     variant = [k for k, v in VARIANTS.items() if v == p]
     assert len(variant) == 1 and attn_key(fmt, d, rotate, variant[0], page) == spec.key
@@ -95,12 +97,16 @@ def test_registry_is_exactly_what_the_op_launches():
                     launched.add(attn_key(fmt, d, rotate, variant, plan.page_size))
         launched |= {qkv_key(fmt, d, rotate, page) for fmt, rotate in ENGINE_CACHES for d in (64, 128)}
     launched |= {attn_key("int4", 128, True, page_size=256), qkv_key("int4", 128, True, 256)}  # page-size study
+    # the engine's entry on the INT4-only cache (a main copy of fewer pages than the mirror) for its mirror formats
+    launched |= {qkv_key(fmt, d, rotate, 128, mirror_only=True) for fmt, rotate in ENGINE_CACHES if fmt != "bf16"
+                 for d in (64, 128)}
     assert {s.key for s in SPECS} == launched and PAGE_SIZES == (128, 256)
     tuning = {s.key for s in TUNING_SPECS}
     assert {s.key for s in select("decode.attn*")} - tuning == {s.key for s in SPECS}  # the package registry
     assert tuning == {attn_key("int4", 128, True, v) for v in TUNING} and not tuning & launched
-    assert len(SPECS) == 2 * 16 + 2  # (10 default kernels + the engine's 3 cache formats x 2 head dims) x
-    #                                  (contiguous, 128-position pages) + the 8B INT4 pair at 256
+    assert len(SPECS) == 2 * 16 + 2 + 4  # (10 default kernels + the engine's 3 cache formats x 2 head dims) x
+    #                                      (contiguous, 128-position pages) + the 8B INT4 pair at 256 + the
+    #                                      engine's mirror-only entries (INT4 / E4M3 x 2 head dims)
 
 
 @pytest.mark.parametrize("spec", list(SPECS) + TUNING_SPECS, ids=lambda s: s.key)

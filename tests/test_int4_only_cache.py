@@ -150,3 +150,24 @@ def test_speculative_decoding_is_refused_on_the_int4_only_cache(packed, weights)
                         staging=2, max_rows=2 * 3)
     with pytest.raises(ValueError, match="INT4-only cache"):
         Scheduler(DecodeEngine(model), Tok(), drafter=NgramDrafter(), num_draft=2)
+
+
+@pytest.mark.parametrize("fmt", ("int4", "bf16"))
+def test_ppl_prefill_context_through_the_mirror(packed, weights, fmt):  # noqa: F811
+    """futx ppl --prefill-context: two prefill chunks, the second reading the first from the main copy or
+    through the mirror; a BF16 cache has no mirror, so both read the same bytes there."""
+    from futx.engine.perplexity import evaluate_engine
+
+    windows = torch.randint(0, CFG.vocab_size, (3, 64), generator=torch.Generator().manual_seed(2))
+    res = {}
+    for ctx in (None, "main", "mirror"):
+        model = DecodeModel(packed, fmt, max_batch=4, capacity=64, backend="emulated", device="cpu")
+        pm = PrefillModel(pack_prefill(weights, "bf16"), model.cache, "emulated")
+        res[ctx] = evaluate_engine(model, windows, "serving", weights, prefill_model=pm, prefill_context=ctx).mean_nll
+    assert res["main"] == pytest.approx(res[None], rel=1e-4)          # chunking itself changes ~nothing
+    if fmt == "bf16":
+        assert res["mirror"] == res["main"]
+    else:
+        assert res["mirror"] != res["main"] and res["mirror"] == pytest.approx(res["main"], rel=0.05)
+    with pytest.raises(ValueError, match="prefill_context"):
+        evaluate_engine(model, windows, "serving", weights, prefill_model=pm, prefill_context="both")

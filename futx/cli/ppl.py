@@ -33,6 +33,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jsonl", default=None, type=v.output_file,
                    help="append the running result after every batch (partial results)")
     add_engine_arguments(p, batch_default=32)
+    p.add_argument("--prefill-context", default=None, choices=("main", "mirror"),
+                   help="serving protocol, --prefill kernels: prefill the first half in two chunks, the second "
+                        "reading the first from the BF16 main copy (main) or through the decode mirror (mirror: "
+                        "how a prompt sees a cached prefix on the INT4-only cache, --cache-main none)")
     p.set_defaults(backend="reference")
 
 
@@ -53,6 +57,12 @@ def validate(args: argparse.Namespace) -> None:
         if is_packed(args.model):
             raise ValueError("--model: futx ppl needs the checkpoint (for the reference prefill and the float LM "
                              "head), not a packed directory")
+    if args.prefill_context is not None:
+        from .models import resolve_prefill
+
+        if args.backend == "reference" or "serving" not in args.protocol or resolve_prefill(args) != "kernels":
+            raise ValueError("--prefill-context applies to --protocol serving with --prefill kernels on the decode "
+                             "engine (--backend kernels, or emulated)")
 
 
 def _windows(tok, args):
@@ -141,6 +151,7 @@ def _run_engine(args: argparse.Namespace) -> int:
                 "backend": model.backend, "weights": model.packed.weights, "cache": model.cache.fmt,
                 "prefill": (None if r.protocol != "serving" else
                             f"kernels-{prefill_model.fmt}" if prefill_model is not None else "reference-bf16"),
+                "prefill_context": args.prefill_context if r.protocol == "serving" else None,
                 "model": weights.config.name, **where}
 
     running = RunningResults(args.json, args.jsonl, windows.shape[0], record)
@@ -150,7 +161,8 @@ def _run_engine(args: argparse.Namespace) -> int:
                                           disable=args.no_progress) as bar:
             for p in protocols:
                 evaluate_engine(model, windows, p, weights, prefill_weights=prefill, graphs=graphs, bar=bar,
-                                prefill_model=prefill_model, on_batch=running.update)
+                                prefill_model=prefill_model, on_batch=running.update,
+                                prefill_context=args.prefill_context if p == "serving" else None)
     except KeyboardInterrupt:
         return running.report_interrupted("futx ppl", weights.config.name, args.text)
     if prefill_model is not None:

@@ -275,6 +275,25 @@ class EngineCache:
         lanes = 4 * (positions % 8)[:, None] + torch.arange(4, device=positions.device)[None, :]   # [M, 4]
         c.k_mirror[slots[:, None], :, (positions // 8)[:, None], lanes] = pack_int4_key_rows(q[0]).transpose(1, 2)
 
+    def main_from_mirror(self, slot: int, n: int) -> None:
+        """The main copy of positions [0, n) of `slot` <- the mirror's values (`read`: what decode attention uses,
+        rounded to BF16): how a prompt's later prefill chunks see earlier ones that only the mirror kept (the
+        INT4-only cache's prefix hits). A BF16 cache has no mirror: nothing changes."""
+        if self.fmt == "bf16" or n == 0:
+            return
+        if not 0 <= slot <= self.slots or not 0 < n <= self.capacity:
+            raise ValueError(f"main_from_mirror: slot {slot} / {n} positions outside the cache")
+        for layer, c in enumerate(self.layers):
+            k, v = self.read(layer, slot, n)
+            if self.layout is None:
+                c.k_cache[slot, :, :n] = k.to(torch.bfloat16)
+                c.v_cache[slot, :, :n] = v.to(torch.bfloat16)
+            else:
+                pages, offs = self.locate(torch.full((n,), slot, device=self.device),
+                                          torch.arange(n, device=self.device))
+                c.k_cache[pages, :, offs] = k.transpose(0, 1).to(torch.bfloat16)
+                c.v_cache[pages, :, offs] = v.transpose(0, 1).to(torch.bfloat16)
+
     # ---- what decode attention reads -------------------------------------------------------------------
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) float32 [Hkv, length, D]: the values decode attention uses for positions [0, length)."""

@@ -48,20 +48,35 @@ def _prefill(model: DecodeModel, prefill_weights: ModelWeights, tokens: torch.Te
         model.write_prefix(layer, slots, positions, k.to(dev), v.to(dev))
 
 
-def _kernel_prefill(prefill_model, tokens: torch.Tensor, length: int) -> None:
-    """Packed kernel prefill of tokens[:, :length] into cache slots 0..B-1 (one request group)."""
+def _kernel_prefill(prefill_model, tokens: torch.Tensor, length: int, context: Optional[str] = None) -> None:
+    """Packed kernel prefill of tokens[:, :length] into cache slots 0..B-1 (one request group). context "main" /
+    "mirror": in two chunks, [0, length/2) then the rest; with "mirror" the second chunk reads the first through
+    the decode mirror (its main copy replaced by the mirror's values, as a prefix-cache hit reads its prefix on the
+    INT4-only cache)."""
     b = tokens.shape[0]
-    batch = PackedBatch.from_lengths([length] * b, device=prefill_model.device)
-    prefill_model.forward(tokens[:, :length].reshape(-1).to(prefill_model.device), batch)
+    dev = prefill_model.device
+    cuts = (0, length) if context is None else (0, length // 2, length)
+    for lo, hi in zip(cuts, cuts[1:]):
+        if lo and context == "mirror":
+            for s in range(b):
+                prefill_model.cache.main_from_mirror(s, lo)
+        batch = PackedBatch.from_lengths([hi - lo] * b, [lo] * b, device=dev)
+        prefill_model.forward(tokens[:, lo:hi].reshape(-1).to(dev), batch)
 
 
 def evaluate_engine(model: DecodeModel, windows: torch.Tensor, protocol: str, head: ModelWeights, *,
                     prefill_weights: Optional[ModelWeights] = None, graphs=None, bar=None,
-                    prefill_model=None,
+                    prefill_model=None, prefill_context: Optional[str] = None,
                     on_batch: Optional[Callable[[PerplexityResult], None]] = None) -> PerplexityResult:
     """Perplexity of the engine over windows [n, W] (int64), batches of up to model.max_batch windows.
     The serving protocol prefills with `prefill_model` (kernel prefill) if given, else on the reference path
-    with `prefill_weights`. `on_batch` receives the running result (the windows so far) after every batch."""
+    with `prefill_weights`; prefill_context "main" / "mirror" (kernel prefill only) prefills in two chunks, the
+    second reading the first from the main copy or through the mirror (_kernel_prefill). `on_batch` receives the
+    running result (the windows so far) after every batch."""
+    if prefill_context not in (None, "main", "mirror"):
+        raise ValueError(f"prefill_context must be None, 'main' or 'mirror', got {prefill_context!r}")
+    if prefill_context is not None and prefill_model is None:
+        raise ValueError("prefill_context needs the kernel prefill (prefill_model)")
     if protocol not in PROTOCOLS:
         raise ValueError(f"the engine evaluates protocols {PROTOCOLS} (gptq needs the prefill engine), got "
                          f"{protocol!r}")
@@ -85,7 +100,7 @@ def evaluate_engine(model: DecodeModel, windows: torch.Tensor, protocol: str, he
             b = tok.shape[0]
             rows = graphs.bucket(b) if graphs is not None else b
             if start and prefill_model is not None:
-                _kernel_prefill(prefill_model, tok, start)
+                _kernel_prefill(prefill_model, tok, start, prefill_context)
             elif start:
                 _prefill(model, prefill_weights, tok, start)
             buf.slots[:rows].fill_(model.cache.scratch_slot)

@@ -9,6 +9,8 @@ several servers (tests) and each /metrics shows only its own. Names, all prefixe
                                                       (0 on a contiguous cache)
     cache_pages_cached                                gauge: pages held only by the prefix cache (reusable by a
                                                       later prompt, evicted on demand: as good as free)
+    cache_staging_pages_free, cache_staging_pages_total   gauges: the INT4-only cache's staging pages (a main copy,
+                                                      held while a prompt is prefilled; 0 on other caches)
     prefix_cache_hit_rate                             gauge: prefix_cache_hit_tokens / prompt_tokens
     prefix_cache_hits_total, prefix_cache_hit_tokens_total   counters: admissions that attached cached pages, and
                                                       the prompt positions those pages held (not prefilled)
@@ -54,6 +56,10 @@ class ServerMetrics:
         self.pages_total = Gauge("futx_cache_pages_total", "Pages of the paged KV cache", registry=r)
         self.pages_cached = Gauge("futx_cache_pages_cached", "Pages held only by the prefix cache (evictable)",
                                   registry=r)
+        self.staging_free = Gauge("futx_cache_staging_pages_free", "Staging pages (INT4-only cache) not held by a "
+                                  "prefilling request", registry=r)
+        self.staging_total = Gauge("futx_cache_staging_pages_total", "Staging pages of the INT4-only cache",
+                                   registry=r)
         self.hit_rate = Gauge("futx_prefix_cache_hit_rate", "Prompt positions attached from the prefix cache / "
                               "prompt tokens of admitted requests", registry=r)
         self.hits = Counter("futx_prefix_cache_hits", "Admissions that attached cached prefix pages", registry=r)
@@ -87,6 +93,8 @@ class ServerMetrics:
         self.pages_free.set_function(snapshot("pages_free"))
         self.pages_total.set_function(snapshot("pages_total"))
         self.pages_cached.set_function(snapshot("pages_cached"))
+        self.staging_free.set_function(snapshot("staging_free"))
+        self.staging_total.set_function(snapshot("staging_total"))
 
         def rate():
             s = scheduler.snapshot()

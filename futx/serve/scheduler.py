@@ -275,14 +275,15 @@ class Scheduler:
 
     def _page_counts(self) -> dict:
         """pages_total; pages_free (in the pool); pages_cached: held only by the prefix cache (free for the
-        taking: evicted on demand). Zeros on a contiguous engine."""
+        taking: evicted on demand); staging_total / staging_free: the INT4-only cache's staging pages. Zeros on a
+        contiguous engine."""
         if self.pool is None:
-            return {"pages_total": 0, "pages_free": 0, "pages_cached": 0}
-        counts = {"pages_total": self.pool.total, "pages_free": self.pool.free_count,
-                  "pages_cached": self.prefix.idle_pages() if self.prefix is not None else 0}
-        if self.staging is not None:
-            counts.update(staging_total=self.staging.total, staging_free=self.staging.free_count)
-        return counts
+            return {"pages_total": 0, "pages_free": 0, "pages_cached": 0, "staging_total": 0, "staging_free": 0}
+        staged = self.staging is not None
+        return {"pages_total": self.pool.total, "pages_free": self.pool.free_count,
+                "pages_cached": self.prefix.idle_pages() if self.prefix is not None else 0,
+                "staging_total": self.staging.total if staged else 0,
+                "staging_free": self.staging.free_count if staged else 0}
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
