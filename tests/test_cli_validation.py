@@ -37,8 +37,14 @@ CASES = {
         (["--backend", "kernels"], "--backend", NO_CUDA),
         (["--page-size", "200"], "--page-size"),
         (["--cache-main", "none"], "--cache-main"),
+        (["--backend", "emulated", "--cache", "bf16", "--cache-main", "none"], "--cache-main"),
+        (["--backend", "emulated", "--cache-main", "none", "--speculative", "ngram"], "--cache-main"),
+        (["--backend", "emulated", "--staging-pages", "4"], "--staging-pages"),
+        (["--backend", "emulated", "--cache-main", "none", "--staging-pages", "0"], "--staging-pages"),
     ],
     "ppl": [
+        (["--prefill-context", "mirror"], "--prefill-context"),
+        (["--backend", "emulated", "--protocol", "all-decode", "--prefill-context", "main"], "--prefill-context"),
         (["--json", "{missing}/r.json", "--max-windows", "1"], "--json"),
         (["--json", "{dir}"], "--json"),
         (["--jsonl", "{missing}/r.jsonl"], "--jsonl"),
@@ -80,6 +86,8 @@ CASES = {
         (["--pages", "4", "--cache-memory", "1"], "--cache-memory"),
         (["--cache-memory", "0"], "--cache-memory"),
         (["--cache-main", "none"], "--cache-main"),
+        (["--backend", "emulated", "--cache", "bf16", "--cache-main", "none"], "--cache-main"),
+        (["--backend", "emulated", "--staging-pages", "4"], "--staging-pages"),
         (["--token-budget", "0"], "--token-budget"),
     ],
     "build": [

@@ -141,3 +141,23 @@ def test_cli_generate_on_one_page_gives_the_default_outputs(model_dir, tmp_path,
         outs.append(json.loads(out.read_text())["outputs"])
     capsys.readouterr()
     assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 3
+
+
+def test_cli_generate_on_the_int4_only_cache_gives_the_default_outputs(model_dir, tmp_path, capsys):
+    """futx generate --cache-main none: prompts prefilled on staging pages, decoded on mirror-only pages."""
+    import json
+
+    from futx import cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the heat\nhello there\nx\n")
+    outs = []
+    for extra in (["--pages", "4"], ["--cache-main", "none", "--pages", "2"],
+                  ["--cache-main", "none", "--cache", "e4m3", "--staging-pages", "1", "--cache-memory", "0.01"]):
+        out = tmp_path / f"gen{len(outs)}.json"
+        assert cli.main(["generate", "--model", str(model_dir), "--backend", "emulated", "--prompts", str(prompts),
+                         "--max-new-tokens", "4", "--ignore-eos", "--max-batch", "2", "--json", str(out),
+                         *extra]) == 0
+        outs.append(json.loads(out.read_text())["outputs"])
+    capsys.readouterr()
+    assert outs[0] == outs[1] and len(outs[0]) == len(outs[2]) == 3
