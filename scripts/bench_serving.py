@@ -406,21 +406,24 @@ def main(argv=None) -> int:
     t_setup = time.perf_counter()
     with torch.inference_mode():
         engine = build_engine(cfg, a)
-    dev = engine.model.device
     if rates is not None:
         return sweep(engine, cfg, a, rates, out, t_setup)
-    res, sched = measure(engine, cfg, a, t_setup, argv)
-    md = render(res)
-    print(md, flush=True)
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "bench_serving.json").write_text(json.dumps(res, indent=1))
-        Path(out, "bench_serving.md").write_text(md + "\n")
-        print(f"wrote {out}/bench_serving.json and .md", flush=True)
+    res, _ = measure(engine, cfg, a, t_setup, argv)
+    write_results(out, "bench_serving", res, render(res))
     if res["metrics"]["errors"]:
         print(f"warning: {res['metrics']['errors']} requests did not finish with their drawn length", file=sys.stderr)
         return 1
     return 0
+
+
+def write_results(out, name: str, doc: dict, md: str) -> None:
+    """Print the Markdown; with `out`, write OUT/name.json and OUT/name.md."""
+    print(md, flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"{name}.json").write_text(json.dumps(doc, indent=1))
+        Path(out, f"{name}.md").write_text(md + "\n")
+        print(f"wrote {out}/{name}.json and .md", flush=True)
 
 
 TPOT_TARGET_MS = 50.0   # the serving goal: the highest rate whose TPOT p99 stays within it (issue 28)
@@ -439,13 +442,7 @@ def sweep(engine, cfg, a, rates: list[float], out, t_setup: float) -> int:
     best = max(ok, key=lambda x: x["metrics"]["requests_per_s"]) if ok else None
     doc = {"bench": "serving-sweep", "command": " ".join(sys.argv), "tpot_target_ms": TPOT_TARGET_MS,
            "best_rate": best["config"]["rate"] if best else None, "runs": runs}
-    md = render_sweep(doc)
-    print(md, flush=True)
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "bench_serving_sweep.json").write_text(json.dumps(doc, indent=1))
-        Path(out, "bench_serving_sweep.md").write_text(md + "\n")
-        print(f"wrote {out}/bench_serving_sweep.json and .md", flush=True)
+    write_results(out, "bench_serving_sweep", doc, render_sweep(doc))
     if a.plot:
         plot_sweep(doc, a.plot)
     return 1 if any(x["metrics"]["errors"] for x in runs) else 0

@@ -10,7 +10,7 @@ from futx.engine import DecodeModel
 from futx.engine.cache import EngineCache
 from futx.engine.prefill import PrefillModel, pack_prefill
 from futx.paging import PageLayout
-from futx.serve import SamplingParams, Scheduler
+from futx.serve import Scheduler
 from futx.serve.engines import DecodeEngine
 
 from test_serve_paged import CFG, P, Tok, all_pages_back, packed, prompts_of, run, weights  # noqa: F401
