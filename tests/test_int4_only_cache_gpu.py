@@ -37,6 +37,9 @@ def test_mirror_only_kernel_equals_the_paged_kernel(da, fmt, rotate, shape, cont
         if n in want_mirror:
             assert torch.equal(t, want_mirror[n]), n
     assert torch.isnan(case.paged.k_cache).all() and torch.isnan(case.paged.v_cache).all()
+    case.fused = False   # the unfused op has no mirror-only kernel: refused before any launch
+    with pytest.raises(ValueError, match="mirror-only cache"):
+        case.run(True, check_positions_on_host=False)
 
 
 def _engine(weights, packed, fmt, pages, staging, graphs):
