@@ -144,6 +144,11 @@ def test_verify_catches_a_racy_buffer_layout():
         ps.verify(s, act_in_the_residual)
 
 
+    def attn_over_qkv(buf, layer):   # safe: a head's output lands on the Q columns only its own attention read
+        return ("qkv", 0) if buf == "attn" else ps.physical(buf, layer)
+    ps.verify(s, attn_over_qkv)
+
+
 def test_bad_input_is_named():
     cfg = PRESETS["llama-3.1-8b"]
     for m in (0, 9):
