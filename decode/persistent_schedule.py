@@ -442,10 +442,10 @@ def assign(graph: Graph, ctas: int, model: Model = Model()) -> Schedule:
     return Schedule(graph, lists, model)
 
 
-def make_schedule(config: LlamaConfig, m: int, context: Union[int, Sequence[int]], *, layers: int = 1, head: bool = False,
-         sms: int = SMS, ctas_per_sm: int = CTAS_PER_SM, ctas: Optional[int] = None,
-         widths: Optional[Mapping[str, int]] = None, cache: str = "int4", group_size: int = 128,
-         splits: Optional[int] = None, model: Model = Model()) -> Schedule:
+def make_schedule(config: LlamaConfig, m: int, context: Union[int, Sequence[int]], *, layers: int = 1,
+                  head: bool = False, sms: int = SMS, ctas_per_sm: int = CTAS_PER_SM, ctas: Optional[int] = None,
+                  widths: Optional[Mapping[str, int]] = None, cache: str = "int4", group_size: int = 128,
+                  splits: Optional[int] = None, model: Model = Model()) -> Schedule:
     """build_graph + assign on `ctas` (default sms x ctas_per_sm) resident CTAs."""
     graph = build_graph(config, m, context, layers=layers, head=head, sms=sms, widths=widths, cache=cache,
                         group_size=group_size, splits=splits)

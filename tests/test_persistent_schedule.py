@@ -100,6 +100,12 @@ def test_per_row_contexts():
     ps.check(ps.assign(g, 132))
 
 
+def test_default_machine_and_model_defaults():
+    s = ps.make_schedule(PRESETS["layer-1b"], 2, 64)
+    assert s.ctas == ps.SMS * ps.CTAS_PER_SM == 264 and s.model == ps.Model()
+    assert ps.PREFETCH_BYTES == 16 * 1024   # the tile GEMV's first batch: 8 warps x 2 units of 1 KB
+
+
 def test_a_consumer_before_its_producer_on_one_cta_is_a_deadlock():
     s = ps.assign(_graph("smollm2-135m", 1, 63), 1)
     lst = s.lists[0]
