@@ -36,6 +36,7 @@ import cutlass.memory as cmem
 from decode import ptx
 from decode import hadamard_warp as hw
 from decode import mirror_row
+from decode import rope_warp
 from decode.attn_plan import (ATTN_TENSORS, E4M3_PAIR_SELECTORS, MAX_GROUP, AttnPlan, default_plan,
                               int4_value_pairs)
 from decode.splitkv_combine import merge_splits, merge_warps
@@ -276,20 +277,8 @@ class DecodeAttention:
                 ptx.sts128(s_lut + e * 128 + chunk * 16, v, v, v, v)
 
     def rope(self, x, mRope, pos, lane):
-        """Rotate-half RoPE of the n values a lane holds (channels lane*n + i): channel c pairs with
-        c +- D/2, which lane ^ 16 holds at the same i. float32 math, result rounded to bf16 (as the
-        unfused path stores q and k)."""
-        p = self.p
-        n = p.per_lane
-        half = p.head_dim // 2
-        first = lane < 16
-        out = []
-        for i in range(n):
-            partner = cute.arch.shuffle_sync_bfly(x[i], offset=16)
-            j = (lane % 16) * n + i
-            y = x[i] * mRope[pos, j] + cutlass.select_(first, -partner, partner) * mRope[pos, half + j]
-            out.append(y.to(BFloat16).to(Float32))
-        return out
+        """decode.rope_warp.rope of the n values this lane holds (channels lane*n + i)."""
+        return rope_warp.rope(x, mRope, pos, lane, self.p.head_dim)
 
     def stage_query(self, mQ, mRope, pos, s_q, b, kvh, group, j, lane, scale_log2):
         """One warp: query head j of this KV head's group (RoPE-rotated when fused; Hadamard-rotated and

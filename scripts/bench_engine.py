@@ -193,6 +193,8 @@ class BenchParser(Parser):
                 self.error(f"argument --num-draft: no point holds BATCH x (k + 1) <= {MAX_BATCH} rows")
         elif a.num_draft_given:
             self.error("argument --num-draft: applies to --speculative")
+        elif a.block_attention:
+            self.error("argument --block-attention: applies to --speculative")
         return a
 
 
@@ -234,6 +236,10 @@ def build_parser(prog: str | None = None) -> Parser:
     p.add_argument("--num-draft", type=bench_verify.draft_list, default=None,
                    help="with --speculative: draft counts k, comma-separated, 0..7 (default 0,1,...,7; k = 0 is "
                         "the plain step)")
+    p.add_argument("--block-attention", type=bench_verify.block_list, default=None,
+                   help="with --speculative: how the verify step writes a block's K/V rows before its attention, "
+                        "comma-separated: prewrite (torch glue + the mirror kernel), kernel (one futx.ops.qkv_rows "
+                        "launch) (default prewrite)")
     p.add_argument("--out", "--json", dest="out", type=validators.output_file, default=None, help="JSON results")
     p.add_argument("--md", type=validators.output_file, default=None, help="Markdown table")
     p.add_argument("--plot", type=plot_file, default=None, help="PNG plot of ms per step (needs matplotlib)")

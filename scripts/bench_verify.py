@@ -14,6 +14,7 @@ rows are skipped and listed.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -29,8 +30,6 @@ MAX_DRAFT = 7
 
 def draft_list(value: str) -> list[int]:
     """K,K,... each in 0..7 (0: the plain step), no repeats."""
-    import argparse
-
     try:
         ks = [int(x) for x in value.split(",")]
     except ValueError:
@@ -38,6 +37,18 @@ def draft_list(value: str) -> list[int]:
     if any(not 0 <= k <= MAX_DRAFT for k in ks) or len(set(ks)) != len(ks):
         raise argparse.ArgumentTypeError(f"draft counts must be distinct and in 0..{MAX_DRAFT}, got {value!r}")
     return ks
+
+
+BLOCK_WAYS = ("prewrite", "kernel")   # futx.engine.backends.BLOCK_ATTENTION's one-launch ways
+
+
+def block_list(value: str) -> list[str]:
+    """--block-attention: comma-separated ways of writing a block's rows (BLOCK_WAYS)."""
+    ways = [w.strip() for w in value.split(",") if w.strip()]
+    bad = [w for w in ways if w not in BLOCK_WAYS]
+    if not ways or bad or len(set(ways)) != len(ways):
+        raise argparse.ArgumentTypeError(f"expected distinct ways from {', '.join(BLOCK_WAYS)}, got {value!r}")
+    return ways
 
 
 def blocks_for(batch: int, context: int, k: int, vocab: int) -> list[tuple[int, int, list[int]]]:
@@ -67,8 +78,10 @@ def eager_timer(reps: int, rounds: int) -> Callable[[dict], dict]:
 
 
 def measure_point(packed: dict, cfg, batch: int, context: int, ks: Sequence[int], pairs: Sequence[tuple[str, str]],
-                  timer: Callable[[dict], dict], backend: str = "kernels", device="cuda") -> dict:
-    """One point: {"batch", "context", "rows": [...], "skipped": [k, ...]} for every weight/cache pair and k."""
+                  timer: Callable[[dict], dict], backend: str = "kernels", device="cuda",
+                  ways: Sequence[str] = ("prewrite",)) -> dict:
+    """One point: {"batch", "context", "rows": [...], "skipped": [k, ...]} for every weight/cache pair, way of
+    writing the block's rows (candidates named "w/c" with one way, "w/c way" with several) and k."""
     from futx.engine.cache import EngineCache
     from futx.engine.model import DecodeModel
 
@@ -81,11 +94,14 @@ def measure_point(packed: dict, cfg, batch: int, context: int, ks: Sequence[int]
         for i, c in enumerate(caches.values()):
             c.randomize(i)
     cands, keep = {}, []
-    for wf, cf in pairs:
+    for (wf, cf), way in ((p, w) for p in pairs for w in ways):
+        name = f"{wf}/{cf}" + (f" {way}" if len(ways) > 1 else "")
         for k in fit:
             width = k + 1
             m = DecodeModel(packed[wf], cf, max_batch=batch, capacity=cap, shared_cache=caches[cf], backend=backend,
                             device=device, max_rows=batch * width)
+            if backend == "kernels":
+                m.ops.block_attention = way
             blocks = blocks_for(batch, context, k, cfg.vocab_size)
             if backend == "kernels":
                 from futx.engine.graphs import BlockGraphs
@@ -97,12 +113,12 @@ def measure_point(packed: dict, cfg, batch: int, context: int, ks: Sequence[int]
                 step = m.load_blocks(blocks, width, batch)
                 fn = (lambda m=m, step=step: m.step(step.rows, step.width))
             keep.append(m)
-            cands[(wf, cf, k)] = fn
-    t = timer({f"{wf}/{cf} k={k}": fn for (wf, cf, k), fn in cands.items()})
-    for wf, cf, k in cands:
-        r = t[f"{wf}/{cf} k={k}"]
-        base = t.get(f"{wf}/{cf} k=0")
-        point["rows"].append({"candidate": f"{wf}/{cf}", "k": k, "rows": batch * (k + 1), "ms": r["ms"],
+            cands[(name, k)] = fn
+    t = timer({f"{name} k={k}": fn for (name, k), fn in cands.items()})
+    for name, k in cands:
+        r = t[f"{name} k={k}"]
+        base = t.get(f"{name} k=0")
+        point["rows"].append({"candidate": name, "k": k, "rows": batch * (k + 1), "ms": r["ms"],
                               "spread": r["spread"], "vs_k0": r["ms"] / base["ms"] if base else None,
                               "tokens_per_s_all_accepted": batch * (k + 1) / r["ms"] * 1e3})
     return point
@@ -149,7 +165,8 @@ def run(a, timer: Optional[Callable[[dict], dict]] = None, backend: str = "kerne
 
     for batch, context in a.points:
         with torch.inference_mode():
-            point = measure_point(packed, cfg, batch, context, a.num_draft, pairs, timer, backend, device)
+            point = measure_point(packed, cfg, batch, context, a.num_draft, pairs, timer, backend, device,
+                                  getattr(a, "block_attention", None) or ("prewrite",))
         results["points"].append(point)
         for r in point["rows"]:
             vs = f"  {r['vs_k0']:.2f}x k=0" if r["vs_k0"] is not None else ""

@@ -65,3 +65,36 @@ def test_bad_inputs_raise_before_launch():
         mirror_rows("int4", c.k_cache, c.v_cache, c.k_mirror[:, :, :4], *args[3:])
     with pytest.raises(ValueError, match="row_pos"):
         mirror_rows("int4", *args[:7], rows[:2])
+
+
+@pytest.mark.parametrize("fmt,d", CASES, ids=[f"{f}-d{d}" for f, d in CASES])
+@pytest.mark.parametrize("paged", (False, True))
+def test_block_rows_kernel_stores_the_torch_prewrites_bytes(fmt, d, paged):
+    """futx.ops.qkv_rows (RoPE, main copy, mirror in one launch) against KernelOps.prewrite_rows' torch path (RoPE
+    in float32 by split_rope's rule, stores, the mirror kernel): the same bytes in every cache tensor, rows of
+    several slots at scattered positions, a paged cache's rows at their table's pages."""
+    from futx.engine.backends import KernelOps, rope_table
+    from futx.paging import PageLayout
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=d, num_hidden_layers=1, vocab_size=64)
+    lay = PageLayout.for_capacity(128, 8, 3, 256) if paged else None
+    caches = [EngineCache(cfg, fmt, 3, 256, "cuda", layout=lay) for _ in range(2)]
+    for c in caches:
+        if paged:
+            for s, pages in enumerate(([5, 1], [0, 7], [3])):
+                c.set_pages(s, pages)
+        for t in c.layers[0].tensors():
+            _bytes(t).fill_(0x5A) if t.dtype != torch.float32 else t.fill_(float("nan"))
+    g = torch.Generator(device="cuda").manual_seed(d + paged)
+    m = 13
+    qkv = torch.randn(m, (4 + 2 * 2) * d, generator=g, device="cuda").to(torch.bfloat16)
+    slots = torch.tensor([0] * 5 + [1] * 5 + [2] * 3, device="cuda", dtype=torch.int32)
+    positions = torch.cat([torch.arange(126, 131), torch.arange(0, 5), torch.tensor([7, 8, 100])]).int().cuda()
+    table = rope_table(cfg, 256, "cuda")
+    KernelOps.prewrite_rows(qkv, positions, slots, caches[0], 0, table)
+    KernelOps.prewrite_rows(qkv, positions, slots, caches[1], 0, table, kernel=True)
+    torch.cuda.synchronize()
+    for a, b in zip(caches[0].layers[0].tensors(), caches[1].layers[0].tensors()):
+        a, b = _bytes(a), _bytes(b)
+        assert torch.equal(a.float().nan_to_num(-1.0), b.float().nan_to_num(-1.0))

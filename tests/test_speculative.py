@@ -377,6 +377,8 @@ def test_cli_generate_speculative_on_the_emulated_engine(model_dir, tmp_path, ca
     (["--num-draft", "1"], "argument --num-draft: applies to --speculative"),
     (["--speculative", "--peers", "gptfast-int4"], "argument --speculative: measures the verify step alone"),
     (["--speculative", "--points", "64x128", "--num-draft", "1,2"], "no point holds BATCH x (k + 1) <= 64 rows"),
+    (["--block-attention", "kernel"], "argument --block-attention: applies to --speculative"),
+    (["--speculative", "--block-attention", "kernel,columns"], "argument --block-attention: expected distinct ways"),
 ])
 def test_cli_bench_decode_speculative_options(capsys, argv, message):
     assert cli.main(["bench", "decode", *argv]) == 2
@@ -403,6 +405,11 @@ def test_bench_verify_step_on_the_emulated_engine(tmp_path):
     assert one["rows"][0]["vs_k0"] == 1.0 and many["skipped"] == [3]
     assert json.loads((tmp_path / "v.json").read_text())["points"][1]["rows"][1]["rows"] == 64
     assert "skipped" in (tmp_path / "v.md").read_text()
+    # two ways of writing a block's rows: candidates named by the way (the emulated engine ignores it)
+    a.block_attention, a.points, a.num_draft = ["prewrite", "kernel"], [(2, 30)], [0, 2]
+    res = bench_verify.run(a, timer=bench_verify.eager_timer(1, 1), backend="emulated", device="cpu")
+    assert [(r["candidate"], r["k"]) for r in res["points"][0]["rows"]] == [
+        ("int4/int4 prewrite", 0), ("int4/int4 prewrite", 2), ("int4/int4 kernel", 0), ("int4/int4 kernel", 2)]
 
 
 def test_dlite_drafter_through_the_engine_and_the_cli(packed, weights, plain, model_dir, tmp_path, capsys):

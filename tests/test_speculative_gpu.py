@@ -156,6 +156,16 @@ def test_prewrite_and_columns_block_attention_agree(packed):
     assert _rel(a, b) < 1e-2
 
 
+@pytest.mark.parametrize("cf", ("int4", "e4m3"))
+def test_block_rows_kernel_prewrite_equals_the_torch_prewrite(packed, cf):
+    """block_attention "kernel" (the block's rows by one futx.ops.qkv_rows launch) stores the torch prewrite's
+    bytes, so every step's hidden states are equal bit for bit."""
+    seqs = _seqs()
+    a = _blocks_hidden(_model(packed, "int4", cf, rows=32, block="prewrite"), seqs)
+    b = _blocks_hidden(_model(packed, "int4", cf, rows=32, block="kernel"), seqs)
+    assert torch.equal(a, b)
+
+
 def test_block_graph_replay_equals_eager(packed):
     seqs = _seqs()
     eager = _model(packed, "int4", "int4", rows=32)

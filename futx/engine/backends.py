@@ -154,7 +154,7 @@ def check_kernel_cache(cache: EngineCache) -> None:
                          "it); use the contiguous cache on --backend kernels")
 
 
-BLOCK_ATTENTION = ("prewrite", "columns")   # KernelOps.attention_block's two ways
+BLOCK_ATTENTION = ("prewrite", "kernel", "columns")   # KernelOps.attention_block's ways
 
 
 def cache_paging(cache: EngineCache) -> tuple:
@@ -183,7 +183,7 @@ class KernelOps:
         self.glue = glue
         self._dl = dl
         self._padded_heads: dict = {}
-        self.block_attention = "prewrite"   # or "columns": see attention_block (BLOCK_ATTENTION)
+        self.block_attention = "prewrite"   # or "kernel", "columns": see attention_block (BLOCK_ATTENTION)
 
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         if self.glue == "torch":
@@ -245,7 +245,11 @@ class KernelOps:
         own quantization code): the main copy gets k with RoPE applied exactly as the kernel applies it (float32
         rotate-half with the same rope table, rounded to bf16: split_rope, the kernel's specification), v as is.
         The attention kernel's own rewrite of each row then stores the same bytes, so whichever CTA writes
-        last, every read sees the final values: one launch, the cache read once per layer. "columns": one
+        last, every read sees the final values: one launch, the cache read once per layer. "kernel": the same
+        prewrite as one launch of futx's block-rows kernel (futx.ops.qkv_rows: RoPE, main copy and mirror with the
+        attention kernel's own code) instead of ~10 torch and mirror launches per layer (mirror formats; BF16 caches
+        take the torch prewrite); built to remove the verify step's fixed cost, the default once measured on a
+        GPU (docs/results-speculative.md). "columns": one
         launch per block column j over the requests' row j (distinct slots, as a decode step), race-free by
         construction but reading the cache `width` times (kept as the reference the GPU tests compare to)."""
         c = cache.config
@@ -260,16 +264,19 @@ class KernelOps:
                                slots.view(-1, width)[:, j].contiguous(), cache, layer, table, o)
                 o3[:, j].copy_(o)
             return out
-        self.prewrite_rows(qkv, positions, slots, cache, layer, table)
+        if self.block_attention not in BLOCK_ATTENTION:
+            raise ValueError(f"block_attention must be one of {BLOCK_ATTENTION}, got {self.block_attention!r}")
+        self.prewrite_rows(qkv, positions, slots, cache, layer, table, kernel=self.block_attention == "kernel")
         return self.attention(qkv, positions, slots, cache, layer, table, out)
 
     @staticmethod
     def prewrite_rows(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache, layer: int,
-                      table: torch.Tensor) -> None:
+                      table: torch.Tensor, kernel: bool = False) -> None:
         """The new K/V rows of qkv (RoPE on k) into the main copy and, by the mirror kernel, the mirror: the bytes
         the attention kernel itself stores for these rows (tests/test_speculative_gpu.py checks they are equal).
-        A paged cache's rows go to their (page, in-page row) of its block table (futx.paging.locate).
-        Capturable: no host synchronization (load_blocks checked the indices)."""
+        kernel: all of it by one launch of the block-rows kernel (futx.ops.qkv_rows; mirror formats, a BF16 cache
+        takes the torch path). A paged cache's rows go to their (page, in-page row) of its block table
+        (futx.paging.locate), located once. Capturable: no host synchronization (load_blocks checked the indices)."""
         check_kernel_cache(cache)
         if getattr(cache, "staged", False):
             raise ValueError("the verify step's rows need a main copy: speculative decoding does not run on the "
@@ -277,9 +284,13 @@ class KernelOps:
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
-        k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)   # RoPE at the true positions
         lc = cache.layers[layer]
         at_s, at_p = cache.locate(slots, positions)   # the rows located once, for the main copy and the mirror
+        if kernel and cache.fmt != "bf16":
+            i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+            torch.ops.futx.qkv_rows_(cache.fmt, x, table, i32(positions), i32(at_s), i32(at_p), *lc.tensors())
+            return
+        k = apply_rope_f32(x[:, hq:hq + hkv], table, positions).to(torch.bfloat16)   # RoPE at the true positions
         lc.k_cache[at_s, :, at_p] = k
         lc.v_cache[at_s, :, at_p] = x[:, hq + hkv:]
         cache.mirror_stored_rows(layer, at_s, at_p)

@@ -12,6 +12,7 @@
 #   stage     GGUF part 1 and the AOT kernels (with their runtime library) kept in /tmp for the later runs
 #   tests     the speculative and engine GPU tests (tiny models on the kernels)
 #   verify8b / verify70b   futx bench decode --speculative: the verify step for k = 0..7 at batch 1/8/32
+#   verifykernel  the same at 8B, block rows by the torch prewrite vs the block-rows kernel (futx.ops.qkv_rows)
 #   data      SmolLM2's GGUF, WikiText-2 test and the enwiki sample unpacked to /tmp/futx-eq
 #   train     futx train-draft (DLite head, SmolLM2) under a deadline; SIGINT saves what is trained
 #   generate  futx generate --speculative dlite / ngram on the kernels (the user's command)
@@ -43,6 +44,10 @@ for part in "$@"; do
     verify8b)
       TAILN=45 step verify8b 200 python3 -m futx.cli bench decode --speculative --weights int4 --cache int4 \
         --points 1x1024,8x1024,32x1024 --rounds 5 --reps 10 --out $OUT/verify-8b.json --md $OUT/verify-8b.md ;;
+    verifykernel)  # the block's rows by the torch prewrite vs one futx.ops.qkv_rows launch (the verify step's fixed cost)
+      TAILN=45 step verifykernel 240 python3 -m futx.cli bench decode --speculative --weights int4 --cache int4 \
+        --points 1x1024,8x1024 --num-draft 0,1,4,7 --block-attention prewrite,kernel --rounds 5 --reps 10 \
+        --out $OUT/verify-kernel-8b.json --md $OUT/verify-kernel-8b.md ;;
     verify70b)
       TAILN=30 step verify70b 260 python3 -m futx.cli bench decode --speculative --shape llama-3.1-70b \
         --weights int4 --cache int4 --points 1x1024,8x1024,32x1024 --num-draft 0,1,2,3,4,7 --rounds 3 --reps 5 \

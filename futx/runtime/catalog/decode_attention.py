@@ -11,8 +11,8 @@ whose main copy holds only staging pages (the INT4-only cache) the engine entry'
 from futx.runtime.registry import KernelSpec
 
 SOURCES = ("decode/attention.py", "decode/attention_paged.py", "decode/attn_plan.py", "futx/paging.py",
-           "decode/ptx.py", "decode/hadamard_warp.py", "decode/mirror_row.py", "decode/splitkv_combine.py",
-           "futx/quant/layouts.py")
+           "decode/ptx.py", "decode/hadamard_warp.py", "decode/mirror_row.py", "decode/rope_warp.py",
+           "decode/splitkv_combine.py", "futx/quant/layouts.py")
 
 # INT4 variants (rotated, head dim 128), as overrides of decode.attn_plan.default_plan, whose INT4 default
 # dequantizes keys and values by "pair" arithmetic without the table, with lean issue. Tuning space only:

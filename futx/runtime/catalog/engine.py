@@ -1,5 +1,5 @@
 """Small kernels that sit between the engine's projections (its glue): the decode step's RMSNorm row factor, the
-prefill's mirror writer and per-row E4M3 quantization."""
+prefill's mirror writer, per-row E4M3 quantization and the verify step's block-rows writer."""
 
 from futx.runtime.registry import KernelSpec
 
@@ -7,8 +7,15 @@ MIRROR_SOURCES = ("decode/mirror_rows.py", "decode/mirror_row.py", "decode/attn_
                   "decode/hadamard_warp.py", "futx/quant/layouts.py")
 
 
+QKV_ROWS_SOURCES = ("decode/qkv_rows.py", "decode/rope_warp.py", *MIRROR_SOURCES[1:])
+
+
 def mirror_key(fmt: str, head_dim: int) -> str:
     return f"engine.mirror_rows.{fmt}.d{head_dim}"
+
+
+def qkv_rows_key(fmt: str, head_dim: int) -> str:
+    return f"engine.qkv_rows.{fmt}.d{head_dim}"
 
 
 SPECS = [
@@ -23,5 +30,11 @@ SPECS = [
     KernelSpec(key=mirror_key(fmt, d), module="decode.mirror_rows",
                params=(("fmt", fmt), ("head_dim", d), ("rotate", fmt == "int4")), sources=MIRROR_SOURCES,
                doc=f"decode mirror ({fmt}) of cache rows a prefill wrote, head dim {d}")
+    for fmt in ("int4", "e4m3") for d in (64, 128)
+] + [
+    KernelSpec(key=qkv_rows_key(fmt, d), module="decode.qkv_rows",
+               params=(("fmt", fmt), ("head_dim", d), ("rotate", fmt == "int4")), sources=QKV_ROWS_SOURCES,
+               doc=f"the new K/V rows of a QKV output (RoPE, main copy, {fmt} mirror), head dim {d}: the verify step's "
+                   "block rows")
     for fmt in ("int4", "e4m3") for d in (64, 128)
 ]
