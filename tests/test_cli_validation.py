@@ -41,6 +41,7 @@ CASES = {
         (["--backend", "emulated", "--cache-main", "none", "--speculative", "ngram"], "--cache-main"),
         (["--backend", "emulated", "--staging-pages", "4"], "--staging-pages"),
         (["--backend", "emulated", "--cache-main", "none", "--staging-pages", "0"], "--staging-pages"),
+        (["--backend", "emulated", "--cache-main", "none", "--page-size", "256"], "--cache-main"),
     ],
     "ppl": [
         (["--prefill-context", "mirror"], "--prefill-context"),
@@ -88,6 +89,8 @@ CASES = {
         (["--cache-main", "none"], "--cache-main"),
         (["--backend", "emulated", "--cache", "bf16", "--cache-main", "none"], "--cache-main"),
         (["--backend", "emulated", "--staging-pages", "4"], "--staging-pages"),
+        (["--backend", "emulated", "--cache-main", "none", "--staging-pages", "3", "--capacity", "2048"],
+         "--staging-pages"),
         (["--token-budget", "0"], "--token-budget"),
     ],
     "build": [

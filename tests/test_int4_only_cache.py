@@ -10,7 +10,7 @@ from futx.engine import DecodeModel
 from futx.engine.cache import EngineCache
 from futx.engine.prefill import PrefillModel, pack_prefill
 from futx.paging import PageLayout
-from futx.serve import Scheduler
+from futx.serve import SamplingParams, Scheduler
 from futx.serve.engines import DecodeEngine
 
 from test_serve_paged import CFG, P, Tok, all_pages_back, packed, prompts_of, run, weights  # noqa: F401
@@ -171,3 +171,41 @@ def test_ppl_prefill_context_through_the_mirror(packed, weights, fmt):  # noqa: 
         assert res["mirror"] != res["main"] and res["mirror"] == pytest.approx(res["main"], rel=0.05)
     with pytest.raises(ValueError, match="prefill_context"):
         evaluate_engine(model, windows, "serving", weights, prefill_model=pm, prefill_context="both")
+
+
+def test_requests_leaving_mid_prefill_give_their_staging_pages_back(packed, weights):  # noqa: F811
+    """Cancelled, preempted or failed while still on staging pages: pages and staging pages come back, nothing of
+    theirs is published (their own pages hold nothing yet), and the others finish as on the full cache."""
+    system = prompts_of((P,), seed=5)[0]
+    prompts = prompts_of((250, 200, 90), seed=6, prefix=system)
+    sched = Scheduler(staged_engine(packed, weights, 3, 4 * P, 12, 8), Tok(), prefill_chunk=64)
+    hs = [sched.submit(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+    sched.tick()                                       # all three admitted, the first chunk of the first prefilled
+    assert all(h.staging for h in hs) and len(sched.prefix) == 0
+    hs[0].cancel()
+    sched._preempt(hs[1])                              # back to the queue, recomputed from the start
+    sched.run_until_idle()
+    assert hs[0].finish_reason == "cancelled" and hs[1].finish_reason == hs[2].finish_reason == "length"
+    assert len(hs[1].output) == len(hs[2].output) == 8
+    all_pages_back(sched)
+    all_staging_back(sched)
+
+
+def test_a_failed_stage_fails_the_request_and_keeps_serving(packed, weights, monkeypatch):  # noqa: F811
+    eng = staged_engine(packed, weights, 2, 2 * P, 6, 2)
+    sched = Scheduler(eng, Tok(), prefill_chunk=64)
+    real = eng.stage
+    calls = []
+
+    def flaky(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise RuntimeError("device copy failed")
+        return real(*a)
+    monkeypatch.setattr(eng, "stage", flaky)
+    bad, good = (sched.submit(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts_of((40, 30)))
+    sched.run_until_idle()
+    assert bad.finish_reason == "error" and "device copy failed" in bad.error
+    assert good.finish_reason == "length" and len(good.output) == 4
+    all_pages_back(sched)
+    all_staging_back(sched)

@@ -76,7 +76,8 @@ def paged(args) -> bool:
     ready = backends.KERNELS_PAGED and (prefill.KERNELS_PAGED or resolve_prefill(args) != "kernels")
     asked = bool(args.pages or args.cache_memory) or getattr(args, "cache_main", "bf16") == "none"
     if not ready and asked:
-        raise ValueError("--pages / --cache-memory: the kernels do not read a paged cache yet; on --backend kernels "
+        raise ValueError("--pages / --cache-memory / --cache-main none: the kernels do not read a paged cache yet; on "
+                         "--backend kernels "
                          "the cache is contiguous, --capacity positions for each of --max-batch requests")
     # on the kernels the paged cache is opt-in (--pages / --cache-memory) until the whole paged path has been run
     # end to end on a GPU (docs/serving.md); the kernels themselves are tested paged against contiguous
@@ -126,12 +127,13 @@ def build_engine(args, capacity: int, float_weights=None):
     from futx.engine.model import DecodeModel
 
     dev = engine_device(args)
+    staging = staging_pages(args, capacity)   # (checked before the weights load)
     packed = load_packed(args.model, args.weights, gptq=args.gptq, group_size=args.group_size, device=dev,
                          float_weights=float_weights)
     from futx.engine.cache import EngineCache
 
     width = args.num_draft + 1 if speculating(args) else 1
-    pages, staging = None, staging_pages(args, capacity)
+    pages = None
     if paged(args):
         full = EngineCache.page_bytes(packed.config, args.cache, args.page_size)
         if staging:   # the INT4-only cache: pages of mirror only, beside the staging pages of both copies

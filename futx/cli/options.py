@@ -145,6 +145,14 @@ def check_cache_options(args: argparse.Namespace) -> None:
     if getattr(args, "speculative", "none") != "none":
         raise ValueError("--cache-main none: speculative decoding's verify step writes the main copy; use "
                          "--cache-main bf16 with --speculative")
+    if args.page_size != PAGE_ALIGN:
+        raise ValueError(f"--cache-main none: the mirror-only decode kernels are built for {PAGE_ALIGN}-position pages "
+                         f"(--page-size {PAGE_ALIGN}), not {args.page_size}")
+    capacity = getattr(args, "capacity", None)   # (futx serve; futx generate sizes it from the prompts later)
+    least = -(-capacity // args.page_size) if capacity else 0
+    if args.staging_pages is not None and args.staging_pages < least:
+        raise ValueError(f"--staging-pages {args.staging_pages}: one request of --capacity {capacity} needs {least} "
+                         "pages to be prefilled")
 
 
 # ---- speculative decoding (futx generate / futx serve) ------------------------------------------------------

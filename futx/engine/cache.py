@@ -150,8 +150,8 @@ class EngineCache:
         if not src:
             return
         extent = self.layout.storage_pages() if self.layout is not None else 0
-        if min(src + dst) < 0 or max(src + dst) >= extent:
-            raise ValueError(f"copy_pages: pages must lie in [0, {extent})")
+        if min(src + dst) < 0 or max(src + dst) >= extent or self.layout.scratch_page in src + dst:
+            raise ValueError(f"copy_pages: pages must lie in [0, {extent}), the scratch page excluded")
         s = torch.as_tensor(src, dtype=torch.long, device=self.device)
         d = torch.as_tensor(dst, dtype=torch.long, device=self.device)
         for i, c in enumerate(self.layers):
@@ -283,6 +283,9 @@ class EngineCache:
             return
         if not 0 <= slot <= self.slots or not 0 < n <= self.capacity:
             raise ValueError(f"main_from_mirror: slot {slot} / {n} positions outside the cache")
+        if self.staged:
+            raise ValueError("main_from_mirror: a cache of staging pages keeps no main copy of its pages (stage a "
+                             "request's rows with futx.engine.paged_kv.dequantize_slot on its staging pages)")
         for layer, c in enumerate(self.layers):
             k, v = self.read(layer, slot, n)
             if self.layout is None:

@@ -320,10 +320,19 @@ class Scheduler:
             waiting = [h for h in self._waiting if not h._cancel.is_set()]
             gone = [h for h in self._waiting if h._cancel.is_set()]
             self._waiting = deque(waiting)
+            failed = []
             while self._waiting and self._free:
                 h = self._waiting[0]
                 h.slot = self._free[-1]
-                if not self._place(h):   # its pages do not fit yet: oldest first, nobody overtakes it
+                try:
+                    placed = self._place(h)
+                except Exception as e:  # noqa: BLE001 -- the engine failed to stage it: fail it, keep serving
+                    log.error("admitting request %d failed:\n%s", h.id, traceback.format_exc())
+                    self._waiting.popleft()
+                    h.slot = -1
+                    failed.append((h, e))
+                    continue
+                if not placed:   # its pages do not fit yet: oldest first, nobody overtakes it
                     h.slot = -1
                     break
                 self._waiting.popleft()
@@ -341,6 +350,8 @@ class Scheduler:
         for h in gone:
             self._send(h, Event("", "cancelled", len(h.prompt)))
             h.finish_reason = "cancelled"
+        for h, e in failed:
+            self._finish(h, "error", f"admission failed: {e}")
 
     def _place(self, h: Handle) -> bool:
         """Set h up to run from its history's start (paged: attach its cached prefix and give it the pages of
@@ -375,7 +386,13 @@ class Scheduler:
             h.cached = h.pos
         if stage:
             h.staging = self.staging.allocate(stage)
-            self.engine.stage(h.slot, shared, h.staging, h.pos)
+            try:
+                self.engine.stage(h.slot, shared, h.staging, h.pos)
+            except Exception:   # nothing held: the caller fails or retries the request
+                self.staging.free(h.staging)
+                self.pool.free(h.pages)
+                h.staging, h.pages = [], []
+                raise
         else:
             self.engine.set_pages(h.slot, h.pages, filled=h.pos)
         return True
