@@ -38,7 +38,6 @@ CASES = {
         (["--page-size", "200"], "--page-size"),
         (["--cache-main", "none"], "--cache-main"),
         (["--backend", "emulated", "--cache", "bf16", "--cache-main", "none"], "--cache-main"),
-        (["--backend", "emulated", "--cache-main", "none", "--speculative", "ngram"], "--cache-main"),
         (["--backend", "emulated", "--staging-pages", "4"], "--staging-pages"),
         (["--backend", "emulated", "--cache-main", "none", "--staging-pages", "0"], "--staging-pages"),
         (["--backend", "emulated", "--cache-main", "none", "--page-size", "256"], "--cache-main"),

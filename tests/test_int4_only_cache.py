@@ -143,13 +143,23 @@ def test_preemption_and_waiting_for_staging_pages(packed, weights):  # noqa: F81
     all_staging_back(sched)
 
 
-def test_speculative_decoding_is_refused_on_the_int4_only_cache(packed, weights):  # noqa: F811
+def test_speculative_decoding_on_the_int4_only_cache(packed, weights):  # noqa: F811
+    """Verify steps write their blocks' rows to mirror-only pages (no main copy there): the same greedy tokens as
+    speculative decoding on the cache with a main copy on every page, which are plain greedy decoding's."""
     from futx.speculative.ngram import NgramDrafter
 
-    model = DecodeModel(packed, "int4", max_batch=2, capacity=2 * P, backend="emulated", device="cpu", pages=4,
-                        staging=2, max_rows=2 * 3)
-    with pytest.raises(ValueError, match="INT4-only cache"):
-        Scheduler(DecodeEngine(model), Tok(), drafter=NgramDrafter(), num_draft=2)
+    def engine(staging):
+        model = DecodeModel(packed, "int4", max_batch=2, capacity=3 * P, backend="emulated", device="cpu", pages=8,
+                            staging=staging, max_rows=2 * 4)
+        return DecodeEngine(model, None, None, PrefillModel(pack_prefill(weights, "bf16"), model.cache, "emulated"))
+    loop = [5, 6, 7, 8] * 40                              # repetitive: prompt lookup finds drafts
+    prompts = [loop[:150], prompts_of((60,), seed=3)[0]]
+    want = run(Scheduler(engine(0), Tok(), prefill_chunk=64, drafter=NgramDrafter(), num_draft=3), prompts, (30, 30))
+    sched = Scheduler(engine(6), Tok(), prefill_chunk=64, drafter=NgramDrafter(), num_draft=3)
+    assert run(sched, prompts, (30, 30)) == want
+    assert sched.acceptance.summary()["verifications"] > 0
+    all_pages_back(sched)
+    all_staging_back(sched)
 
 
 @pytest.mark.parametrize("fmt", ("int4", "bf16"))

@@ -42,14 +42,14 @@ def test_mirror_only_kernel_equals_the_paged_kernel(da, fmt, rotate, shape, cont
         case.run(True, check_positions_on_host=False)
 
 
-def _engine(weights, packed, fmt, pages, staging, graphs):
+def _engine(weights, packed, fmt, pages, staging, graphs, rows=None):
     from futx.engine import DecodeModel
     from futx.engine.graphs import GraphSteps
     from futx.engine.prefill import PrefillModel, pack_prefill
     from futx.serve.engines import DecodeEngine
 
     model = DecodeModel(packed, fmt, max_batch=3, capacity=3 * 128, backend="kernels", device="cuda", pages=pages,
-                        staging=staging)
+                        staging=staging, max_rows=rows)
     pm = PrefillModel(pack_prefill(weights, "bf16", device="cuda"), model.cache, "kernels")
     return DecodeEngine(model, GraphSteps(model) if graphs else None, None, pm)
 
@@ -76,3 +76,26 @@ def test_int4_only_serving_gives_the_tokens_of_the_full_cache(fmt, graphs):
     assert sched.preemptions > 0
     all_pages_back(sched)
     assert sched.staging.free_count == sched.staging.total
+
+
+@pytest.mark.parametrize("fmt", ("int4", "e4m3"))
+def test_speculative_serving_on_the_int4_only_cache(fmt):
+    """Verify steps on the INT4-only cache (block rows by the `.mo` block-rows kernel, attention by the `.mo` twin)
+    give the tokens of the same schedule on the cache with a main copy on every page (torch prewrite)."""
+    from futx.checkpoint.synthetic import random_weights
+    from futx.engine import pack_model
+    from futx.serve import Scheduler
+    from futx.speculative.ngram import NgramDrafter
+
+    from test_serve_paged import CFG, Tok, all_pages_back, run
+
+    weights = random_weights(CFG, seed=11, std=0.3)
+    packed = pack_model(weights, "int4", progress=False)
+    loop = [5, 6, 7, 8] * 60
+    prompts = [loop[:200], [9, 10, 11] * 30, loop[:37]]
+    spec = dict(prefill_chunk=64, prefix_cache=False, drafter=NgramDrafter(), num_draft=3)
+    want = run(Scheduler(_engine(weights, packed, fmt, 9, 0, False, rows=12), Tok(), **spec), prompts, (40,) * 3)
+    sched = Scheduler(_engine(weights, packed, fmt, 9, 9, False, rows=12), Tok(), **spec)
+    assert run(sched, prompts, (40,) * 3) == want
+    assert sched.acceptance.summary()["verifications"] > 0
+    all_pages_back(sched)

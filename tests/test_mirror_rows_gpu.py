@@ -98,3 +98,29 @@ def test_block_rows_kernel_stores_the_torch_prewrites_bytes(fmt, d, paged):
     for a, b in zip(caches[0].layers[0].tensors(), caches[1].layers[0].tensors()):
         a, b = _bytes(a), _bytes(b)
         assert torch.equal(a.float().nan_to_num(-1.0), b.float().nan_to_num(-1.0))
+
+
+@pytest.mark.parametrize("fmt,d", CASES, ids=[f"{f}-d{d}" for f, d in CASES])
+def test_mirror_only_block_rows_store_the_same_mirror(fmt, d):
+    """futx.ops.qkv_rows on a cache whose mirror holds more pages than its main copy (the INT4-only cache): the
+    `.mo` kernel stores the mirror rows the full kernel stores and never touches the 2-page main copy."""
+    from futx.engine.backends import rope_table
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=d, num_hidden_layers=1, vocab_size=64)
+    full = EngineCache(cfg, fmt, 3, 256, "cuda").layers[0]
+    for t in full.tensors():
+        _bytes(t).fill_(0x5A) if t.dtype != torch.float32 else t.fill_(float("nan"))
+    mirrors = [t.clone() for t in full.tensors()[2:]]
+    main = torch.full((2, *full.k_cache.shape[1:]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(d)
+    qkv = torch.randn(6, 8, d, generator=g, device="cuda").to(torch.bfloat16)
+    positions = torch.tensor([0, 1, 2, 200, 201, 255], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([3, 3, 3, 2, 2, 1], dtype=torch.int32, device="cuda")   # slot 3 > the main copy's 2
+    table = rope_table(cfg, 256, "cuda")
+    torch.ops.futx.qkv_rows_(fmt, qkv, table, positions, slots, positions, *full.tensors())
+    torch.ops.futx.qkv_rows_(fmt, qkv, table, positions, slots, positions, main, main.clone(), *mirrors)
+    torch.cuda.synchronize()
+    for a, b in zip(full.tensors()[2:], mirrors):
+        assert torch.equal(_bytes(a).float().nan_to_num(-1.0), _bytes(b).float().nan_to_num(-1.0))
+    assert torch.isnan(main).all()

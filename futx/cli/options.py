@@ -142,9 +142,6 @@ def check_cache_options(args: argparse.Namespace) -> None:
                          "emulated for its PyTorch emulation)")
     if args.cache not in ("int4", "e4m3"):
         raise ValueError(f"--cache-main none keeps only the mirror: it needs --cache int4 or e4m3, not {args.cache}")
-    if getattr(args, "speculative", "none") != "none":
-        raise ValueError("--cache-main none: speculative decoding's verify step writes the main copy; use "
-                         "--cache-main bf16 with --speculative")
     if args.page_size != PAGE_ALIGN:
         raise ValueError(f"--cache-main none: the mirror-only decode kernels are built for {PAGE_ALIGN}-position pages "
                          f"(--page-size {PAGE_ALIGN}), not {args.page_size}")

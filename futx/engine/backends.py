@@ -275,18 +275,17 @@ class KernelOps:
         """The new K/V rows of qkv (RoPE on k) into the main copy and, by the mirror kernel, the mirror: the bytes
         the attention kernel itself stores for these rows (tests/test_speculative_gpu.py checks they are equal).
         kernel: all of it by one launch of the block-rows kernel (futx.ops.qkv_rows; mirror formats, a BF16 cache
-        takes the torch path). A paged cache's rows go to their (page, in-page row) of its block table
+        takes the torch path), always so on the INT4-only cache (mirror rows only). A paged cache's rows go to their (page, in-page row) of its block table
         (futx.paging.locate), located once. Capturable: no host synchronization (load_blocks checked the indices)."""
         check_kernel_cache(cache)
-        if getattr(cache, "staged", False):
-            raise ValueError("the verify step's rows need a main copy: speculative decoding does not run on the "
-                             "INT4-only cache (--cache-main none)")
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
         lc = cache.layers[layer]
         at_s, at_p = cache.locate(slots, positions)   # the rows located once, for the main copy and the mirror
-        if kernel and cache.fmt != "bf16":
+        # an INT4-only cache (staging pages) has no main copy of the block's pages: its rows go to the mirror by the
+        # kernel's mirror-only twin, which the attention kernel's `.mo` twin then rewrites the same
+        if (kernel or getattr(cache, "staged", False)) and cache.fmt != "bf16":
             i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
             torch.ops.futx.qkv_rows_(cache.fmt, x, table, i32(positions), i32(at_s), i32(at_p), *lc.tensors())
             return

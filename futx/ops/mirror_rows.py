@@ -23,7 +23,9 @@ from futx.runtime import get_kernel
 from futx.runtime.catalog.engine import mirror_key
 
 
-def check_inputs(cache_format, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, row_slot, row_pos) -> None:
+def check_inputs(cache_format, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, row_slot, row_pos,
+                 mirror_only: bool = False) -> None:
+    """mirror_only: the mirror may hold more pages than the main copy (futx.ops.qkv_rows' INT4-only twin)."""
     if cache_format not in ("int4", "e4m3"):
         raise ValueError(f"mirror_rows: cache_format must be 'int4' or 'e4m3', got {cache_format!r}")
     checks.cuda("k_cache", k_cache)
@@ -39,7 +41,8 @@ def check_inputs(cache_format, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_
     if row_slot.dim() != 1:
         raise ValueError(f"row_slot must be 1-D [rows], got {list(row_slot.shape)}")
     checks.shape("row_pos", row_pos, tuple(row_slot.shape))
-    mirrors = check_mirror_tensors("mirror_rows", cache_format, k_cache, k_mirror, k_scale, v_mirror, v_scale)
+    mirrors = check_mirror_tensors("mirror_rows", cache_format, k_cache, k_mirror, k_scale, v_mirror, v_scale,
+                                   mirror_only)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("row_slot", row_slot), ("row_pos", row_pos),
                     *mirrors):
         checks.contiguous(name, t)

@@ -7,7 +7,8 @@ copy and the decode mirror, one launch (decode.qkv_rows: the decode attention ke
 qkv [M, Hq + 2 Hkv, D] bfloat16 (the projection's output, viewed by heads), rope float32 [>= positions, D] (cos |
 sin per position), positions int32 [M] (RoPE's angles), row_slot / row_pos int32 [M] (where each row is stored:
 slot and position, or a paged cache's page and in-page row from futx.paging.locate), the cache tensors in
-futx.ops.decode_attention's layout with an "int4" or "e4m3" mirror. Everything but the index ranges is checked
+futx.ops.decode_attention's layout with an "int4" or "e4m3" mirror (a mirror of more pages than the main copy,
+the INT4-only cache: the rows go to the mirror only, the `.mo` kernel). Everything but the index ranges is checked
 before the launch; the ranges live on the device and the caller checks them on the host (the verify step's
 load_blocks does), so that a CUDA graph can hold the op.
 """
@@ -25,7 +26,8 @@ from futx.runtime.catalog.engine import qkv_rows_key
 
 def check_inputs(cache_format, qkv, rope, positions, row_slot, row_pos, k_cache, v_cache, k_mirror, k_scale,
                  v_mirror, v_scale) -> None:
-    check_cache(cache_format, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, row_slot, row_pos)
+    check_cache(cache_format, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, row_slot, row_pos,
+                mirror_only(k_cache, k_scale))
     for name, t in (("qkv", qkv), ("rope", rope), ("positions", positions)):
         checks.cuda(name, t, k_cache.device)
     checks.dtype("qkv", qkv, torch.bfloat16)
@@ -43,6 +45,11 @@ def check_inputs(cache_format, qkv, rope, positions, row_slot, row_pos, k_cache,
         checks.aligned(name, t)
 
 
+def mirror_only(k_cache, k_scale) -> bool:
+    """A cache whose mirror holds more pages than its main copy (futx.paging staging pages)."""
+    return isinstance(k_scale, torch.Tensor) and k_scale.dim() == 3 and k_scale.shape[0] > k_cache.shape[0]
+
+
 @futx_op("qkv_rows_", mutates_args=("k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror", "v_scale"))
 def qkv_rows_(cache_format: str, qkv: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
               row_slot: torch.Tensor, row_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -53,7 +60,7 @@ def qkv_rows_(cache_format: str, qkv: torch.Tensor, rope: torch.Tensor, position
     if row_slot.shape[0] == 0:
         return
     u8 = (lambda t: t.view(torch.uint8)) if cache_format == "e4m3" else (lambda t: t)  # noqa: E731
-    get_kernel(qkv_rows_key(cache_format, k_cache.shape[3]))(qkv, rope, positions, row_slot, row_pos, k_cache,
+    get_kernel(qkv_rows_key(cache_format, k_cache.shape[3], mirror_only(k_cache, k_scale)))(qkv, rope, positions, row_slot, row_pos, k_cache,
                                                               v_cache, u8(k_mirror), k_scale, u8(v_mirror), v_scale)
 
 

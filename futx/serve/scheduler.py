@@ -189,9 +189,6 @@ class Scheduler:
         self.prefix: Optional[PrefixCache] = None
         if self.layout is not None:
             self.pool = PagePool(self.layout.pages, self.layout.first_page)
-            if self.layout.staging and drafter is not None:
-                raise ValueError("speculative decoding does not run on the INT4-only cache (--cache-main none): "
-                                 "its verify step writes the main copy")
             if self.layout.staging:
                 self.staging = PagePool(self.layout.staging)
             if prefix_cache and getattr(engine, "prefix_ok", False):

@@ -14,8 +14,8 @@ def mirror_key(fmt: str, head_dim: int) -> str:
     return f"engine.mirror_rows.{fmt}.d{head_dim}"
 
 
-def qkv_rows_key(fmt: str, head_dim: int) -> str:
-    return f"engine.qkv_rows.{fmt}.d{head_dim}"
+def qkv_rows_key(fmt: str, head_dim: int, mirror_only: bool = False) -> str:
+    return f"engine.qkv_rows.{fmt}.d{head_dim}" + (".mo" if mirror_only else "")
 
 
 SPECS = [
@@ -32,9 +32,11 @@ SPECS = [
                doc=f"decode mirror ({fmt}) of cache rows a prefill wrote, head dim {d}")
     for fmt in ("int4", "e4m3") for d in (64, 128)
 ] + [
-    KernelSpec(key=qkv_rows_key(fmt, d), module="decode.qkv_rows",
-               params=(("fmt", fmt), ("head_dim", d), ("rotate", fmt == "int4")), sources=QKV_ROWS_SOURCES,
-               doc=f"the new K/V rows of a QKV output (RoPE, main copy, {fmt} mirror), head dim {d}: the verify step's "
-                   "block rows")
-    for fmt in ("int4", "e4m3") for d in (64, 128)
+    KernelSpec(key=qkv_rows_key(fmt, d, mo), module="decode.qkv_rows",
+               params=(("fmt", fmt), ("head_dim", d), ("rotate", fmt == "int4")) + ((("mirror_only", True),) if mo
+                                                                                    else ()),
+               sources=QKV_ROWS_SOURCES,
+               doc=f"the new K/V rows of a QKV output (RoPE, " + ("" if not mo else "no main copy: the INT4-only "
+                   "cache, ") + f"{fmt} mirror), head dim {d}: the verify step's block rows")
+    for fmt in ("int4", "e4m3") for d in (64, 128) for mo in (False, True)
 ]
