@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def main(out: str) -> int:
+    import torch
+
     from tiny_checkpoint import save_tiny_hf
 
     from futx.checkpoint.synthetic import random_weights, tiny_config
@@ -21,7 +23,7 @@ def main(out: str) -> int:
                       head_dim=64, num_hidden_layers=4, vocab_size=320, max_position_embeddings=8192)
     path = Path(out, "model")
     path.mkdir(parents=True, exist_ok=True)
-    save_tiny_hf(path, random_weights(cfg, seed=5, std=0.3), specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    save_tiny_hf(path, random_weights(cfg, seed=5, std=0.3, dtype=torch.bfloat16), specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
     print(f"wrote {path}: {sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB")
     return 0
 

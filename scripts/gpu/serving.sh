@@ -5,7 +5,8 @@
 #          source scripts/gpu/remote.sh; bash scripts/gpu/serving.sh tests capacity ttft sweep load
 # Parts:
 #   tests     the paged and INT4-only GPU tests (mirror-only decode attention vs paged, the scheduler on the kernels
-#             staged vs a main copy on every page, paged prefill and decode attention vs contiguous)
+#             staged vs a main copy on every page, speculative too; paged prefill and decode attention vs contiguous;
+#             the block-rows kernel vs the torch prewrite, the speculative verify step)
 #   capacity  scripts/cache_capacity.py: tokens per GB and 4096-token requests that fit, both modes (8B shape)
 #   ttft      scripts/bench_serving.py: TTFT with and without a cached 1024-token system prompt (8B shape, paged,
 #             then the same on the INT4-only cache)
@@ -20,8 +21,9 @@ B8="--layers 32 --max-batch 32 --capacity 2304 --page-size 128"
 for part in "$@"; do
   case "$part" in
     tests)
-      TAILN=15 step tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --maxfail=8 \
-        tests/test_int4_only_cache_gpu.py tests/test_paged_prefill_gpu.py tests/test_decode_attention_paged_gpu.py ;;
+      TAILN=15 step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --maxfail=8 \
+        tests/test_int4_only_cache_gpu.py tests/test_mirror_rows_gpu.py tests/test_paged_prefill_gpu.py \
+        tests/test_decode_attention_paged_gpu.py tests/test_speculative_gpu.py -k "not smollm2" ;;
     capacity)
       TAILN=6 step capacity 120 python3 scripts/cache_capacity.py --json $OUT/capacity-8b.json ;;
     ttft)  # 64 requests at 4 req/s, each a 1024-token system prompt + 64..256 own tokens
