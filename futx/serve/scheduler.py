@@ -255,6 +255,9 @@ class Scheduler:
                 load["pages"] = {"page_size": self.layout.page_size, "total": self._pages_now["pages_total"],
                                  "free": self._pages_now["pages_free"], "cached": self._pages_now["pages_cached"],
                                  "prefix_cache": self.prefix is not None}
+                if self.staging is not None:   # the INT4-only cache
+                    load["pages"].update(staging_total=self._pages_now["staging_total"],
+                                         staging_free=self._pages_now["staging_free"])
         if self.acceptance is not None:
             s = self.acceptance.summary()
             load["speculative"] = {"drafter": self.drafter.name, "num_draft": self.num_draft,
