@@ -219,3 +219,23 @@ def test_a_failed_stage_fails_the_request_and_keeps_serving(packed, weights, mon
     assert good.finish_reason == "length" and len(good.output) == 4
     all_pages_back(sched)
     all_staging_back(sched)
+
+
+def test_main_from_mirror_through_the_block_table():
+    """A paged cache's main copy <- what decode attention reads (futx.engine.paged_kv.dequantize_slot); a staged
+    cache has no main copy of its pages and refuses."""
+    lay = PageLayout.for_capacity(P, pages=4, slots=2, capacity=2 * P)
+    cache = EngineCache(CFG, "int4", 2, 2 * P, "cpu", layout=lay)
+    cache.set_pages(1, [3, 0])
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(P + 9, CFG.num_key_value_heads, CFG.head_dim, generator=g) for _ in range(2))
+    cache.write_rows(0, torch.ones(P + 9, dtype=torch.long), torch.arange(P + 9), k, v)
+    cache.main_from_mirror(1, P + 9)
+    want_k, want_v = cache.read(0, 1, P + 9)
+    lc = cache.layers[0]
+    got_k = torch.cat([lc.k_cache[3], lc.k_cache[0]], dim=1)[:, :P + 9]
+    got_v = torch.cat([lc.v_cache[3], lc.v_cache[0]], dim=1)[:, :P + 9]
+    assert torch.equal(got_k, want_k.to(torch.bfloat16)) and torch.equal(got_v, want_v.to(torch.bfloat16))
+    staged = EngineCache(CFG, "int4", 2, 2 * P, "cpu", layout=PageLayout.for_capacity(P, 4, 2, 2 * P, staging=2))
+    with pytest.raises(ValueError, match="staging pages"):
+        staged.main_from_mirror(1, 5)

@@ -275,8 +275,8 @@ class KernelOps:
         """The new K/V rows of qkv (RoPE on k) into the main copy and, by the mirror kernel, the mirror: the bytes
         the attention kernel itself stores for these rows (tests/test_speculative_gpu.py checks they are equal).
         kernel: all of it by one launch of the block-rows kernel (futx.ops.qkv_rows; mirror formats, a BF16 cache
-        takes the torch path), always so on the INT4-only cache (mirror rows only). A paged cache's rows go to their (page, in-page row) of its block table
-        (futx.paging.locate), located once. Capturable: no host synchronization (load_blocks checked the indices)."""
+        takes the torch path), always so on the INT4-only cache (mirror rows only). A paged cache's rows go to
+        their (page, in-page row) of its block table (futx.paging.locate), located once. Capturable: no host synchronization (load_blocks checked the indices)."""
         check_kernel_cache(cache)
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim

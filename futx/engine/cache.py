@@ -286,16 +286,15 @@ class EngineCache:
         if self.staged:
             raise ValueError("main_from_mirror: a cache of staging pages keeps no main copy of its pages (stage a "
                              "request's rows with futx.engine.paged_kv.dequantize_slot on its staging pages)")
+        if self.layout is not None:   # through the block table: the prefix hits' own writer
+            from .paged_kv import dequantize_slot
+
+            dequantize_slot(self, slot, n)
+            return
         for layer, c in enumerate(self.layers):
             k, v = self.read(layer, slot, n)
-            if self.layout is None:
-                c.k_cache[slot, :, :n] = k.to(torch.bfloat16)
-                c.v_cache[slot, :, :n] = v.to(torch.bfloat16)
-            else:
-                pages, offs = self.locate(torch.full((n,), slot, device=self.device),
-                                          torch.arange(n, device=self.device))
-                c.k_cache[pages, :, offs] = k.transpose(0, 1).to(torch.bfloat16)
-                c.v_cache[pages, :, offs] = v.transpose(0, 1).to(torch.bfloat16)
+            c.k_cache[slot, :, :n] = k.to(torch.bfloat16)
+            c.v_cache[slot, :, :n] = v.to(torch.bfloat16)
 
     # ---- what decode attention reads -------------------------------------------------------------------
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

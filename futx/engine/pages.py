@@ -2,12 +2,11 @@
 for reuse by later requests. Host-side integers only: no tensors, no kernels (the block table on the device is
 the engine's; futx.paging says where a page's positions live).
 
-PagePool. Pages first .. first+pages-1 (futx.paging.PageLayout.page_ids; the scratch page is never handed
-out). Every page is either free
-(refcount 0, on the free list) or held (refcount >= 1): a request that allocated it holds one reference; a
-request that attached it from the prefix cache holds one more; the prefix cache itself holds one for every
-page it keeps (`pin` / `unpin`, so the pool counts the cached pages nobody else holds: `idle`, in O(1) for
-the scheduler's every tick). `free` drops one reference and returns the page to the free list at zero; dropping
+PagePool. Pages first .. first+pages-1 (futx.paging.PageLayout.page_ids; the scratch page is never handed out).
+Every page is either free (refcount 0, on the free list) or held (refcount >= 1): a request that allocated it holds
+one reference; a request that attached it from the prefix cache holds one more; the prefix cache itself holds one
+for every page it keeps (`pin` / `unpin`, so the pool counts the cached pages nobody else holds: `idle`, in O(1)
+for the scheduler's every tick). `free` drops one reference and returns the page to the free list at zero; dropping
 a reference nobody holds is an error (never a silent double free).
 
 PrefixCache. A full page of a request's prompt is named by a hash chain over the tokens before and in it:

@@ -106,6 +106,12 @@ def check_inputs(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, 
             checks.aligned(name, t)
 
 
+def mirror_only_cache(k_cache: torch.Tensor, k_scale) -> bool:
+    """A paged cache whose mirror holds more pages than its main copy (staging pages: futx.paging, the INT4-only
+    cache): its kernels write mirror rows only (the `.mo` entries of decode attention and futx.ops.qkv_rows)."""
+    return isinstance(k_scale, torch.Tensor) and k_scale.dim() == 3 and k_scale.shape[0] > k_cache.shape[0]
+
+
 def mirror_extent(k_cache: torch.Tensor, k_scale: Optional[torch.Tensor]) -> int:
     """Slots (pages) of the mirror: k_cache's first extent, or the mirror's own when the main copy holds fewer
     (a paged cache of staging pages: futx.paging, the INT4-only cache)."""
@@ -232,7 +238,7 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
     # a paged cache whose mirror holds more pages than its main copy (staging pages: the INT4-only cache) runs the
     # fused entry's mirror-only kernel, which writes no main-copy row
     mirror_only = qkv is not None and block_table is not None and cache_format != "bf16" \
-        and isinstance(k_scale, torch.Tensor) and k_scale.dim() == 3 and k_scale.shape[0] > k_cache.shape[0]
+        and mirror_only_cache(k_cache, k_scale)
     if qkv is not None:
         _check_fused(qkv, rope, out, k_cache, block_table, page_size)
         q = out  # same shape and device: what check_inputs validates the query against

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from futx.ops import checks
+from futx.ops.decode_attention import mirror_only_cache
 from futx.ops.mirror_rows import check_inputs as check_cache
 from futx.ops.registration import futx_op
 from futx.runtime import get_kernel
@@ -27,7 +28,7 @@ from futx.runtime.catalog.engine import qkv_rows_key
 def check_inputs(cache_format, qkv, rope, positions, row_slot, row_pos, k_cache, v_cache, k_mirror, k_scale,
                  v_mirror, v_scale) -> None:
     check_cache(cache_format, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, row_slot, row_pos,
-                mirror_only(k_cache, k_scale))
+                mirror_only_cache(k_cache, k_scale))
     for name, t in (("qkv", qkv), ("rope", rope), ("positions", positions)):
         checks.cuda(name, t, k_cache.device)
     checks.dtype("qkv", qkv, torch.bfloat16)
@@ -45,11 +46,6 @@ def check_inputs(cache_format, qkv, rope, positions, row_slot, row_pos, k_cache,
         checks.aligned(name, t)
 
 
-def mirror_only(k_cache, k_scale) -> bool:
-    """A cache whose mirror holds more pages than its main copy (futx.paging staging pages)."""
-    return isinstance(k_scale, torch.Tensor) and k_scale.dim() == 3 and k_scale.shape[0] > k_cache.shape[0]
-
-
 @futx_op("qkv_rows_", mutates_args=("k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror", "v_scale"))
 def qkv_rows_(cache_format: str, qkv: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
               row_slot: torch.Tensor, row_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,7 +56,7 @@ def qkv_rows_(cache_format: str, qkv: torch.Tensor, rope: torch.Tensor, position
     if row_slot.shape[0] == 0:
         return
     u8 = (lambda t: t.view(torch.uint8)) if cache_format == "e4m3" else (lambda t: t)  # noqa: E731
-    get_kernel(qkv_rows_key(cache_format, k_cache.shape[3], mirror_only(k_cache, k_scale)))(qkv, rope, positions, row_slot, row_pos, k_cache,
+    get_kernel(qkv_rows_key(cache_format, k_cache.shape[3], mirror_only_cache(k_cache, k_scale)))(qkv, rope, positions, row_slot, row_pos, k_cache,
                                                               v_cache, u8(k_mirror), k_scale, u8(v_mirror), v_scale)
 
 

@@ -376,7 +376,7 @@ class Scheduler:
         # INT4-only cache: staging pages for the positions its prefill writes and reads
         stage = pages_for(h.prefill_end, size) if self.staging is not None and \
             h.prefill_end > len(shared) * size else 0
-        if need + headroom > self._available() or stage > (self.staging.free_count if stage else 0):
+        if need + headroom > self._available() or (stage and stage > self.staging.free_count):
             self.pool.free(shared)
             return False
         h.pages = shared + self._allocate(need)
