@@ -155,6 +155,20 @@ def test_queue_limit_and_cancel(weights, tok):
     assert list(a.events())[-1].finish_reason == "cancelled"
 
 
+def test_cancelled_waiting_requests_hold_no_place_in_the_queue(weights, tok):
+    """A client that leaves while queued frees its place at once, not at the next tick (the H200 load test's 503s:
+    64 streams against --max-queue 64 while a long tick ran)."""
+    sched = Scheduler(ReferenceEngine(weights, 1, 32), tok, max_queue=2)   # never ticked
+    a = sched.submit([1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    sched.submit([3], SamplingParams(max_tokens=2, ignore_eos=True))
+    a.cancel()
+    c = sched.submit([4], SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(QueueFull, match="2 requests are already waiting"):
+        sched.submit([5], SamplingParams(max_tokens=2))
+    sched.run_until_idle()
+    assert a.finish_reason == "cancelled" and c.finish_reason == "length"
+
+
 # ---- the HTTP server -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(weights, tok):

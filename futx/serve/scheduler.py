@@ -229,8 +229,10 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue})")
+            # requests whose clients left stay queued until the next tick drops them: they hold no place
+            waiting = sum(not w._cancel.is_set() for w in self._waiting)
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are already waiting (--max-queue {self.max_queue})")
             self._waiting.append(h)
             self._cv.notify()
         return h
