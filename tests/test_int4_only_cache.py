@@ -101,7 +101,7 @@ def test_a_cached_prefix_is_staged_and_changes_nothing_but_the_prefill(packed, w
     all_staging_back(sched)
 
 
-def test_stage_copies_the_prefix_and_dequantizes_its_main_copy(packed, weights):  # noqa: F811
+def test_stage_dequantizes_the_prefix_into_the_staging_main_copy(packed, weights):  # noqa: F811
     eng = staged_engine(packed, weights, 2, 3 * P, 6, 3)
     cache = eng.model.cache
     shared = [7, 9]                                    # cached mirror-only pages of positions [0, 2P)
@@ -111,17 +111,33 @@ def test_stage_copies_the_prefix_and_dequantizes_its_main_copy(packed, weights):
         k, v = (torch.randn(2 * P, CFG.num_key_value_heads, CFG.head_dim, generator=g) for _ in range(2))
         cache.write_rows(i, torch.ones(2 * P, dtype=torch.long), torch.arange(2 * P), k, v)
     want = [cache.read(i, 1, 2 * P) for i in range(CFG.num_hidden_layers)]
-    eng.stage(1, shared, [2, 0, 1], 2 * P - 5)
+    mirror = [t.clone() for c in cache.layers for t in (c.k_mirror, c.k_scale)]
+    n = 2 * P - 5
+    eng.stage(1, shared, [2, 0, 1], n)
     assert cache.table[1, :3].tolist() == [2, 0, 1]
     for i, (k, v) in enumerate(want):
-        got_k, got_v = cache.read(i, 1, 2 * P)
-        assert torch.equal(got_k, k) and torch.equal(got_v, v)              # the mirror rows were copied
         lc = cache.layers[i]
-        main_k = torch.cat([lc.k_cache[2], lc.k_cache[0]], dim=1)[:, :2 * P - 5]
-        assert torch.equal(main_k, k[:, :2 * P - 5].to(torch.bfloat16))    # the main copy: what decode reads
-    # unstage: rows past the attached prefix to the request's own pages
+        for main, w in ((lc.k_cache, k), (lc.v_cache, v)):   # the main copy: what decode reads
+            assert torch.equal(torch.cat([main[2], main[0]], dim=1)[:, :n], w[:, :n].to(torch.bfloat16))
+    # the prefix's mirror stays on its shared pages (no copy to the staging pages: nothing reads it there)
+    assert all(torch.equal(a, b) for a, b in zip(mirror, (t for c in cache.layers for t in (c.k_mirror, c.k_scale))))
+    # unstage: rows past the attached prefix to the request's own pages; the prefix reads as before
     eng.unstage(1, [2, 0, 1], shared + [8], keep=2)
     assert cache.table[1, :3].tolist() == [7, 9, 8]
+    for i, (k, v) in enumerate(want):
+        got_k, got_v = cache.read(i, 1, 2 * P)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_int4_key_values_equal_the_layout_unpack():
+    """paged_kv's gather-based key unpacking (the stage's) against futx.quant.layouts' definition."""
+    from futx.engine.paged_kv import int4_key_values
+    from futx.quant import layouts
+
+    g = torch.Generator().manual_seed(8)
+    for d in (64, 128):
+        blocks = torch.randint(0, 256, (3, 2, 5, 32, d // 8), generator=g, dtype=torch.uint8)
+        assert torch.equal(int4_key_values(blocks), layouts.unpack_int4_keys(blocks).float())
 
 
 def test_preemption_and_waiting_for_staging_pages(packed, weights):  # noqa: F811

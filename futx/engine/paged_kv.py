@@ -8,15 +8,15 @@ address here comes from futx.paging.locate.
   * `dequantize_pages`: the values the decode mirror holds for positions [0, n) of a slot (dequantized, the
     Hadamard rotation undone: what decode attention reads, as EngineCache.read computes them) written as BF16
     into the main-copy pages, so that a later prefill chunk can attend to earlier chunks through the mirror when
-    the main copy was dropped (the INT4-only cache mode). Torch ops on device index tensors, no host
-    synchronization: CUDA-graph capturable for a fixed (slot, n) with an E4M3 mirror; with INT4 not yet: the key
-    unpacking (futx.quant.layouts.unpack_int4_keys) copies its small index table to the device per call, which a
-    capture refuses (keeping that table on the device is a one-line change in layouts.py, left out because that
-    file fingerprints every decode and engine kernel: it would stale all their AOT artifacts).
+    the main copy was dropped (the INT4-only cache mode); `dequantize_pages_into` reads one page list and writes
+    another (a cached prefix's mirror-only pages into staging pages). Torch ops on device index tensors, every
+    layer of a group at once, no host synchronization: CUDA-graph capturable for a fixed (slot, n) once a first
+    call has put the INT4 key index on the device.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -51,31 +51,77 @@ def gather(x: torch.Tensor, table: torch.Tensor, slot: int, n: int, page_size: i
     return x[pages.long(), :, offs.long()].transpose(0, 1)
 
 
-def _mirror_values(layer: DecodeCache, pages: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k, v) float32 [n, Hkv, D]: what decode attention reads at rows (pages[i], offs[i])."""
-    if layer.fmt == "e4m3":   # rows gathered as bytes (index kernels need not cover float8)
-        rows = lambda t: t.view(torch.uint8)[pages, :, offs].view(torch.float8_e4m3fn)  # noqa: E731
-        return (dequantize_rows(rows(layer.k_mirror), layer.k_scale[pages, :, offs]),
-                dequantize_rows(rows(layer.v_mirror), layer.v_scale[pages, :, offs]))
-    # INT4: a key row is one token of its 8-token fragment-order block; unpack the block, keep the token
-    blocks = layer.k_mirror[pages, :, offs // 8].unsqueeze(2)                 # [n, Hkv, 1, 32, D/8]
-    keys = layouts.unpack_int4_keys(blocks)                                   # [n, Hkv, 8, D]
-    kq = keys.gather(2, (offs % 8).view(-1, 1, 1, 1).expand(-1, keys.shape[1], 1, keys.shape[3])).squeeze(2)
-    vq = layouts.unpack_int4_values(layer.v_mirror[pages, :, offs])
-    k = dequantize_rows(kq, layer.k_scale[pages, :, offs])
-    v = dequantize_rows(vq, layer.v_scale[pages, :, offs])
-    return hadamard.unrotate(k), hadamard.unrotate(v)
+def _stacked(group: list[DecodeCache], name: str, index) -> torch.Tensor:
+    """Tensor `name` of every layer in `group`, indexed by `index`, stacked on a new leading dim (E4M3 as bytes:
+    index kernels need not cover float8)."""
+    ts = [getattr(layer, name) for layer in group]
+    if ts[0].dtype == torch.float8_e4m3fn:
+        return torch.stack([t.view(torch.uint8)[index] for t in ts]).view(torch.float8_e4m3fn)
+    return torch.stack([t[index] for t in ts])
 
 
-def dequantize_pages(layer: DecodeCache, table: torch.Tensor, page_size: int, slot: int, n: int) -> None:
-    """Main copy <- the mirror's values (module docstring) at positions [0, n) of `slot` of one paged layer;
-    rows past n (the chunk about to be written) are left alone. A BF16 cache has no mirror: nothing to do."""
-    if layer.fmt == "bf16" or n == 0:
+@lru_cache(maxsize=None)
+def _key_gather_index(head_dim: int, device: torch.device) -> torch.Tensor:
+    """For each (token, channel) of an 8-token INT4 key block, the flat (lane, byte, nibble) index holding it:
+    the inverse of futx.quant.layouts' key-block index, kept on the device (no copy per call: capturable)."""
+    return torch.from_numpy(layouts._key_block_index(head_dim).reshape(-1).argsort()).to(device)
+
+
+def int4_key_values(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 key blocks [..., T/8, 32, D/8] -> their signed nibbles as float32 [..., T, D]: what
+    layouts.unpack_int4_keys gives (tests tie the two), by one gather instead of a scatter."""
+    *lead, tb, lanes, nbytes = blocks.shape
+    d = nbytes * 8
+    nibs = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).reshape(*lead, tb, lanes * nbytes * 2)
+    q = nibs.index_select(-1, _key_gather_index(d, blocks.device))
+    return ((q ^ 8).float() - 8.0).reshape(*lead, tb * 8, d)   # two's-complement nibble: (x ^ 8) - 8
+
+
+def _mirror_values(group: list[DecodeCache], pages: torch.Tensor, offs: torch.Tensor, n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) float32 [G, n, Hkv, D]: what decode attention reads at positions [0, n) (rows (pages[i], offs[i]))
+    of each layer of `group`. One set of ops for the whole group (a stage is ~30 launches, not ~30 per layer)."""
+    rows = (pages, slice(None), offs)
+    k_scale, v_scale = _stacked(group, "k_scale", rows), _stacked(group, "v_scale", rows)
+    if group[0].fmt == "e4m3":
+        return (dequantize_rows(_stacked(group, "k_mirror", rows), k_scale),
+                dequantize_rows(_stacked(group, "v_mirror", rows), v_scale))
+    # INT4 keys: 8-token fragment-order blocks; positions [0, n) start at a page's start, so block b holds
+    # positions 8b..8b+7: unpack each block once and keep the first n tokens
+    blocks = _stacked(group, "k_mirror", (pages[::8], slice(None), offs[::8] // 8))   # [G, n/8, Hkv, 32, D/8]
+    keys = int4_key_values(blocks.unsqueeze(-3))                                        # [G, n/8, Hkv, 8, D]
+    kq = keys.transpose(2, 3).flatten(1, 2)[:, :n]                                      # [G, n, Hkv, D]
+    vq = layouts.unpack_int4_values(_stacked(group, "v_mirror", rows))
+    return hadamard.unrotate(kq * k_scale.unsqueeze(-1)), hadamard.unrotate(dequantize_rows(vq, v_scale))
+
+
+# float32 temporaries per layer and cached value of a dequantized group (k and v, a few live at once)
+_GROUP_BYTES = 256 << 20
+
+
+def dequantize_rows_into(layers, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor],
+                         n: int) -> None:
+    """Main copy at rows dst = (pages, offsets) [n] <- the mirror's values (module docstring) at rows src, which
+    hold positions [0, n) of a request (page-aligned: position p at src[p // P], p % P). Layers in groups whose
+    temporaries stay under ~256 MB. A BF16 cache has no mirror: nothing to do."""
+    layers = [layers] if isinstance(layers, DecodeCache) else list(layers)
+    if not layers or layers[0].fmt == "bf16" or n == 0:
         return
-    pages, offs = (t.long() for t in slot_rows(table, slot, n, page_size))
-    k, v = _mirror_values(layer, pages, offs)
-    layer.k_cache[pages, :, offs] = k.to(torch.bfloat16)
-    layer.v_cache[pages, :, offs] = v.to(torch.bfloat16)
+    hkv, d = layers[0].k_cache.shape[1], layers[0].k_cache.shape[-1]
+    step = max(1, _GROUP_BYTES // (2 * n * hkv * d * 4 * 4))
+    for g in range(0, len(layers), step):
+        group = layers[g:g + step]
+        k, v = _mirror_values(group, *src, n)
+        for layer, kl, vl in zip(group, k.to(torch.bfloat16), v.to(torch.bfloat16)):
+            layer.k_cache[dst[0], :, dst[1]] = kl
+            layer.v_cache[dst[0], :, dst[1]] = vl
+
+
+def dequantize_pages(layers, table: torch.Tensor, page_size: int, slot: int, n: int) -> None:
+    """Main copy <- the mirror's values at positions [0, n) of `slot` of paged layers (one DecodeCache or a list);
+    rows past n (the chunk about to be written) are left alone."""
+    rows = tuple(t.long() for t in slot_rows(table, slot, n, page_size))
+    dequantize_rows_into(layers, rows, rows, n)
 
 
 def dequantize_slot(cache, slot: int, n: int) -> None:
@@ -84,8 +130,31 @@ def dequantize_slot(cache, slot: int, n: int) -> None:
     if layout is None:
         raise ValueError("dequantize_slot needs a paged EngineCache (layout and table set)")
     check_span(layout, slot, n)
-    for layer in cache.layers:
-        dequantize_pages(layer, cache.table, layout.page_size, slot, n)
+    dequantize_pages(cache.layers, cache.table, layout.page_size, slot, n)
 
 
-__all__ = ["cache_layout", "check_span", "dequantize_pages", "dequantize_slot", "gather", "slot_rows"]
+def page_rows(pages: list[int], n: int, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages, offsets) long [n] of positions [0, n) held by the page list `pages` (in position order)."""
+    pos = torch.arange(n, device=device)
+    return torch.as_tensor(pages, dtype=torch.long, device=device)[pos // page_size], pos % page_size
+
+
+def dequantize_pages_into(cache, src: list[int], dst: list[int], n: int) -> None:
+    """Main copy of pages `dst` <- the mirror's values of pages `src` (positions [0, n) of a request, in position
+    order; every layer of a paged EngineCache): the INT4-only cache's stage of a cached prefix, read from its
+    mirror-only pages straight into the staging pages' main copy (the prefill reads nothing else there)."""
+    layout = cache_layout(cache)
+    if layout is None:
+        raise ValueError("dequantize_pages_into needs a paged EngineCache (layout and table set)")
+    p = layout.page_size
+    if len(src) != len(dst) or not 0 <= n <= len(src) * p:
+        raise ValueError(f"dequantize_pages_into: {len(src)} source pages, {len(dst)} destinations, {n} positions")
+    extent = layout.storage_pages()
+    if any(not 0 <= x < extent or x == layout.scratch_page for x in src + dst):
+        raise ValueError(f"dequantize_pages_into: pages must lie in [0, {extent}), the scratch page excluded")
+    dev = cache.table.device
+    dequantize_rows_into(cache.layers, page_rows(src, n, p, dev), page_rows(dst, n, p, dev), n)
+
+
+__all__ = ["cache_layout", "check_span", "dequantize_pages", "dequantize_pages_into", "dequantize_rows_into",
+           "dequantize_slot", "gather", "int4_key_values", "page_rows", "slot_rows"]

@@ -113,16 +113,16 @@ class DecodeEngine:
         self.model.cache.set_pages(slot, pages)
 
     def stage(self, slot: int, shared: list[int], staging: list[int], filled: int) -> None:
-        """INT4-only cache: slot `slot` is prefilled on `staging` pages; the attached cached pages `shared` (its
-        positions [0, filled)) are copied there first and their main copy dequantized from the mirror, so the
-        prefill attends to them as the kernels read them."""
-        from futx.engine.paged_kv import dequantize_slot
+        """INT4-only cache: slot `slot` is prefilled on `staging` pages; the main copy of the first of them gets the
+        attached cached pages `shared` (its positions [0, filled)) dequantized from their mirror, so the prefill
+        attends to them as the kernels read them. Their mirror is not copied: nothing reads it on the staging
+        pages, and unstage moves only the rows past them."""
+        from futx.engine.paged_kv import dequantize_pages_into
 
         cache = self.model.cache
-        cache.copy_pages(shared, staging[:len(shared)])
         cache.set_pages(slot, staging)
-        if filled:
-            dequantize_slot(cache, slot, filled)
+        if filled:   # the prefill reads only the main copy of these rows: their mirror stays on the shared pages
+            dequantize_pages_into(cache, shared, staging[:len(shared)], filled)
 
     def unstage(self, slot: int, staging: list[int], pages: list[int], keep: int) -> None:
         """INT4-only cache: slot `slot`'s prefill is done: the mirror rows of its staging pages past the first
