@@ -239,7 +239,7 @@ def build_parser(prog: str | None = None) -> Parser:
     p.add_argument("--block-attention", type=bench_verify.block_list, default=None,
                    help="with --speculative: how the verify step writes a block's K/V rows before its attention, "
                         "comma-separated: prewrite (torch glue + the mirror kernel), kernel (one futx.ops.qkv_rows "
-                        "launch) (default prewrite)")
+                        "launch) (default kernel, the engine's)")
     p.add_argument("--out", "--json", dest="out", type=validators.output_file, default=None, help="JSON results")
     p.add_argument("--md", type=validators.output_file, default=None, help="Markdown table")
     p.add_argument("--plot", type=plot_file, default=None, help="PNG plot of ms per step (needs matplotlib)")

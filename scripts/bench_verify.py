@@ -79,7 +79,7 @@ def eager_timer(reps: int, rounds: int) -> Callable[[dict], dict]:
 
 def measure_point(packed: dict, cfg, batch: int, context: int, ks: Sequence[int], pairs: Sequence[tuple[str, str]],
                   timer: Callable[[dict], dict], backend: str = "kernels", device="cuda",
-                  ways: Sequence[str] = ("prewrite",)) -> dict:
+                  ways: Sequence[str] = ("kernel",)) -> dict:
     """One point: {"batch", "context", "rows": [...], "skipped": [k, ...]} for every weight/cache pair, way of
     writing the block's rows (candidates named "w/c" with one way, "w/c way" with several) and k."""
     from futx.engine.cache import EngineCache
@@ -166,7 +166,7 @@ def run(a, timer: Optional[Callable[[dict], dict]] = None, backend: str = "kerne
     for batch, context in a.points:
         with torch.inference_mode():
             point = measure_point(packed, cfg, batch, context, a.num_draft, pairs, timer, backend, device,
-                                  getattr(a, "block_attention", None) or ("prewrite",))
+                                  getattr(a, "block_attention", None) or ("kernel",))
         results["points"].append(point)
         for r in point["rows"]:
             vs = f"  {r['vs_k0']:.2f}x k=0" if r["vs_k0"] is not None else ""
