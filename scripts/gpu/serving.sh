@@ -11,6 +11,7 @@
 #   ttft      scripts/bench_serving.py: TTFT with and without a cached 1024-token system prompt (8B shape, paged,
 #             then the same on the INT4-only cache)
 #   sweep     scripts/bench_serving.py --rates: Poisson rates on the 8B shape, paged with a main copy and INT4-only
+#   steady    the same at 512 requests per rate (steady state), and with a shared 512-token system prompt
 #   load      scripts/load_test.py at full scale (1,000 requests, 64 streams) on futx serve --backend kernels with
 #             the INT4-only cache and prefix caching (a small synthetic model: the server, scheduler and kernels
 #             under load, not model quality)
@@ -42,6 +43,16 @@ for part in "$@"; do
       TAILN=12 step sweep_int4only 300 python3 scripts/bench_serving.py $B8 --max-batch 64 --pages 1152 \
         --staging-pages 36 --requests 128 --rates ${FUTX_RATES:-16,32,48} --out $OUT/sweep-int4only \
         --plot $OUT/sweep-int4only.png ;;
+    steady)  # the same mix at 512 requests per rate (a 128-request stream is mostly ramp and drain), and with a
+             # shared 512-token system prompt before 64..512 own tokens (prefix caching)
+      for mode in "full:" "int4only:--staging-pages 36"; do
+        name=${mode%%:*}; extra=${mode#*:}
+        TAILN=12 step steady_$name 200 python3 scripts/bench_serving.py $B8 --max-batch 64 --pages 1152 $extra \
+          --requests 512 --rates ${FUTX_RATES:-24,32,40,48} --out $OUT/steady-$name --plot $OUT/steady-$name.png
+        TAILN=12 step steady_${name}_shared 200 python3 scripts/bench_serving.py $B8 --max-batch 64 --pages 1152 \
+          $extra --shared-prefix 512 --prompt-len 64:512 --requests 512 --rates ${FUTX_RATES:-24,32,40,48} \
+          --out $OUT/steady-$name-shared
+      done ;;
     load)
       TAILN=30 step load 560 python3 scripts/load_test.py --spawn --requests 1000 --concurrency 64 \
         --long-fraction 0.3 --long-tokens 2048:4096 --max-tokens 8:128 --malformed 0.1 --disconnect 0.05 \
