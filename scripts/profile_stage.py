@@ -1,6 +1,6 @@
 """What staging a cached prefix costs on the INT4-only cache (`--cache-main none`, futx.serve.engines.stage): its
 mirror pages dequantized into the staging pages' main copy (futx.engine.paged_kv.dequantize_pages_into, the
-stage), against the same through the slot's table (dequantize_slot) and one layer per call; and copying mirror
+stage; by the futx::main_rows_ kernel as the kernels engine runs it, and in torch), against the same through the slot's table (dequantize_slot) and one layer per call; and copying mirror
 pages (EngineCache.copy_pages, what unstage does with a prefill's own rows). The 8B shape's 32 layers; CUDA events
 around each (median of --reps) and the host time of a call.
 
@@ -76,13 +76,15 @@ def main() -> int:
             cache.set_pages(0, staging)
             copy = _time(lambda: cache.copy_pages(own, staging), a.reps)
             stage = _time(lambda: dequantize_pages_into(cache, own, staging, n), a.reps)
+            kernel = _time(lambda: dequantize_pages_into(cache, own, staging, n, kernel=True), a.reps)
             grouped = _time(lambda: dequantize_slot(cache, 0, n), a.reps)
             per_layer = _time(lambda: [dequantize_pages(layer, cache.table, size, 0, n) for layer in cache.layers],
                               a.reps)
             row = {"fmt": fmt, "tokens": n, "layers": cfg.num_hidden_layers, "copy_pages_ms": copy,
-                   "stage_ms": stage, "dequantize_grouped_ms": grouped, "dequantize_per_layer_ms": per_layer}
+                   "stage_ms": stage, "stage_kernel_ms": kernel, "dequantize_grouped_ms": grouped, "dequantize_per_layer_ms": per_layer}
             rows.append(row)
-            print(f"{fmt} {n:5d} tokens: stage {stage[0]:.2f} ms (host {stage[1]:.2f}); copy_pages {copy[0]:.2f} ms "
+            print(f"{fmt} {n:5d} tokens: stage by futx::main_rows_ {kernel[0]:.3f} ms (host {kernel[1]:.3f}), in torch "
+                  f"{stage[0]:.2f} ms (host {stage[1]:.2f}); copy_pages {copy[0]:.2f} ms "
                   f"(host {copy[1]:.2f}); dequantize_slot "
                   f"{grouped[0]:.2f} ms (host {grouped[1]:.2f}); one layer per call {per_layer[0]:.2f} ms "
                   f"(host {per_layer[1]:.2f})", flush=True)

@@ -255,3 +255,15 @@ def test_main_from_mirror_through_the_block_table():
     staged = EngineCache(CFG, "int4", 2, 2 * P, "cpu", layout=PageLayout.for_capacity(P, 4, 2, 2 * P, staging=2))
     with pytest.raises(ValueError, match="staging pages"):
         staged.main_from_mirror(1, 5)
+
+
+def test_main_rows_op_refuses_cpu_tensors_before_any_launch():
+    """futx::main_rows_ (the stage on the kernels) checks its inputs on the host; its GPU test is
+    tests/test_main_rows_gpu.py."""
+    from futx.ops.main_rows import main_rows
+
+    lay = PageLayout.for_capacity(P, pages=4, slots=2, capacity=2 * P, staging=2)
+    c = EngineCache(CFG, "int4", 2, 2 * P, "cpu", layout=lay).layers[0]
+    rows = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA device"):
+        main_rows("int4", c.k_cache, c.v_cache, c.k_mirror, c.k_scale, c.v_mirror, c.v_scale, rows, rows, rows, rows)

@@ -11,7 +11,9 @@ address here comes from futx.paging.locate.
     the main copy was dropped (the INT4-only cache mode); `dequantize_pages_into` reads one page list and writes
     another (a cached prefix's mirror-only pages into staging pages). Torch ops on device index tensors, every
     layer of a group at once, no host synchronization: CUDA-graph capturable for a fixed (slot, n) once a first
-    call has put the INT4 key index on the device.
+    call has put the INT4 key index on the device. On the kernels the same by one launch per layer of
+    futx::main_rows_ (decode/main_rows.py, the inverse of the mirror's row writer; `kernel=True`), for the
+    formats in STAGE_KERNEL_FORMATS.
 """
 
 from __future__ import annotations
@@ -95,17 +97,31 @@ def _mirror_values(group: list[DecodeCache], pages: torch.Tensor, offs: torch.Te
     return hadamard.unrotate(kq * k_scale.unsqueeze(-1)), hadamard.unrotate(dequantize_rows(vq, v_scale))
 
 
+# cache formats whose stage runs futx::main_rows_ on the kernels backend: E4M3 passed its H200 test bit for bit
+# (2026-12-04); INT4 missed in the last bit (ptxas fused the scale product into the butterfly's first add), fixed by
+# an explicit mul.rn (no FFMA left in its SASS) and waits for that GPU test (tests/test_main_rows_gpu.py) to join
+STAGE_KERNEL_FORMATS = ("e4m3",)
+
 # float32 temporaries per layer and cached value of a dequantized group (k and v, a few live at once)
 _GROUP_BYTES = 256 << 20
 
 
 def dequantize_rows_into(layers, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor],
-                         n: int) -> None:
+                         n: int, kernel: bool = False) -> None:
     """Main copy at rows dst = (pages, offsets) [n] <- the mirror's values (module docstring) at rows src, which
     hold positions [0, n) of a request (page-aligned: position p at src[p // P], p % P). Layers in groups whose
-    temporaries stay under ~256 MB. A BF16 cache has no mirror: nothing to do."""
+    temporaries stay under ~256 MB. A BF16 cache has no mirror: nothing to do.
+    kernel: one launch of futx::main_rows_ per layer instead (the same values, bit for bit; CUDA tensors)."""
     layers = [layers] if isinstance(layers, DecodeCache) else list(layers)
     if not layers or layers[0].fmt == "bf16" or n == 0:
+        return
+    if kernel:
+        from futx.ops.main_rows import main_rows
+
+        rows = [t.to(torch.int32).contiguous() for t in (*src, *dst)]
+        for layer in layers:
+            main_rows(layer.fmt, layer.k_cache, layer.v_cache, layer.k_mirror, layer.k_scale, layer.v_mirror,
+                      layer.v_scale, *rows)
         return
     hkv, d = layers[0].k_cache.shape[1], layers[0].k_cache.shape[-1]
     step = max(1, _GROUP_BYTES // (2 * n * hkv * d * 4 * 4))
@@ -139,10 +155,11 @@ def page_rows(pages: list[int], n: int, page_size: int, device) -> tuple[torch.T
     return torch.as_tensor(pages, dtype=torch.long, device=device)[pos // page_size], pos % page_size
 
 
-def dequantize_pages_into(cache, src: list[int], dst: list[int], n: int) -> None:
+def dequantize_pages_into(cache, src: list[int], dst: list[int], n: int, kernel: bool = False) -> None:
     """Main copy of pages `dst` <- the mirror's values of pages `src` (positions [0, n) of a request, in position
     order; every layer of a paged EngineCache): the INT4-only cache's stage of a cached prefix, read from its
-    mirror-only pages straight into the staging pages' main copy (the prefill reads nothing else there)."""
+    mirror-only pages straight into the staging pages' main copy (the prefill reads nothing else there).
+    kernel: by futx::main_rows_ (dequantize_rows_into)."""
     layout = cache_layout(cache)
     if layout is None:
         raise ValueError("dequantize_pages_into needs a paged EngineCache (layout and table set)")
@@ -153,8 +170,8 @@ def dequantize_pages_into(cache, src: list[int], dst: list[int], n: int) -> None
     if any(not 0 <= x < extent or x == layout.scratch_page for x in src + dst):
         raise ValueError(f"dequantize_pages_into: pages must lie in [0, {extent}), the scratch page excluded")
     dev = cache.table.device
-    dequantize_rows_into(cache.layers, page_rows(src, n, p, dev), page_rows(dst, n, p, dev), n)
+    dequantize_rows_into(cache.layers, page_rows(src, n, p, dev), page_rows(dst, n, p, dev), n, kernel)
 
 
-__all__ = ["cache_layout", "check_span", "dequantize_pages", "dequantize_pages_into", "dequantize_rows_into",
-           "dequantize_slot", "gather", "int4_key_values", "page_rows", "slot_rows"]
+__all__ = ["STAGE_KERNEL_FORMATS", "cache_layout", "check_span", "dequantize_pages", "dequantize_pages_into",
+           "dequantize_rows_into", "dequantize_slot", "gather", "int4_key_values", "page_rows", "slot_rows"]

@@ -117,12 +117,13 @@ class DecodeEngine:
         attached cached pages `shared` (its positions [0, filled)) dequantized from their mirror, so the prefill
         attends to them as the kernels read them. Their mirror is not copied: nothing reads it on the staging
         pages, and unstage moves only the rows past them."""
-        from futx.engine.paged_kv import dequantize_pages_into
+        from futx.engine.paged_kv import STAGE_KERNEL_FORMATS, dequantize_pages_into
 
         cache = self.model.cache
         cache.set_pages(slot, staging)
         if filled:   # the prefill reads only the main copy of these rows: their mirror stays on the shared pages
-            dequantize_pages_into(cache, shared, staging[:len(shared)], filled)
+            kernel = self.model.backend == "kernels" and cache.fmt in STAGE_KERNEL_FORMATS
+            dequantize_pages_into(cache, shared, staging[:len(shared)], filled, kernel=kernel)
 
     def unstage(self, slot: int, staging: list[int], pages: list[int], keep: int) -> None:
         """INT4-only cache: slot `slot`'s prefill is done: the mirror rows of its staging pages past the first

@@ -1,5 +1,6 @@
 """Small kernels that sit between the engine's projections (its glue): the decode step's RMSNorm row factor, the
-prefill's mirror writer, per-row E4M3 quantization and the verify step's block-rows writer."""
+prefill's mirror writer, per-row E4M3 quantization, the verify step's block-rows writer and the INT4-only cache's
+main-copy rows from the mirror."""
 
 from futx.runtime.registry import KernelSpec
 
@@ -8,10 +9,15 @@ MIRROR_SOURCES = ("decode/mirror_rows.py", "decode/mirror_row.py", "decode/attn_
 
 
 QKV_ROWS_SOURCES = ("decode/qkv_rows.py", "decode/rope_warp.py", *MIRROR_SOURCES[1:])
+MAIN_ROWS_SOURCES = ("decode/main_rows.py", *MIRROR_SOURCES[2:])
 
 
 def mirror_key(fmt: str, head_dim: int) -> str:
     return f"engine.mirror_rows.{fmt}.d{head_dim}"
+
+
+def main_rows_key(fmt: str, head_dim: int) -> str:
+    return f"engine.main_rows.{fmt}.d{head_dim}"
 
 
 def qkv_rows_key(fmt: str, head_dim: int, mirror_only: bool = False) -> str:
@@ -39,4 +45,10 @@ SPECS = [
                doc=f"the new K/V rows of a QKV output (RoPE, " + ("" if not mo else "no main copy: the INT4-only "
                    "cache, ") + f"{fmt} mirror), head dim {d}: the verify step's block rows")
     for fmt in ("int4", "e4m3") for d in (64, 128) for mo in (False, True)
+] + [
+    KernelSpec(key=main_rows_key(fmt, d), module="decode.main_rows",
+               params=(("fmt", fmt), ("head_dim", d), ("rotate", fmt == "int4")), sources=MAIN_ROWS_SOURCES,
+               doc=f"BF16 main-copy rows from the {fmt} mirror (dequantized, rotation undone), head dim {d}: the "
+                   "INT4-only cache's stage of a cached prefix")
+    for fmt in ("int4", "e4m3") for d in (64, 128)
 ]
