@@ -14,6 +14,8 @@ soon as they exist (--out after every point).
 
   python scripts/bench_engine.py --points 1x1024,8x1024,32x4096 --out bench.json --md bench.md --plot bench.png
   python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4   (all 80 layers fit in INT4)
+  python scripts/bench_engine.py --shape llama-3.1-70b --weights int4 --cache int4 --cache-main none --points 64x4096
+      (the INT4-only paged cache of futx serve --cache-main none: mirror-only pages, their decode kernels)
   python scripts/bench_engine.py --weights int4 --cache int4 --tile-variants ring4,ring8,@0
       (also the int4/int4 step with the router's M = 1 tile GEMV switched to tuning variants, captured alongside;
       "VARIANT@G": with 8 warps up to G CTAs per SM instead of decode.plan.TILE_SMALL_GRID_CTAS)
@@ -63,6 +65,26 @@ def step_bytes(model, batch: int, context: int) -> int:
     head = c.vocab_size * c.hidden_size * 2
     cache = batch * context * model.cache.read_bytes_per_token() * c.num_hidden_layers
     return model.packed.projection_bytes() + head + cache
+
+
+def decode_cache(cfg, fmt: str, batch: int, capacity: int, device, main: str = "bf16", emulated: bool = False):
+    """(cache, DecodeModel keyword arguments) of one point. main "bf16": the contiguous cache (a main copy beside
+    the mirror); "none": the INT4-only paged cache (futx.paging, 128-position pages, the staging pages of one
+    request, a layout's least), each slot owning the mirror-only pages of its `capacity` positions, so its decode
+    steps run the mirror-only kernels and the cache takes ~1/5 of the memory (the 70B shape at 64 x 4096 fits)."""
+    from futx.engine.cache import EngineCache
+
+    if main == "bf16":
+        return EngineCache(cfg, fmt, batch, capacity, device, keep_values=emulated), {}
+    from futx.paging import DEFAULT_PAGE_SIZE as size
+    from futx.paging import PageLayout, pages_for
+
+    per = pages_for(capacity, size)
+    lay = PageLayout.for_capacity(size, pages=batch * per, slots=batch, capacity=per * size, staging=per)
+    cache = EngineCache(cfg, fmt, batch, per * size, device, keep_values=emulated, layout=lay)
+    for s in range(batch):
+        cache.set_pages(s, [lay.first_page + s * per + i for i in range(per)])
+    return cache, {"pages": batch * per, "page_size": size, "staging": per, "capacity": per * size}
 
 
 class Timer:
@@ -183,6 +205,10 @@ class BenchParser(Parser):
         if a.breakdown and a.breakdown not in pairs:
             self.error(f"argument --breakdown: {a.breakdown!r} is not one of the measured formats "
                        f"{', '.join(pairs)} ('' for none)")
+        if a.cache_main == "none" and "bf16" in a.cache:
+            self.error("argument --cache-main: none keeps only the mirror: --cache int4 and/or e4m3, not bf16")
+        if a.cache_main == "none" and a.speculative:
+            self.error("argument --cache-main: the verify step is measured on the contiguous cache")
         if (a.glue or a.tile_variants) and "int4/int4" not in pairs:
             self.error("argument --glue/--tile-variants: measures int4/int4; add int4 to --weights and --cache")
         if a.speculative:
@@ -208,6 +234,9 @@ def build_parser(prog: str | None = None) -> Parser:
                    help="weight formats, comma-separated")
     p.add_argument("--cache", type=validators.choice_list(FORMATS), default=",".join(FORMATS),
                    help="cache formats, comma-separated")
+    p.add_argument("--cache-main", default="bf16", choices=("bf16", "none"),
+                   help="bf16: the contiguous cache, a BF16 main copy beside the mirror; none: the INT4-only paged "
+                        "cache of futx serve --cache-main none (mirror-only pages, its decode kernels)")
     p.add_argument("--reps", type=validators.positive_int, default=20, help="graph replays per timing")
     p.add_argument("--rounds", type=validators.positive_int, default=7,
                    help="interleaved rounds; the median is reported")
@@ -261,7 +290,6 @@ def run(a: argparse.Namespace) -> int:
     import torch
 
     from futx.engine import DecodeModel, random_packed
-    from futx.engine.cache import EngineCache
     from futx.engine.graphs import GraphSteps
 
     if a.speculative:
@@ -308,17 +336,19 @@ def run(a: argparse.Namespace) -> int:
     print(f"{cfg.name}: {cfg.num_hidden_layers} layers, weights packed in {time.perf_counter() - t0:.1f} s",
           flush=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": cfg.name,
-               "layers": cfg.num_hidden_layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "layers": cfg.num_hidden_layers, "cache_main": a.cache_main, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": " ".join(sys.argv), "points": []}
     for batch, context in a.points:
         cap = -(-context // 8) * 8
-        caches = {cf: EngineCache(cfg, cf, batch, cap, "cuda") for cf in cfs}
+        built = {cf: decode_cache(cfg, cf, batch, cap, "cuda", a.cache_main) for cf in cfs}
+        caches = {cf: c for cf, (c, _) in built.items()}
+        kw = {cf: {"capacity": cap, **k} for cf, (_, k) in built.items()}
         for i, c in enumerate(caches.values()):
             c.randomize(i)
         models, cands = {}, {}
         for wf in wfs:
             for cf in cfs:
-                m = DecodeModel(packed[wf], cf, max_batch=batch, capacity=cap, shared_cache=caches[cf])
+                m = DecodeModel(packed[wf], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])
                 g = GraphSteps(m, buckets=[batch])
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 models[(wf, cf)] = m
@@ -326,8 +356,8 @@ def run(a: argparse.Namespace) -> int:
         if a.glue:
             for glue, name in (("norm-kernel", "int4/int4 row factor as its own kernel"),
                                ("torch", "int4/int4 unfused glue")):
-                m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"],
-                                glue=glue)
+                m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], glue=glue,
+                                **kw["int4"])
                 g = GraphSteps(m, buckets=[batch])
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 cands[name] = lambda g=g: g.replay(batch)
@@ -335,7 +365,7 @@ def run(a: argparse.Namespace) -> int:
         for v in tile_variants:
             route(v)
             try:
-                m = DecodeModel(packed["int4"], "int4", max_batch=batch, capacity=cap, shared_cache=caches["int4"])
+                m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], **kw["int4"])
                 g = GraphSteps(m, buckets=[batch])
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
             finally:
@@ -433,7 +463,8 @@ def save(results: dict, a: argparse.Namespace, final: bool = False) -> None:
 
 
 def render(results: dict) -> str:
-    lines = [f"{results['shape']} ({results['layers']} layers), {results['gpu']}, {results['date']}", "",
+    main = ", INT4-only cache (--cache-main none)" if results.get("cache_main") == "none" else ""
+    lines = [f"{results['shape']} ({results['layers']} layers){main}, {results['gpu']}, {results['date']}", "",
              "| B | context | candidate | ms / step | tokens/s | floor ms | of floor |",
              "|---:|---:|---|---:|---:|---:|---:|"]
     for pt in results["points"]:

@@ -102,3 +102,28 @@ def test_the_issue_command_measures_every_point_and_the_peer_at_64_rows(tmp_path
         assert "gptfast-int4" in rows
     failed = {(p["batch"], p["context"]): row["failed"] for p in points for row in p["rows"] if "failed" in row}
     assert not failed, failed
+
+
+def test_int4_only_cache_option_builds_the_served_cache_and_steps_on_the_emulated_engine():
+    """--cache-main none: the bench's cache is futx serve's INT4-only cache (mirror-only pages owned by each
+    slot, a main copy of one request's pages + 1); a decode step runs on it (the emulated engine here, the kernels on the H200)."""
+    from futx.engine import DecodeModel, random_packed
+
+    with pytest.raises(SystemExit):
+        bench_engine.build_parser().parse_args(["--cache", "int4,bf16", "--cache-main", "none"])
+    with pytest.raises(SystemExit):
+        bench_engine.build_parser().parse_args(["--cache", "int4", "--cache-main", "none", "--speculative"])
+    a = bench_engine.build_parser().parse_args(["--weights", "int4", "--cache", "int4", "--cache-main", "none"])
+    assert a.cache_main == "none"
+    cache, kw = bench_engine.decode_cache(CFG, "int4", 3, 200, "cpu", "none", emulated=True)
+    assert kw == {"pages": 6, "page_size": 128, "staging": 2, "capacity": 256}
+    assert cache.layers[0].k_cache.shape[0] == 3 and cache.layers[0].k_scale.shape[0] == 3 + 6
+    assert cache.table[:3, :2].tolist() == [[3, 4], [5, 6], [7, 8]]
+    cache.randomize(0)
+    m = DecodeModel(random_packed(CFG, "int4", seed=0, device="cpu"), "int4", max_batch=3, backend="emulated",
+                    device="cpu", shared_cache=cache, **kw)
+    m.load_inputs([1, 2, 3], [199, 150, 5], [0, 1, 2])
+    m.step(3)
+    assert m.buffers.next_tokens[:3].min() >= 0
+    flat, none = bench_engine.decode_cache(CFG, "int4", 3, 200, "cpu")
+    assert none == {} and flat.layout is None
