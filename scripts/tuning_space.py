@@ -22,6 +22,7 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
     prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1|.n256.pp.c2x2|.n256.c2x2]   prefill schedules
                                               and clusters (catalog prefill.TUNING)
+    decode.persistent.chain                   the persistent kernel's task loop on trivial tasks (issue 29)
 
 Use from Python (benchmarks, GPU tests), before naming a key:
 
@@ -97,9 +98,17 @@ def prefill_specs() -> list[KernelSpec]:
     return prefill_catalog.tuning_specs()
 
 
+def persistent_specs() -> list[KernelSpec]:
+    """The persistent kernel's task loop on trivial tasks (decode/persistent_loop.py): the GPU test of its counters
+    and the measurement of a handoff (issue 29)."""
+    return [KernelSpec(key="decode.persistent.chain", module="decode.persistent_loop",
+                       sources=("decode/persistent_loop.py", "decode/persistent_schedule.py", "decode/ptx.py"),
+                       doc="the persistent task loop on a chain of 3-input tile tasks (ordering test, handoff)")]
+
+
 def specs(patterns: str | None = None) -> list[KernelSpec]:
     """Every tuning-space spec, or those whose key matches one of the comma-separated glob patterns."""
-    out = linear_specs() + attention_specs() + prefill_specs()
+    out = linear_specs() + attention_specs() + prefill_specs() + persistent_specs()
     if patterns:
         pats = [p for p in patterns.split(",") if p]
         out = [s for s in out if any(fnmatch.fnmatchcase(s.key, p) for p in pats)]

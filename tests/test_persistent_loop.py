@@ -1,0 +1,68 @@
+"""The persistent kernel's task loop (decode/persistent_loop.py) on the CPU: the chain test's table (each CTA's list
+in round order, one counter with cumulative targets, well-formed end rows), its torch reference, and the loop kernel
+compiling for sm_90a with the acquire polls and release increments in its SASS. Its GPU test is
+tests/test_persistent_loop_gpu.py."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode import persistent_loop as pl
+from decode.persistent_schedule import FIELDS
+
+REPO = Path(__file__).resolve().parents[1]
+F = {n: i for i, n in enumerate(FIELDS)}
+
+
+@pytest.mark.parametrize("layers,tiles,ctas", [(1, 1, 1), (3, 5, 2), (4, 7, 16), (2, 132, 264)])
+def test_chain_table_orders_every_list_by_round(layers, tiles, ctas):
+    table, counters = pl.chain_table(layers, tiles, ctas)
+    assert table.shape[0] == ctas and table.shape[2] == len(FIELDS) and counters.tolist() == [0]
+    seen = []
+    for cta in table.tolist():
+        rounds = [row[F["a0"]] for row in cta if row[F["kind"]] != pl.END]
+        assert rounds == sorted(rounds)            # a CTA never waits on a later round than one it runs after
+        ends = [row[F["kind"]] for row in cta[len(rounds):]]
+        assert ends and all(k == pl.END for k in ends)
+        for row in cta[:len(rounds)]:
+            r = row[F["a0"]]
+            want = (-1, 0) if r == 1 else (0, (r - 1) * tiles)
+            assert (row[F["wait0"]], row[F["target0"]]) == want and row[F["wait1"]] == -1
+            assert row[F["signal0"]] == 0 and row[F["signal1"]] == -1
+            seen.append((r, row[F["a1"]]))
+    assert sorted(seen) == [(r, t) for r in range(1, layers + 1) for t in range(tiles)]
+    with pytest.raises(ValueError, match="positive"):
+        pl.chain_table(0, 1, 1)
+
+
+def test_chain_reference_adds_in_the_kernels_order():
+    x0 = torch.arange(3 * pl.THREADS, dtype=torch.float32)
+    x = pl.chain_reference(x0, 2)
+    t = x0.view(3, pl.THREADS)
+    assert torch.equal(x[1].view(3, pl.THREADS)[1], ((t[1] + 1) + t[0]) + t[2])
+    assert torch.equal(x[1].view(3, pl.THREADS)[0], (t[0] + 1) + t[1])
+    assert x.shape == (3, 3 * pl.THREADS)
+
+
+def test_loop_kernel_compiles_with_acquire_polls_and_release_signals(tmp_path):
+    pytest.importorskip("cutlass")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        import cutlass.cute as cute
+        from decode import persistent_loop as pl
+        fn, args = pl.compile_target()
+        cute.compile(fn, *args)
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass,ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600, capture_output=True)
+    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    sass = "\n".join(p.read_text() for p in tmp_path.glob("*.sass"))
+    assert ptx.count("ld.acquire.gpu.global") >= 2 and re.search(r"atom\.global\.release(\.gpu)?\.add", ptx)
+    assert "NANOSLEEP" in sass and "CCTL.IVALL" in sass      # the acquire invalidates L1 for the CTA's reads
+    assert not re.search(r"\b(LDL|STL)\b", sass)
