@@ -102,7 +102,7 @@ def _mirror_values(group: list[DecodeCache], pages: torch.Tensor, offs: torch.Te
 # an explicit mul.rn (no FFMA left in its SASS) and waits for that GPU test (tests/test_main_rows_gpu.py) to join
 STAGE_KERNEL_FORMATS = ("e4m3",)
 
-# float32 temporaries per layer and cached value of a dequantized group (k and v, a few live at once)
+# budget for a group's float32 temporaries (k and v of each of its layers, a few of them live at once)
 _GROUP_BYTES = 256 << 20
 
 
