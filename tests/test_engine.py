@@ -109,6 +109,25 @@ def test_cache_rows_hold_the_mirror_values(fmt, seeded):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_cache_rows_written_head_by_head_store_the_same_bytes(fmt, seeded):
+    """write_rows(heads=...) (a persistent-layer task writes its own KV head's row): each head's row is rotated,
+    scaled and quantized on its own, so writing the heads one by one stores what one write of all of them does."""
+    k = torch.randn(5, 2, 64, generator=seeded).to(torch.bfloat16)
+    v = torch.randn(5, 2, 64, generator=seeded).to(torch.bfloat16)
+    positions, slots = torch.tensor([0, 7, 8, 9, 23]), torch.tensor([0, 1, 1, 2, 3])
+    a, b = (EngineCache(CFG, fmt, slots=3, capacity=24, device="cpu", keep_values=True) for _ in range(2))
+    a.write_rows(0, slots, positions, k, v)
+    for h in (1, 0):
+        b.write_rows(0, slots, positions, k[:, h:h + 1], v[:, h:h + 1], heads=slice(h, h + 1))
+    for ta, tb in zip([*a.layers[0].tensors(), *a.values[0]], [*b.layers[0].tensors(), *b.values[0]]):
+        if ta is not None:
+            assert torch.equal(ta.view(torch.uint8) if ta.dtype == torch.float8_e4m3fn else ta,
+                               tb.view(torch.uint8) if tb.dtype == torch.float8_e4m3fn else tb)
+    with pytest.raises(ValueError, match="heads slice"):
+        b.write_rows(0, slots, positions, k, v, heads=slice(0, 1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_mirror_rows_store_what_write_rows_stores(fmt, seeded):
     """mirror_rows (unchecked, CUDA-graph capturable: the prefill's writer) stores the bytes write_rows stores,
     and an INT4 key row lands in its block exactly where layouts.pack_int4_keys puts it (rows in any order,

@@ -10,6 +10,7 @@
     speculative.py speculative greedy generation: drafts verified in block steps (futx.speculative)
     perplexity.py perplexity through the engine (all-decode and serving protocols)
     load.py       a packed model from a checkpoint or a packed directory (what the `futx` commands call)
+    persistent_reference.py  the persistent decode layer's task table run task by task in torch (issue 29)
 
 The names below are imported on first use, so `futx.engine.support` stays cheap for the command line.
 """

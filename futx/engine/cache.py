@@ -188,9 +188,11 @@ class EngineCache:
 
     # ---- writes of rows computed outside the decode attention kernel ----------------------------------
     def write_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> None:
+                   v: torch.Tensor, heads: slice = slice(None)) -> None:
         """Store rows k, v [M, Hkv, D] of (slots[m], positions[m]) as the attention kernel would (checked on
-        the host first: this reads the indices back)."""
+        the host first: this reads the indices back). heads: only these KV heads (k, v [M, len(heads), D]), as a
+        task of the persistent decode layer writes its own head's row; every head's row is quantized on its own,
+        so writing them one by one stores the same bytes."""
         m = k.shape[0]
         if m == 0:
             return
@@ -205,14 +207,18 @@ class EngineCache:
             paging.check_rows(self.table, slots, positions, self.layout.page_size, self.layout.scratch_page)
             slots, positions = self.locate(slots, positions)
         kb, vb = k.to(self.device, torch.bfloat16), v.to(self.device, torch.bfloat16)
+        hs = range(self.config.num_key_value_heads)[heads]
+        if heads.step not in (None, 1) or not len(hs) or kb.shape[1] != len(hs):
+            raise ValueError(f"heads {heads} (a contiguous range of the {self.config.num_key_value_heads} KV heads) "
+                             f"for rows of {kb.shape[1]} heads")
         if self.staged:   # rows on mirror-only pages have no main copy
             main = slots < c.k_cache.shape[0]
-            c.k_cache[slots[main], :, positions[main]] = kb[main]
-            c.v_cache[slots[main], :, positions[main]] = vb[main]
+            c.k_cache[slots[main], heads, positions[main]] = kb[main]
+            c.v_cache[slots[main], heads, positions[main]] = vb[main]
         else:
-            c.k_cache[slots, :, positions] = kb
-            c.v_cache[slots, :, positions] = vb
-        self._store_mirror(layer, slots, positions, kb.float(), vb.float(), check_finite=True)
+            c.k_cache[slots, heads, positions] = kb
+            c.v_cache[slots, heads, positions] = vb
+        self._store_mirror(layer, slots, positions, kb.float(), vb.float(), check_finite=True, heads=heads)
 
     def mirror_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kernel: bool = False) -> None:
         """The mirror (and kept values) of rows already in the main copy (a prefill's QKV epilogue wrote them),
@@ -249,31 +255,31 @@ class EngineCache:
                     i32(at_slot), i32(at_row))
 
     def _store_mirror(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kf: torch.Tensor,
-                      vf: torch.Tensor, check_finite: bool) -> None:
+                      vf: torch.Tensor, check_finite: bool, heads: slice = slice(None)) -> None:
         c = self.layers[layer]
         if self.fmt == "bf16":
             if self.values is not None:
-                self.values[layer][0][slots, :, positions] = kf
-                self.values[layer][1][slots, :, positions] = vf
+                self.values[layer][0][slots, heads, positions] = kf
+                self.values[layer][1][slots, heads, positions] = vf
             return
         if self.fmt == "e4m3":
             for i, (x, mir, sc) in enumerate(((kf, c.k_mirror, c.k_scale), (vf, c.v_mirror, c.v_scale))):
                 data, scale = quantize_e4m3_rows(x, check_finite)
-                mir[slots, :, positions] = data
-                sc[slots, :, positions] = scale
+                mir[slots, heads, positions] = data
+                sc[slots, heads, positions] = scale
                 if self.values is not None:
-                    self.values[layer][i][slots, :, positions] = dequantize_rows(data, scale)
+                    self.values[layer][i][slots, heads, positions] = dequantize_rows(data, scale)
             return
         q, s = quantize_int4_rows(hadamard.rotate(torch.stack([kf, vf])), check_finite)   # K and V in one pass
         if self.values is not None:
             for i in range(2):
-                self.values[layer][i][slots, :, positions] = hadamard.unrotate(dequantize_rows(q[i], s[i]))
-        c.k_scale[slots, :, positions] = s[0]
-        c.v_scale[slots, :, positions] = s[1]
-        c.v_mirror[slots, :, positions] = layouts.pack_int4_values(q[1])
+                self.values[layer][i][slots, heads, positions] = hadamard.unrotate(dequantize_rows(q[i], s[i]))
+        c.k_scale[slots, heads, positions] = s[0]
+        c.v_scale[slots, heads, positions] = s[1]
+        c.v_mirror[slots, heads, positions] = layouts.pack_int4_values(q[1])
         # a key row fills 4 of the 32 lanes of its 8-token block: lanes 4 (p % 8) + j
         lanes = 4 * (positions % 8)[:, None] + torch.arange(4, device=positions.device)[None, :]   # [M, 4]
-        c.k_mirror[slots[:, None], :, (positions // 8)[:, None], lanes] = pack_int4_key_rows(q[0]).transpose(1, 2)
+        c.k_mirror[slots[:, None], heads, (positions // 8)[:, None], lanes] = pack_int4_key_rows(q[0]).transpose(1, 2)
 
     def main_from_mirror(self, slot: int, n: int) -> None:
         """The main copy of positions [0, n) of `slot` <- the mirror's values (`read`: what decode attention uses,
