@@ -127,8 +127,10 @@ def chain_reference(x0, layers: int):
     return torch.stack([r.reshape(-1) for r in rows])
 
 
-def compile_target():
-    """Registry-style factory: (jit callable, fake arguments); CTAs, table rows, rounds and tiles dynamic."""
+def chain_target():
+    """The tuning space's factory of the chain kernel (scripts/tuning_space.py, key decode.persistent.chain; not a
+    shipped kernel, so not `compile_target`): (jit callable, fake arguments); CTAs, table rows, rounds and tiles
+    dynamic."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     c, r, n, rows, cols = (cute.sym_int() for _ in range(5))

@@ -101,7 +101,7 @@ def prefill_specs() -> list[KernelSpec]:
 def persistent_specs() -> list[KernelSpec]:
     """The persistent kernel's task loop on trivial tasks (decode/persistent_loop.py): the GPU test of its counters
     and the measurement of a handoff (issue 29)."""
-    return [KernelSpec(key="decode.persistent.chain", module="decode.persistent_loop",
+    return [KernelSpec(key="decode.persistent.chain", module="decode.persistent_loop", factory="chain_target",
                        sources=("decode/persistent_loop.py", "decode/persistent_schedule.py", "decode/ptx.py"),
                        doc="the persistent task loop on a chain of 3-input tile tasks (ordering test, handoff)")]
 

@@ -56,7 +56,7 @@ def test_loop_kernel_compiles_with_acquire_polls_and_release_signals(tmp_path):
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
         from decode import persistent_loop as pl
-        fn, args = pl.compile_target()
+        fn, args = pl.chain_target()
         cute.compile(fn, *args)
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass,ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
