@@ -113,6 +113,19 @@ class GemvTile:
                            rows=x.shape[0], nblocks=self.nblocks))
 
     # ---- device side -------------------------------------------------------------------------
+    # Where the tile runs and how it meets its producer and consumers: a launch of its own (its CTA's block index,
+    # programmatic dependent launch); a task of the persistent decode layer overrides the three
+    # (decode/persistent_layer.py: the task's n-block, its counters).
+    def _tile(self):
+        nb, sy, _ = cute.arch.block_idx()
+        return nb, sy
+
+    def _wait_inputs(self) -> None:
+        cute.arch.griddepcontrol_wait()
+
+    def _release_dependents(self) -> None:
+        cute.arch.griddepcontrol_launch_dependents()
+
     def _load(self, u, where) -> tuple:
         ub, lane_base, offsets, k, s_base, nb, n_units, g = where
         return stream.load_unit(self.fmt, self.bpu, lane_base, u, Int32(u < ub), offsets, k, s_base, nb, n_units, g,
@@ -247,7 +260,7 @@ class GemvTile:
               y: cute.Tensor, eps, ws=None, counters=None, splits=None):
         fmt, W, P = self.fmt, self.warps, self.prefetch
         tid, _, _ = cute.arch.thread_idx()
-        nb, sy, _ = cute.arch.block_idx()
+        nb, sy = self._tile()
         warp = tid // WARP
         lane = tid % WARP
         g = lane // 4
@@ -310,7 +323,7 @@ class GemvTile:
                          for j, u in self._units_from(Int32(0), Int32(0), sh, D))
         else:
             bufs = tuple(self._load(ua + i, where) for i in range(D))
-        cute.arch.griddepcontrol_wait()
+        self._wait_inputs()
 
         # 2. this warp's slice of the activation row (multi-token: of every row) -> shared memory
         x_base = x.iterator.toint()
@@ -387,7 +400,7 @@ class GemvTile:
                     self._ring_copy(slot, lane_base, u + D, Int32(u + D < ub), k)
                     cute.arch.cp_async_commit_group()
 
-        cute.arch.griddepcontrol_launch_dependents()
+        self._release_dependents()
         red = xs + regions["red"]
         if cutlass.const_expr(self.nblocks > 1):
             cute.arch.sync_threads()
