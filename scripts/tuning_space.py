@@ -23,6 +23,8 @@ measurable, but are not shipped and not built by the default `futx build`:
     prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1|.n256.pp.c2x2|.n256.c2x2]   prefill schedules
                                               and clusters (catalog prefill.TUNING)
     decode.persistent.chain                   the persistent kernel's task loop on trivial tasks (issue 29)
+    decode.persistent.projections.m1[.c2]     a layer's four projections as tasks of one persistent launch, 1 or 2
+                                              CTAs per SM (issue 29)
 
 Use from Python (benchmarks, GPU tests), before naming a key:
 
@@ -103,7 +105,15 @@ def persistent_specs() -> list[KernelSpec]:
     and the measurement of a handoff (issue 29)."""
     return [KernelSpec(key="decode.persistent.chain", module="decode.persistent_loop", factory="chain_target",
                        sources=("decode/persistent_loop.py", "decode/persistent_schedule.py", "decode/ptx.py"),
-                       doc="the persistent task loop on a chain of 3-input tile tasks (ordering test, handoff)")]
+                       doc="the persistent task loop on a chain of 3-input tile tasks (ordering test, handoff)"),
+            *(KernelSpec(key="decode.persistent.projections.m1" + ("" if c == 1 else f".c{c}"),
+                         module="decode.persistent_layer", factory="projections_target", params=(("ctas_per_sm", c),),
+                         sources=("decode/persistent_layer.py", "decode/persistent_loop.py",
+                                  "decode/persistent_schedule.py", *linear_catalog._SOURCES),
+                         expect_sass=("HMMA",),
+                         doc=f"a decode layer's four INT4 projections (M = 1) as tasks of one persistent launch, the "
+                             f"tile GEMV's bodies ordered by counters (attention not in it yet), {c} CTA(s) per SM")
+              for c in (1, 2))]
 
 
 def specs(patterns: str | None = None) -> list[KernelSpec]:

@@ -66,3 +66,25 @@ def test_loop_kernel_compiles_with_acquire_polls_and_release_signals(tmp_path):
     assert ptx.count("ld.acquire.gpu.global") >= 2 and re.search(r"atom\.global\.release(\.gpu)?\.add", ptx)
     assert "NANOSLEEP" in sass and "CCTL.IVALL" in sass      # the acquire invalidates L1 for the CTA's reads
     assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+@pytest.mark.parametrize("ctas_per_sm", [1, 2])
+def test_persistent_projections_compile_with_the_tile_gemv_bodies(tmp_path, ctas_per_sm):
+    """decode/persistent_layer.py: the four tile GEMV bodies (16 HMMA each) on the task loop (six wait sites: the
+    second wait, four bodies' input waits, the attention / row-factor tasks' wait); one CTA per SM keeps every
+    register (no spills); two per SM spill today (tuning space: the H200 decides, docs/persistent.md)."""
+    pytest.importorskip("cutlass")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        import cutlass.cute as cute
+        from decode import persistent_layer as pl
+        fn, args = pl.projections_target(ctas_per_sm={ctas_per_sm})
+        cute.compile(fn, *args)
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=900, capture_output=True)
+    sass = "\n".join(p.read_text() for p in tmp_path.glob("*.sass"))
+    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 64
+    assert sass.count("NANOSLEEP") == 6 and "REDG.E.ADD.STRONG.GPU" in sass
+    if ctas_per_sm == 1:
+        assert not re.search(r"\b(LDL|STL)\b", sass)
