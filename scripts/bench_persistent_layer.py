@@ -1,7 +1,7 @@
 """A decode layer's four INT4 projections at M = 1 (8B shape): one persistent launch of the layer's task table
 (decode/persistent_layer.py: the tile GEMV's bodies ordered by counters; attention tasks only wait and signal)
 against the four standalone tile GEMV launches with programmatic dependent launch, each as a CUDA graph replayed
-back to back, interleaved, median of --rounds. Floor: the projections' INT4 bytes / 4.36 TB/s (25.8 us for the
+back to back, interleaved (bench_engine's Timer), median of --rounds. Floor: the projections' INT4 bytes / 4.36 TB/s (25.8 us for the
 8B layer). What it answers (issue 29): how much of the 37.4 us the projections take in today's step is launch
 boundaries that counters remove.
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -63,6 +62,7 @@ def main() -> int:
     from futx.config import PRESETS
     from futx.engine.packed import random_packed
     from futx.runtime import get_kernel
+    from scripts.bench_engine import Timer, graph_of
 
     tuning_space.register()
     cfg = PRESETS[a.shape].replace(num_hidden_layers=1)
@@ -87,29 +87,12 @@ def main() -> int:
               lw.gateup.packed, lw.gateup.scales, outs[2], lw.down.packed, lw.down.scales, outs[3], eps)
         cands[f"persistent, {132 * c} CTAs ({c} per SM)"] = persistent
 
-    graphs = {}
-    for name, fn in cands.items():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(a.copies):
-                fn()
-        graphs[name] = g
-    times = {n: [] for n in graphs}
-    for _ in range(a.rounds):
-        for name, g in graphs.items():
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            times[name].append(e0.elapsed_time(e1) * 1e3 / a.copies)
-    rows = [{"candidate": n, "us": statistics.median(t), "of_floor": floor_us / statistics.median(t)}
-            for n, t in times.items()]
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graphs = {name: graph_of(fn, stream, a.copies) for name, fn in cands.items()}
+    times = Timer(1, a.rounds).run({name: g.replay for name, g in graphs.items()})
+    us = {n: t["ms"] * 1e3 / a.copies for n, t in times.items()}
+    rows = [{"candidate": n, "us": u, "of_floor": floor_us / u} for n, u in us.items()]
     for r in rows:
         print(f"{r['candidate']:40s} {r['us']:7.2f} us per layer's projections ({100 * r['of_floor']:.0f}% of the "
               f"{floor_us:.1f} us floor)", flush=True)

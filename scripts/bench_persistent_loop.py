@@ -3,7 +3,7 @@ to its waiters running, against a kernel boundary.
 
 decode/persistent_loop.py's chain kernel runs R rounds of one tiny task per CTA (each reads three tiles of the round
 before, written by other CTAs), ordered by one counter. Per round: (time of R rounds - time of 1 round) / (R - 1),
-each launch with its counter memset in one CUDA graph, median of --reps. Against it: the same rounds as R launches
+each launch with its counter memset in one CUDA graph, interleaved (bench_engine's Timer), median of --reps. Against it: the same rounds as R launches
 of one round each in one CUDA graph (a kernel boundary per round, no programmatic dependent launch). The model of
 docs/persistent.md spans handoffs of 0 to 1 us (the 8B layer 27 to 33 us); this measures it.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,31 +37,14 @@ def main() -> int:
 
     from decode import persistent_loop as pl
     from futx.runtime import get_kernel
+    from scripts.bench_engine import Timer, graph_of
 
     tuning_space.register()
     chain = get_kernel("decode.persistent.chain")
 
-    def graph_of(calls):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            calls()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            calls()
-        return g
-
-    def median_ms(g):
-        out = []
-        for _ in range(a.reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            out.append(e0.elapsed_time(e1))
-        return statistics.median(out)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    timer = Timer(1, a.reps)
 
     rows = []
     for ctas in (int(c) for c in a.ctas.split(",")):
@@ -75,14 +57,16 @@ def main() -> int:
             def one(table=table, counters=counters):
                 counters.zero_()
                 chain(table, counters, x)
-            runs[rounds] = graph_of(one)
+            runs[rounds] = graph_of(one, stream)
         singles = []
         for r in range(a.rounds):   # round r alone: reads row r, writes row r + 1, waits on nothing
             table, counters = pl.chain_table(1, ctas, ctas)
-            table[:, :, 2] = torch.where(table[:, :, 0] >= 0, r + 1, table[:, :, 2])
+            a0 = table[:, :, pl.F["a0"]]
+            a0.copy_(torch.where(table[:, :, pl.F["kind"]] != pl.END, r + 1, a0))
             singles.append((table.cuda(), counters.cuda()))
-        boundary = graph_of(lambda: [chain(t, c, x) for t, c in singles])
-        t1, tr, tb = (median_ms(g) for g in (runs[1], runs[a.rounds], boundary))
+        boundary = graph_of(lambda: [chain(t, c, x) for t, c in singles], stream)
+        ms = timer.run({"one": runs[1].replay, "all": runs[a.rounds].replay, "boundary": boundary.replay})
+        t1, tr, tb = (ms[k]["ms"] for k in ("one", "all", "boundary"))
         row = {"ctas": ctas, "rounds": a.rounds, "one_round_ms": t1, "persistent_ms": tr,
                "handoff_us": (tr - t1) / (a.rounds - 1) * 1e3, "launches_ms": tb,
                "boundary_us": tb / a.rounds * 1e3}

@@ -26,16 +26,6 @@ from futx.engine.paged_kv import dequantize_pages, dequantize_pages_into, dequan
 from futx.paging import PageLayout, pages_for  # noqa: E402
 
 
-def _fill(cache: EngineCache, gen: torch.Generator) -> None:
-    """Random mirror bytes and positive scales (the timing does not depend on the values)."""
-    for layer in cache.layers:
-        for t in (layer.k_mirror, layer.v_mirror):
-            b = t.view(torch.uint8)
-            b.copy_(torch.randint(0, 120, b.shape, generator=gen, dtype=torch.uint8))   # finite E4M3 too
-        for t in (layer.k_scale, layer.v_scale):
-            t.copy_(torch.rand(t.shape, generator=gen) * 0.01 + 1e-3)
-
-
 def _time(fn, reps: int) -> tuple[float, float]:
     """(median device ms, median host ms) of fn()."""
     dev, host = [], []
@@ -70,7 +60,7 @@ def main() -> int:
             k = pages_for(n, size)
             lay = PageLayout.for_capacity(size, pages=2 * k, slots=1, capacity=k * size, staging=k)
             cache = EngineCache(cfg, fmt, 1, k * size, "cuda", layout=lay)
-            _fill(cache, torch.Generator().manual_seed(0))
+            cache.randomize(0)   # never time on zeros; E4M3 without NaN codes
             own = [lay.first_page + i for i in range(k)]
             staging = list(range(k))
             cache.set_pages(0, staging)
