@@ -97,10 +97,10 @@ def _mirror_values(group: list[DecodeCache], pages: torch.Tensor, offs: torch.Te
     return hadamard.unrotate(kq * k_scale.unsqueeze(-1)), hadamard.unrotate(dequantize_rows(vq, v_scale))
 
 
-# cache formats whose stage runs futx::main_rows_ on the kernels backend: E4M3 passed its H200 test bit for bit
-# (2026-12-04); INT4 missed in the last bit (ptxas fused the scale product into the butterfly's first add), fixed by
-# an explicit mul.rn (no FFMA left in its SASS) and waits for that GPU test (tests/test_main_rows_gpu.py) to join
-STAGE_KERNEL_FORMATS = ("e4m3",)
+# cache formats whose stage runs futx::main_rows_ on the kernels backend: both bit for bit the torch stage on the H200
+# (tests/test_main_rows_gpu.py; INT4 after an explicit mul.rn kept ptxas from fusing the scale product into the
+# butterfly's first add)
+STAGE_KERNEL_FORMATS = ("e4m3", "int4")
 
 # budget for a group's float32 temporaries (k and v of each of its layers, a few of them live at once)
 _GROUP_BYTES = 256 << 20
