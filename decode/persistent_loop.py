@@ -22,11 +22,9 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import dsl_user_op
 
 from decode import ptx
+from decode.persistent_host import END, F, THREADS, chain_reference, chain_table  # noqa: F401  (host side)
 from decode.persistent_schedule import FIELDS
 
-THREADS = 128
-END = -1                       # a table row of this kind ends a CTA's list
-F = {name: i for i, name in enumerate(FIELDS)}
 POLL_NS = 32                   # back-off between polls: short, a handoff is the latency being measured
 
 
@@ -92,39 +90,6 @@ class ChainKernel:
             signal(counters, table[cta, j, F["signal1"]], tidx)
             j = j + 1
             kind = table[cta, j, F["kind"]]
-
-
-def chain_table(layers: int, tiles: int, ctas: int):
-    """The chain's task table: round l's tile t on CTA (l * tiles + t) % ctas, in round order (each list increases
-    in a topological order: no deadlock), waiting on one counter for all of round l - 1 (cumulative target
-    l * tiles) and signalling it. Returns (int32 table, counters)."""
-    import torch
-
-    if layers < 1 or tiles < 1 or ctas < 1:
-        raise ValueError(f"chain_table needs positive layers, tiles and ctas, got {layers}, {tiles}, {ctas}")
-    lists = [[] for _ in range(ctas)]
-    for lay in range(layers):
-        for t in range(tiles):
-            wait = [0, lay * tiles] if lay else [-1, 0]
-            lists[(lay * tiles + t) % ctas].append([0, 0, lay + 1, t, 0, 0, *wait, -1, 0, 0, -1])
-    width = max(len(lst) for lst in lists) + 1
-    end = [END, 0, 0, 0, 0, 0, -1, 0, -1, 0, -1, -1]
-    table = [lst + [end] * (width - len(lst)) for lst in lists]
-    return torch.tensor(table, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-
-
-def chain_reference(x0, layers: int):
-    """What ChainKernel computes, in torch and in its order of float32 additions (so bit for bit): x
-    [layers + 1, tiles * THREADS] from round 0's row x0."""
-    import torch
-
-    tiles = x0.numel() // THREADS
-    rows = [x0.float().view(tiles, THREADS)]
-    for _ in range(layers):
-        p = rows[-1]
-        z = torch.zeros_like(p[:1])
-        rows.append(((p + 1.0) + torch.cat([z, p[:-1]])) + torch.cat([p[1:], z]))
-    return torch.stack([r.reshape(-1) for r in rows])
 
 
 def chain_target():

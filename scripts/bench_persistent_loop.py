@@ -35,7 +35,7 @@ def main() -> int:
         return 2
     import tuning_space
 
-    from decode import persistent_loop as pl
+    from decode import persistent_host as pl
     from futx.runtime import get_kernel
     from scripts.bench_engine import Timer, graph_of
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode import persistent_loop as pl
+from decode import persistent_host as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 pytestmark = pytest.mark.gpu
