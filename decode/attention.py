@@ -117,14 +117,48 @@ class DecodeAttention:
     # ---- device side --------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, t: AttnTensors, scale_log2: Float32):
-        p = self.p
-        mPos, mSlot, mKc, mVc, mOut = t.positions, t.slots, t.k_cache, t.v_cache, t.out
-        mWsO, mWsML, mCnt = t.ws_o, t.ws_ml, t.counters
-        mQ = self._heads(t, "q")
-        D, n, TT, NW = p.head_dim, p.per_lane, p.tile_tokens, p.warps
         tidx, _, _ = cute.arch.thread_idx()
         split, kvh, b = cute.arch.block_idx()
         nsplit, _, _ = cute.arch.grid_dim()
+        smem = cmem.SmemAllocator()
+        base = smem.allocate(self.p.smem_bytes, byte_alignment=1024).toint()
+        self.partial(t, scale_log2, split, kvh, b, nsplit, base, tidx, True)
+
+    def extent(self, t: AttnTensors, b, nsplit):
+        """Where row b's new K/V row goes and how its context splits: (pos, slot, bad, page, in-page row, ctx,
+        tiles, tiles per split, splits holding tiles). Out-of-range positions or slots never touch the cache: the
+        rows come out as NaN (the op validates on the host; this guards graph replays with bad device inputs)."""
+        p = self.p
+        mKc = t.k_cache
+        pos = t.positions[b]
+        slot = t.slots[b]
+        if cutlass.const_expr(p.paged):  # the new row goes to (row_page, row_off) of the block table
+            # (mirror_only: the main copy holds only the staging pages; the mirror's extent counts the pages)
+            pages = t.k_scale.shape[0] if cutlass.const_expr(p.mirror_only) else mKc.shape[0]
+            bad, row_page, row_off = self.locate_row(t.block_table, pages, slot, pos)
+        else:
+            cap = mKc.shape[2]
+            bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
+            row_page, row_off = slot, pos
+        ctx = cutlass.select_(bad, 1, pos + 1)
+        tiles = (ctx + p.tile_tokens - 1) // p.tile_tokens
+        per_split = (tiles + nsplit - 1) // nsplit
+        n_active = cutlass.select_(bad, 0, (tiles + per_split - 1) // per_split)
+        return pos, slot, bad, row_page, row_off, ctx, tiles, per_split, n_active
+
+    @cute.jit
+    def partial(self, t: AttnTensors, scale_log2: Float32, split, kvh, b, nsplit, base, tidx,
+                arrive: cutlass.Constexpr):
+        """One (split, KV head, row): the new K/V row first where this split holds position pos, then this
+        split's tokens; with one split holding tiles the finished rows, else the partial into the workspace.
+        arrive: the last split to arrive merges the partials (self-resetting counter; the standalone launch);
+        otherwise a separate `combine` does (the persistent kernel's combine task). `base`: shared memory of
+        plan.smem_bytes, 1024-byte aligned."""
+        p = self.p
+        mSlot, mKc, mOut = t.slots, t.k_cache, t.out
+        mWsO, mWsML, mCnt = t.ws_o, t.ws_ml, t.counters
+        mQ = self._heads(t, "q")
+        D, n, NW = p.head_dim, p.per_lane, p.warps
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
         hkv = mKc.shape[1]
@@ -136,22 +170,7 @@ class DecodeAttention:
         if cutlass.const_expr(p.fused_qkv):
             k_head = hq + kvh
             v_head = hq + hkv + kvh
-        pos = mPos[b]
-        slot = mSlot[b]
-        # Out-of-range positions or slots never touch the cache: the rows come out as NaN (the op
-        # validates on the host; this guards graph replays with bad device-side inputs).
-        if cutlass.const_expr(p.paged):  # the new row goes to (row_page, row_off) of the block table
-            # (mirror_only: the main copy holds only the staging pages; the mirror's extent counts the pages)
-            extent = t.k_scale.shape[0] if cutlass.const_expr(p.mirror_only) else mKc.shape[0]
-            bad, row_page, row_off = self.locate_row(t.block_table, extent, slot, pos)
-        else:
-            cap = mKc.shape[2]
-            bad = (pos < 0) | (pos >= cap) | (slot < 0) | (slot >= mKc.shape[0])
-            row_page, row_off = slot, pos
-        ctx = cutlass.select_(bad, 1, pos + 1)
-        tiles = (ctx + TT - 1) // TT
-        per_split = (tiles + nsplit - 1) // nsplit
-        n_active = cutlass.select_(bad, 0, (tiles + per_split - 1) // per_split)
+        pos, slot, bad, row_page, row_off, ctx, tiles, per_split, n_active = self.extent(t, b, nsplit)
         pages = None
         if cutlass.const_expr(p.paged):
             # the pages of this warp's first `stages` tiles, loaded now: their latency overlaps the setup below
@@ -159,8 +178,6 @@ class DecodeAttention:
             first = split * per_split + warp
             pages = [self.tile_page(t, cutlass.select_(bad, 0, slot), first + i * NW) for i in range(p.stages)]
 
-        smem = cmem.SmemAllocator()
-        base = smem.allocate(p.smem_bytes, byte_alignment=1024).toint()
         s_lut = base
         s_q = base + p.lut_bytes
         s_ring = s_q + p.q_bytes
@@ -203,24 +220,41 @@ class DecodeAttention:
                         mWsML[b, kvh, split, h, 0] = big
                         mWsML[b, kvh, split, h, 1] = lsum
 
-            if n_active > 1:
-                cute.arch.fence_acq_rel_gpu()  # publish this thread's partials before the count
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    cnt_addr = mCnt.iterator.toint() + Int64(cute.crd2idx((b, kvh), mCnt.layout)) * 4
-                    arrived = ptx.atomic_add_acq_rel_gpu(cnt_addr, 1)
-                    last = Int32(0)
-                    if arrived == n_active - 1:
-                        last = Int32(1)
-                        mCnt[b, kvh] = Int32(0)  # every split has arrived: ready for the next launch
-                    ptx.sts32(s_flag, Uint32(last))
-                cute.arch.sync_threads()
-                if ptx.lds32(s_flag) != Uint32(0):
-                    cute.arch.fence_acq_rel_gpu()
-                    res = cute.make_rmem_tensor((n + 1,), Float32)
-                    for h in range(warp, group, NW):
-                        merge_splits(mWsO, mWsML, b, kvh, h, lane, n_active, res, D)
-                        self.finish_row(mOut, b, kvh * group + h, lane, [res[i] for i in range(n)], res[n])
+            if cutlass.const_expr(arrive):
+                if n_active > 1:
+                    cute.arch.fence_acq_rel_gpu()  # publish this thread's partials before the count
+                    cute.arch.sync_threads()
+                    if tidx == 0:
+                        cnt_addr = mCnt.iterator.toint() + Int64(cute.crd2idx((b, kvh), mCnt.layout)) * 4
+                        arrived = ptx.atomic_add_acq_rel_gpu(cnt_addr, 1)
+                        last = Int32(0)
+                        if arrived == n_active - 1:
+                            last = Int32(1)
+                            mCnt[b, kvh] = Int32(0)  # every split has arrived: ready for the next launch
+                        ptx.sts32(s_flag, Uint32(last))
+                    cute.arch.sync_threads()
+                    if ptx.lds32(s_flag) != Uint32(0):
+                        cute.arch.fence_acq_rel_gpu()
+                        self.merge(t, b, kvh, n_active, warp, lane, group)
+
+    @cute.jit
+    def merge(self, t: AttnTensors, b, kvh, n_active, warp, lane, group):
+        """The finished rows of (row b, KV head kvh) from its n_active split partials in the workspace."""
+        n = self.p.per_lane
+        res = cute.make_rmem_tensor((n + 1,), Float32)
+        for h in range(warp, group, self.p.warps):
+            merge_splits(t.ws_o, t.ws_ml, b, kvh, h, lane, n_active, res, self.p.head_dim)
+            self.finish_row(t.out, b, kvh * group + h, lane, [res[i] for i in range(n)], res[n])
+
+    @cute.jit
+    def combine(self, t: AttnTensors, kvh, b, nsplit, tidx):
+        """The persistent kernel's combine task of (row b, KV head kvh): once every split's `partial` (arrive
+        False) has run, merge their partials (nothing to do where one split held every tile: it finished the
+        rows itself)."""
+        n_active = self.extent(t, b, nsplit)[8]
+        if n_active > 1:
+            group = t.out.shape[1] // t.k_cache.shape[1]
+            self.merge(t, b, kvh, n_active, cute.arch.make_warp_uniform(tidx // 32), tidx % 32, group)
 
     # ---- setup ----------------------------------------------------------------------------------------
     def locate_row(self, mBt, pages, slot, pos):
