@@ -1,14 +1,23 @@
-"""The persistent decode layer, first cut (issue 29): one launch runs a layer's task table
-(decode.persistent_schedule.task_table, M = 1) on the task loop of decode/persistent_loop.py, each projection task
-being the tile GEMV's own body (decode/gemv_tile.py) on the task's 16-channel n-block: QKV and gate/up with the
+"""The persistent decode layer (issue 29): one launch runs a layer's tasks (decode.persistent_schedule.task_table,
+M = 1) on the task loop of decode/persistent_loop.py, each task being a standalone kernel's own body on the task's
+piece: the projections the tile GEMV's (decode/gemv_tile.py) on a 16-channel n-block, QKV and gate/up with the
 RMSNorm row factor fused (the M = 1 engine's form, routing rule E2), O and down with the residual epilogue, SwiGLU on
-gate/up. A task requests its first weights, then waits on its counter where the standalone kernel waits for the
-previous launch (programmatic dependent launch), so its weights stream while its producers finish.
+gate/up; attention decode/attention.py's split-KV partial of one (row, KV head, split) with its RoPE and new cache
+row, and the partials' combine. A projection task requests its first weights, then waits on its counter where the
+standalone kernel waits for the previous launch (programmatic dependent launch), so its weights stream while its
+producers finish.
 
-Not in it yet: attention. Attention tasks only wait and signal, and their output `attn` is an input of the kernel;
-the row-factor tasks do the same (the factor is fused into the projections that read it). So this kernel measures
-what counters save against launch boundaries for the projections, with the same bodies and epilogues as the four
-standalone launches: their outputs must be equal bit for bit (tests/test_persistent_layer_gpu.py).
+`PersistentLayer`: the whole layer; launched once per layer on a table of all the step's layers (cumulative
+counter targets, zeroed once per step), each launch running its layer's rows of every CTA's list. It triggers its
+dependents at once, so the next layer's CTAs take each SM as this layer's CTA there exits and stream their first
+weights while this layer finishes (their data waits are the counters; only layer 0 waits for the launch before it).
+
+Measured on the H200 it is correct but twice as slow as the shipped step (one CTA per SM: its registers; the
+engine keeps it off by default, routing rule E3; docs/persistent.md says why and what would win).
+
+`PersistentProjections`: the four projections only (attention and row-factor tasks wait and signal, `attn` is an
+input): what counters save against launch boundaries for the projections alone, bit for bit against the four
+standalone launches (tests/test_persistent_layer_gpu.py); tuning space.
 """
 
 from __future__ import annotations
@@ -18,16 +27,22 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from decode import persistent_loop as loop
+from decode import ptx
+from decode.attention import LOG2E, AttnTensors, DecodeAttention
+from decode.attn_plan import AttnPlan
 from decode.gemv_tile import WARP, GemvTile, GemvTileNorm
+from decode.persistent_host import LAYER_WARPS, layer_plan
 from decode.persistent_schedule import KINDS
 
-WARPS = 8                                   # every body runs on the launch's one block size
+WARPS = LAYER_WARPS                         # every body runs on the launch's one block size
 # CTAs per SM: the four bodies inlined in one kernel take ~248 registers (one CTA of 256 threads per SM; the
 # standalone tile GEMV needs 76); bounded to two CTAs per SM ptxas fits them in 125 but spills (~105 local loads and
-# stores in SASS). Both are built (tuning space); the H200 decides. The grid must stay co-resident (<= SMs x this):
-# a CTA spinning on a counter must never hold the SM its producer waits for.
+# stores in SASS). Both lose to the four standalone launches on the H200 (91.8 / 78.5 vs 44.0 µs for the 8B layer's
+# projections: a third of the standalone's warps per SM stream weights; docs/persistent.md). The grid must stay
+# co-resident (<= SMs x this): a CTA spinning on a counter must never hold the SM its producer waits for.
 CTAS_PER_SM = 1
 PROJ = {k: KINDS.index(k) for k in ("qkv", "o", "gate_up", "down")}
+ATTN = {k: KINDS.index(k) for k in ("attn_partial", "attn_combine")}
 F = loop.F
 
 
@@ -104,6 +119,116 @@ class PersistentProjections:
             loop.signal(counters, table[cta, j, F["signal1"]], tidx)
             j = j + 1
             kind = table[cta, j, F["kind"]]
+
+
+class PersistentLayer:
+    """A decode layer (M = 1, INT4 weights, a contiguous INT4 or E4M3 cache by `plan`) as one launch.
+
+    Arguments: the step's task table [ctas, rows, FIELDS] and `starts` [ctas, layers + 1] (CTA c's rows of layer l
+    are starts[c, l] .. starts[c, l + 1] - 1), this launch's `layer`, the step's counters; the residual stream `h`
+    [1, H] (read by QKV and O, rewritten in place by down), the projections' weights and outputs (`qkv` [1, QKV],
+    `hmid`, `act`), `heads` = qkv as [1, Hq + 2 Hkv, D] and `attn_heads` = attn as [1, Hq, D] (the same memory
+    as `qkv` and `attn`), the attention kernel's positions, slots, cache and mirror tensors, RoPE table and split
+    workspace [1, Hkv, splits, MAX_GROUP, D | 2] (its splits the table's)."""
+
+    def __init__(self, plan: AttnPlan, warps: int = WARPS):
+        if plan.warps != warps or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
+            raise ValueError("the persistent layer's attention plan must be fused, contiguous, read a mirror "
+                             "without the byte table and use the layer's warps")
+        self.warps = warps
+        self.att = DecodeAttention(plan)
+        self.qkv = NormTask("store", warps)
+        self.o = ResidualTask("residual", warps)
+        self.gate_up = NormTask("swiglu", warps)
+        self.down = ResidualTask("residual", warps)
+
+    @cute.jit
+    def __call__(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
+                 w_qkv: cute.Tensor, s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor,
+                 s_o: cute.Tensor, hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor,
+                 w_d: cute.Tensor, s_d: cute.Tensor, heads: cute.Tensor, positions: cute.Tensor, slots: cute.Tensor,
+                 k_cache: cute.Tensor, v_cache: cute.Tensor, k_mirror: cute.Tensor, k_scale: cute.Tensor,
+                 v_mirror: cute.Tensor, v_scale: cute.Tensor, rope: cute.Tensor, attn_heads: cute.Tensor,
+                 ws_o: cute.Tensor, ws_ml: cute.Tensor, eps: Float32, softmax_scale: Float32, stream):
+        t = AttnTensors(qkv=heads, rope=rope, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
+                        k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale, out=attn_heads,
+                        ws_o=ws_o, ws_ml=ws_ml)
+        smem = cutlass.max(cutlass.max(self.qkv._shape(h, qkv)[1], self.o._shape(attn, hmid)[1]),
+                           cutlass.max(self.gate_up._shape(hmid, act)[1], self.down._shape(act, h)[1]))
+        smem = cutlass.max(smem, self.att.p.smem_bytes)
+        self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
+                    s_d, t, eps, softmax_scale * Float32(LOG2E)).launch(
+            grid=(table.shape[0], 1, 1), block=(WARP * self.warps, 1, 1), smem=smem, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
+               w_qkv: cute.Tensor, s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor,
+               s_o: cute.Tensor, hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor,
+               w_d: cute.Tensor, s_d: cute.Tensor, t: AttnTensors, eps: Float32, scale_log2: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        # the next layer's launch may start now: its CTAs take SMs as this launch's CTAs exit (one per SM), and
+        # every read of theirs that depends on this layer waits on a counter
+        cute.arch.griddepcontrol_launch_dependents()
+        if layer == 0:   # the step's first layer reads the rows the launch before it wrote
+            cute.arch.griddepcontrol_wait()
+        base = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=1024))
+        nsplit = t.ws_o.shape[2]
+        j = starts[cta, layer]
+        end = starts[cta, layer + 1]
+        while j < end:
+            kind = table[cta, j, F["kind"]]
+            wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
+            a0, a1, a2 = table[cta, j, F["a0"]], table[cta, j, F["a1"]], table[cta, j, F["a2"]]
+            for body in (self.qkv, self.o, self.gate_up, self.down):
+                body.task_nb, body.task_counters, body.task_wait, body.task_target, body.task_tid = (
+                    a0 // 16, counters, wait0, target0, tidx)
+            if kind == PROJ["qkv"]:
+                self.qkv._body(h, w_qkv, s_qkv, None, qkv, eps)
+            elif kind == PROJ["o"]:
+                self.o._body(attn, w_o, s_o, h, hmid, None)
+            elif kind == PROJ["gate_up"]:
+                self.gate_up._body(hmid, w_gu, s_gu, None, act, eps)
+            elif kind == PROJ["down"]:
+                self.down._body(act, w_d, s_d, hmid, h, None)
+            elif kind == ATTN["attn_partial"]:   # (row, KV head, split)
+                loop.wait(counters, wait0, target0, tidx)
+                self.att.partial(t, scale_log2, a2, a1, a0, nsplit, base, tidx, False)
+            elif kind == ATTN["attn_combine"]:   # (row, KV head)
+                loop.wait(counters, wait0, target0, tidx)
+                self.att.combine(t, a1, a0, nsplit, tidx)
+            else:   # row factors (fused into the projections: a table built with fused_norm has none)
+                loop.wait(counters, wait0, target0, tidx)
+            cute.arch.barrier()   # the task's writes (and its shared-memory reads) done by every thread
+            loop.signal(counters, table[cta, j, F["signal0"]], tidx)
+            loop.signal(counters, table[cta, j, F["signal1"]], tidx)
+            j = j + 1
+
+
+def compile_target(cache: str = "int4", head_dim: int = 128):
+    """Registry factory (futx/runtime/catalog/persistent.py): (jit callable, fake arguments) of the layer for one
+    cache format and head dim; CTAs, table rows, layers, counters, model shape and split count dynamic."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from decode.attention import fake_args as attn_fake_args
+    from decode.persistent_schedule import FIELDS
+    from decode.signature import fake_args
+
+    plan = layer_plan(cache, head_dim)
+    c, r, n, ls = (cute.sym_int() for _ in range(4))
+    table = make_fake_compact_tensor(Int32, (c, r, len(FIELDS)), stride_order=(2, 1, 0), assumed_align=4)
+    starts = make_fake_compact_tensor(Int32, (c, ls), stride_order=(1, 0), assumed_align=4)
+    counters = make_fake_compact_tensor(Int32, (n,), assumed_align=4)
+    h, w_qkv, s_qkv, _, qkv, _ = fake_args("int4", "store", m=1)
+    attn, w_o, s_o, _, hmid, _ = fake_args("int4", "residual", m=1)
+    _, w_gu, s_gu, _, act, _ = fake_args("int4", "swiglu", m=1)
+    _, w_d, s_d, _, _, _ = fake_args("int4", "residual", m=1)
+    a = dict(zip(plan.tensors, attn_fake_args(plan)))
+    attention = [a[k] for k in ("qkv", "positions", "slots", "k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror",
+                                "v_scale", "rope", "out", "ws_o", "ws_ml")]
+    return PersistentLayer(plan), (table, starts, Int32(0), counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid,
+                                   w_gu, s_gu, act, w_d, s_d, *attention, Float32(1e-5), Float32(1.0),
+                                   make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def projections_target(warps: int = WARPS, ctas_per_sm: int = CTAS_PER_SM):

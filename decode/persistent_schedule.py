@@ -131,6 +131,8 @@ class Graph:
     layer_starts: list               # first task id of each layer (the final norm / LM head: layer `layers`)
     shapes: dict                     # (buf, layer) -> (rows, columns) of each buffer handed on
     producers: dict                  # read tile -> writer ids
+    fused_norm: bool = False         # build_graph's kernel-form options (see there)
+    every_split: bool = False
 
     def deps(self, t: Task) -> set:
         return {p for r in t.reads for p in self.producers[r]}
@@ -170,10 +172,18 @@ def _check(config: LlamaConfig, m: int, contexts: tuple, widths: dict, group_siz
 # ---- the task graph -----------------------------------------------------------------------------------------
 def build_graph(config: LlamaConfig, m: int, context: Union[int, Sequence[int]], *, layers: int = 1,
                 head: bool = False, sms: int = SMS, widths: Optional[Mapping[str, int]] = None,
-                cache: str = "int4", group_size: int = 128, splits: Optional[int] = None) -> Graph:
+                cache: str = "int4", group_size: int = 128, splits: Optional[int] = None,
+                fused_norm: bool = False, every_split: bool = False) -> Graph:
     """The task graph of `layers` decode layers (and with `head` the final norm and LM head) for `m` rows at
     `context` tokens (one value, or one per row, the new token included); `widths`: weight rows per projection
-    task (multiples of 16); `splits`: split-KV count (None: decode attention's own, `attn_plan.choose_splits`)."""
+    task (multiples of 16); `splits`: split-KV count (None: decode attention's own, `attn_plan.choose_splits`).
+
+    The kernel's form (decode/persistent_layer.py): `fused_norm` leaves out the layers' row-factor tasks (QKV and
+    gate/up compute the RMSNorm factor of their input themselves, the M = 1 tile GEMV's fused norm), so two links
+    of each layer's chain go; `every_split` gives every (row, KV head) all `splits` partials, each reading the
+    new K/V columns: which splits hold tiles and which one holds the new token are the kernel's run-time choice
+    (from the row's position, as decode/attention.py decides), so one table serves every context up to `context`
+    (the contexts then only weigh the model's bytes)."""
     contexts = (context,) * m if isinstance(context, int) else tuple(context)
     widths = {**DEFAULT_WIDTHS, **(widths or {})}
     _check(config, m, contexts, widths, group_size, cache, sms)
@@ -211,18 +221,23 @@ def build_graph(config: LlamaConfig, m: int, context: Union[int, Sequence[int]],
         shapes.update({("rf", L): (m, 1), ("qkv", L): (m, c.qkv_size), ("kv", L): (m, c.num_key_value_heads),
                        ("attn", L): (m, q), ("hmid", L): (m, hid), ("rf2", L): (m, 1),
                        ("act", L): (m, c.intermediate_size), ("h", L + 1): (m, hid)})
-        add("row_factor", L, (), [tile("h", L, 0, hid)], [tile("rf", L, 0, 1)])
+        if fused_norm:
+            del shapes[("rf", L)], shapes[("rf2", L)]
+        else:
+            add("row_factor", L, (), [tile("h", L, 0, hid)], [tile("rf", L, 0, 1)])
+        norm_in = [] if fused_norm else [tile("rf", L, 0, 1)]
         k = shapes_nk["qkv"][1]
         for h in range(c.num_key_value_heads):   # the QKV blocks that first feed head h, then h's attention
             for (lo, hi), first in qkv_first.items():
                 if first == h:
                     w = int4_bytes(hi - lo, k, group_size)
-                    add("qkv", L, (lo, hi), [tile("h", L, 0, hid), tile("rf", L, 0, 1)], [tile("qkv", L, lo, hi)],
-                        w, w)
+                    add("qkv", L, (lo, hi), [tile("h", L, 0, hid)] + norm_in, [tile("qkv", L, lo, hi)], w, w)
             for r, ctx in enumerate(contexts):
                 tiles = -(-ctx // aplan.tile_tokens)
                 per = -(-tiles // splits)
                 active = -(-tiles // per)     # splits holding tiles, as decode/attention.py counts them
+                if every_split:
+                    active = splits           # the kernel skips the empty ones
                 qcols = tile("qkv", L, h * g * d, (h + 1) * g * d, r, r + 1)
                 kvcols = [tile("qkv", L, q + h * d, q + (h + 1) * d, r, r + 1),
                           tile("qkv", L, q + kv + h * d, q + kv + (h + 1) * d, r, r + 1)]
@@ -230,19 +245,21 @@ def build_graph(config: LlamaConfig, m: int, context: Union[int, Sequence[int]],
                 for s in range(active):
                     last = s == active - 1    # holds the new token: reads its K/V columns, writes its cache row
                     t0, t1 = s * per, min(tiles, (s + 1) * per)
-                    tokens = min(ctx, t1 * aplan.tile_tokens) - t0 * aplan.tile_tokens
+                    tokens = max(0, min(ctx, t1 * aplan.tile_tokens) - t0 * aplan.tile_tokens)
                     part = tile("part", L, h * splits + s, h * splits + s + 1, r, r + 1)
                     writes = [out if active == 1 else part] + ([tile("kv", L, h, h + 1, r, r + 1)] if last else [])
-                    add("attn_partial", L, (r, h, s, active), [qcols] + (kvcols if last else []), writes,
-                        tokens * row_bytes)
+                    add("attn_partial", L, (r, h, s, active), [qcols] + (kvcols if last or every_split else []),
+                        writes, tokens * row_bytes)
                 if active > 1:
                     add("attn_combine", L, (r, h, active), [tile("part", L, h * splits, h * splits + active, r, r + 1)],
                         [out])
         projection("o", L, *shapes_nk["o"], lambda lo, hi: [tile("attn", L, 0, q), tile("h", L, lo, hi)],
                    lambda lo, hi: tile("hmid", L, lo, hi))
-        add("row_factor2", L, (), [tile("hmid", L, 0, hid)], [tile("rf2", L, 0, 1)])
-        projection("gate_up", L, *shapes_nk["gate_up"], lambda lo, hi: [tile("hmid", L, 0, hid),
-                   tile("rf2", L, 0, 1)], lambda lo, hi: tile("act", L, lo // 2, hi // 2))   # rows 2j gate, 2j+1 up
+        if not fused_norm:
+            add("row_factor2", L, (), [tile("hmid", L, 0, hid)], [tile("rf2", L, 0, 1)])
+        norm2_in = [] if fused_norm else [tile("rf2", L, 0, 1)]
+        projection("gate_up", L, *shapes_nk["gate_up"], lambda lo, hi: [tile("hmid", L, 0, hid)] + norm2_in,
+                   lambda lo, hi: tile("act", L, lo // 2, hi // 2))   # rows 2j gate, 2j+1 up
         projection("down", L, *shapes_nk["down"],
                    lambda lo, hi: [tile("act", L, 0, c.intermediate_size), tile("hmid", L, lo, hi)],
                    lambda lo, hi: tile("h", L + 1, lo, hi))
@@ -254,7 +271,7 @@ def build_graph(config: LlamaConfig, m: int, context: Union[int, Sequence[int]],
                    lambda lo, hi: tile("logits", L, lo, hi), bf16=True)
     starts = [0] + [t.id for a, t in zip(tasks, tasks[1:]) if t.layer != a.layer]
     graph = Graph(c, m, contexts, layers, head, splits, aplan.tile_tokens, group_size, widths, tasks, [], starts,
-                  shapes, {})
+                  shapes, {}, fused_norm, every_split)
     _derive(graph)
     return graph
 
@@ -445,10 +462,11 @@ def assign(graph: Graph, ctas: int, model: Model = Model()) -> Schedule:
 def make_schedule(config: LlamaConfig, m: int, context: Union[int, Sequence[int]], *, layers: int = 1,
                   head: bool = False, sms: int = SMS, ctas_per_sm: int = CTAS_PER_SM, ctas: Optional[int] = None,
                   widths: Optional[Mapping[str, int]] = None, cache: str = "int4", group_size: int = 128,
-                  splits: Optional[int] = None, model: Model = Model()) -> Schedule:
+                  splits: Optional[int] = None, model: Model = Model(), fused_norm: bool = False,
+                  every_split: bool = False) -> Schedule:
     """build_graph + assign on `ctas` (default sms x ctas_per_sm) resident CTAs."""
     graph = build_graph(config, m, context, layers=layers, head=head, sms=sms, widths=widths, cache=cache,
-                        group_size=group_size, splits=splits)
+                        group_size=group_size, splits=splits, fused_norm=fused_norm, every_split=every_split)
     return assign(graph, ctas if ctas is not None else sms * ctas_per_sm, model)
 
 

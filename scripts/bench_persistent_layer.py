@@ -26,7 +26,7 @@ def standalone(lw, h, attn, eps, outs=None):
     import torch
 
     from decode import plan
-    from decode.persistent_layer import WARPS
+    from decode.persistent_host import LAYER_WARPS as WARPS
     from futx.runtime import get_kernel
 
     shapes = (lw.qkv.shape[0], lw.o.shape[0], lw.gateup.shape[0] // 2, lw.down.shape[0])
@@ -50,6 +50,8 @@ def main() -> int:
     p.add_argument("--copies", type=int, default=16, help="layers per graph replay (back to back)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--json", default=None)
+    p.add_argument("--once", action="store_true", help="run each candidate a few times eagerly and stop (for Nsight "
+                   "Compute: scripts/gpu/persistent.sh ncu)")
     a = p.parse_args()
     import torch
 
@@ -88,6 +90,12 @@ def main() -> int:
         cands[f"persistent, {132 * c} CTAs ({c} per SM)"] = persistent
 
     torch.cuda.synchronize()
+    if a.once:
+        for fn in cands.values():
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        return 0
     stream = torch.cuda.Stream()
     graphs = {name: graph_of(fn, stream, a.copies) for name, fn in cands.items()}
     times = Timer(1, a.rounds).run({name: g.replay for name, g in graphs.items()})

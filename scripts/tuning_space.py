@@ -58,6 +58,7 @@ from decode import plan  # noqa: E402
 from futx.runtime import registry  # noqa: E402
 from futx.runtime.catalog import decode_attention as attn_catalog  # noqa: E402
 from futx.runtime.catalog import decode_linear as linear_catalog  # noqa: E402
+from futx.runtime.catalog import persistent as persistent_catalog  # noqa: E402
 from futx.runtime.catalog import prefill as prefill_catalog  # noqa: E402
 from futx.runtime.registry import KernelSpec  # noqa: E402
 
@@ -104,12 +105,12 @@ def persistent_specs() -> list[KernelSpec]:
     """The persistent kernel's task loop on trivial tasks (decode/persistent_loop.py): the GPU test of its counters
     and the measurement of a handoff (issue 29)."""
     return [KernelSpec(key="decode.persistent.chain", module="decode.persistent_loop", factory="chain_target",
-                       sources=("decode/persistent_loop.py", "decode/persistent_schedule.py", "decode/ptx.py"),
+                       sources=("decode/persistent_loop.py", "decode/persistent_host.py", "decode/persistent_schedule.py",
+                                "decode/ptx.py"),
                        doc="the persistent task loop on a chain of 3-input tile tasks (ordering test, handoff)"),
             *(KernelSpec(key="decode.persistent.projections.m1" + ("" if c == 1 else f".c{c}"),
                          module="decode.persistent_layer", factory="projections_target", params=(("ctas_per_sm", c),),
-                         sources=("decode/persistent_layer.py", "decode/persistent_loop.py",
-                                  "decode/persistent_schedule.py", *linear_catalog._SOURCES),
+                         sources=persistent_catalog.SOURCES,
                          expect_sass=("HMMA",),
                          doc=f"a decode layer's four INT4 projections (M = 1) as tasks of one persistent launch, the "
                              f"tile GEMV's bodies ordered by counters (attention not in it yet), {c} CTA(s) per SM")

@@ -88,3 +88,27 @@ def test_persistent_projections_compile_with_the_tile_gemv_bodies(tmp_path, ctas
     assert sass.count("NANOSLEEP") == 6 and "REDG.E.ADD.STRONG.GPU" in sass
     if ctas_per_sm == 1:
         assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+@pytest.mark.parametrize("cache", ["int4", "e4m3"])
+def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache):
+    """decode/persistent_layer.py's whole layer (registry decode.persistent.layer.*): the four tile GEMV bodies
+    (64 HMMA) and decode attention's partial (its QK and PV MMAs) on the task loop; it releases the next layer's
+    launch at once (PREEXIT) and waits for the launch before it only in layer 0 (one ACQBULK); spills stay at a
+    few of the loop's values (3 local stores with the INT4 cache, 7 with E4M3: at most 8)."""
+    pytest.importorskip("cutlass")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        import cutlass.cute as cute
+        from decode import persistent_layer as pl
+        fn, args = pl.compile_target(cache={cache!r})
+        cute.compile(fn, *args)
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=900, capture_output=True)
+    sass = "\n".join(p.read_text() for p in tmp_path.glob("*.sass"))
+    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 64
+    assert len(re.findall(r"\bHMMA\.16816\.F32\b", sass)) > 64
+    assert sass.count("PREEXIT") == 1 and sass.count("ACQBULK") == 1
+    assert "REDG.E.ADD.STRONG.GPU" in sass and "CCTL.IVALL" in sass
+    assert len(re.findall(r"\bSTL\b", sass)) <= 8

@@ -86,13 +86,14 @@ class DecodeModel:
                  backend: str = "kernels", device=None, glue: str = "fused",
                  shared_cache: Optional[EngineCache] = None, max_rows: Optional[int] = None,
                  keep_logits: bool = False, pages: Optional[int] = None, page_size: int = paging.DEFAULT_PAGE_SIZE,
-                 staging: int = 0):
+                 staging: int = 0, persistent: Optional[bool] = False):
         """max_batch: cache slots (requests); max_rows: rows of one step (default max_batch; more for block
         steps: requests x (drafts + 1)); keep_logits: also keep each step's logits in buffers.logits.
         pages: a paged cache of that many pages of page_size positions (futx.paging; None: contiguous slots of
         `capacity` positions); requests still reach at most `capacity` positions, the caller fills the block
         table (EngineCache.set_pages). staging: the INT4-only cache's staging pages (futx.paging; 0: every page
-        keeps its main copy)."""
+        keeps its main copy). persistent: one-row steps run their layers on the persistent layer kernel
+        (futx.engine.persistent; True raises where it does not fit, None uses it where it fits)."""
         check_formats(packed.weights, cache)
         check_model(packed.config, packed.weights, packed.group_size)
         check_batch(max_batch)
@@ -126,6 +127,12 @@ class DecodeModel:
         c = self.config
         self._attn_out = torch.zeros(max_rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16,
                                      device=self.device)
+        self.persistent = None
+        if persistent or persistent is None:
+            from futx.engine import persistent as pers
+
+            if persistent or pers.unsupported(self) is None:
+                self.persistent = pers.PersistentStep(self)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self, rows: int, width: int = 1) -> None:
@@ -134,8 +141,11 @@ class DecodeModel:
         b = self.buffers
         positions, slots = b.positions[:rows], b.slots[:rows]
         x = self.packed.embed[b.tokens[:rows]]
-        for i in range(len(self.packed.layers)):
-            x = self.layer(i, x, positions, slots, width)
+        if rows == 1 and width == 1 and self.persistent is not None:
+            x = self.persistent.run(x, positions, slots)
+        else:
+            for i in range(len(self.packed.layers)):
+                x = self.layer(i, x, positions, slots, width)
         b.hidden[:rows].copy_(x)
         logits = self.logits(x)
         if b.logits is not None:

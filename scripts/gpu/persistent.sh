@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs of the persistent kernel's task loop (issue 29), AOT kernels:
 #   here:  python scripts/tuning_space.py build --out .gpu/aot --only 'decode.persistent.*' --no-runtime \
-#            && bash scripts/gpu/stage.sh 'decode.persistent.*'
+#            && bash scripts/gpu/stage.sh
 #   run,   carry [".gpu/aot-stage", ".gpu/rt", ".gpu/wheels"]:
 #          source scripts/gpu/remote.sh; bash scripts/gpu/persistent.sh tests handoff layer
 # Parts:
@@ -11,14 +11,32 @@
 #   handoff   scripts/bench_persistent_loop.py: us per round in one persistent launch vs one launch per round
 #   layer     scripts/bench_persistent_layer.py: the 8B layer's four projections, one persistent launch (1 and 2
 #             CTAs per SM) vs four launches with PDL
+#   step      tests/test_persistent_step_gpu.py (the whole layer in the engine vs the shipped step) and decode
+#             attention's GPU tests of the shipped kernels (its body is the layer's attention task; the tuning-space
+#             variants need their tuning-space build staged)
+#   bench8    futx bench decode: the 8B step at batch 1 on the persistent layer (split counts) vs the shipped step
+#   bench70   the same for the 70B shape
+#   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
+#             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
 set -u
 source scripts/gpu/steps.sh
 for part in "$@"; do
   case "$part" in
-    tests)   TAILN=12 step persistent_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+    tests)   TAILN=12 step persistent_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
                tests/test_persistent_loop_gpu.py tests/test_persistent_layer_gpu.py ;;
-    handoff) TAILN=6 step handoff 180 python3 scripts/bench_persistent_loop.py --json $OUT/handoff.json ;;
-    layer)   TAILN=6 step layer 180 python3 scripts/bench_persistent_layer.py --json $OUT/persistent-layer.json ;;
+    handoff) TAILN=6 step handoff 90 python3 scripts/bench_persistent_loop.py --json $OUT/handoff.json ;;
+    layer)   TAILN=6 step layer 120 python3 scripts/bench_persistent_layer.py --json $OUT/persistent-layer.json ;;
+    step)    TAILN=12 step persistent_step 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -x \
+               tests/test_persistent_step_gpu.py tests/test_decode_attention_gpu.py \
+               -k 'not table and not s2 and not vlut and not w6v and not fx' ;;
+    bench8)  TAILN=16 step bench8 240 python3 -m futx.cli bench decode --weights int4 --cache int4,e4m3 \
+               --points 1x1024,1x8192 --persistent auto,8,16 --breakdown '' --json $OUT/persistent-8b.json ;;
+    bench70) TAILN=12 step bench70 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
+               --cache int4 --points 1x1024 --persistent auto,16 --breakdown '' --json $OUT/persistent-70b.json ;;
+    ncu)     source scripts/gpu/ncu_decode.sh
+             ncu --clock-control none -k regex:'gemv_tile|persistent_layer' --metrics $M --csv \
+               python3 scripts/bench_persistent_layer.py --once > $OUT/ncu_persistent.csv 2> $LOGS/ncu_persistent.err
+             echo "ncu rc=$? $(wc -l < $OUT/ncu_persistent.csv) lines" ;;
     *) echo "unknown part $part" ;;
   esac
 done

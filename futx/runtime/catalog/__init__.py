@@ -7,7 +7,7 @@ import importlib
 
 from futx.runtime.registry import register
 
-FAMILIES = ("smoke", "prefill", "decode_linear", "decode_attention", "engine", "prefill_attention")
+FAMILIES = ("smoke", "prefill", "decode_linear", "decode_attention", "engine", "prefill_attention", "persistent")
 
 PACKAGE_SPECS = []   # what ships: every family's SPECS (the registry may gain entries at run time)
 for _name in FAMILIES:
