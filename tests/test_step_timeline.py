@@ -1,0 +1,22 @@
+"""CPU check of scripts/step_timeline.py's analysis: steps split at long gaps, busy time as the union of kernel
+intervals, idle gaps and PDL overlap counted, busy time by kind of kernel."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import step_timeline as st  # noqa: E402
+
+
+def test_timeline_of_two_steps():
+    one = [(0.0, 10.0, "kernel_GemvTileNorm_x"), (8.0, 15.0, "kernel_DecodeAttention_y"),   # 2 us overlap
+           (17.0, 20.0, "kernel_GemvTile_z")]                                               # 2 us idle
+    two = [(t0 + 100.0, t1 + 100.0, n) for t0, t1, n in one]
+    steps = st.steps_of(two + one)
+    assert [len(s) for s in steps] == [3, 3]
+    a = st.analyse(steps[0])
+    assert a["span_us"] == 20.0 and a["busy_us"] == 18.0 and a["idle_us"] == 2.0 and a["overlap_us"] == 2.0
+    assert a["idle_gaps"] == 1 and a["mean_idle_gap_us"] == 2.0
+    assert sum(a["kernel_us_by_name"].values()) == 20.0
+    assert a["kernel_us_by_kind"] == {"rms+qkv / rms+gate-up (tile GEMV, fused norm)": 10.0, "attention": 7.0,
+                                      "o / down (tile GEMV, residual)": 3.0}
