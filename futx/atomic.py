@@ -38,15 +38,23 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM held back (delivered on exit) where this thread receives them: the main thread."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """SIGINT and SIGTERM held back (delivered on exit) in the main thread, where Python runs signal handlers.
+
+    Held at the Python handler, not by the thread's signal mask: the kernel hands a process-directed signal to any
+    thread that does not block it (torch's worker threads), whose C handler flags it for the main thread's next
+    bytecode all the same."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    held: list = []
+    old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in held:
+            signal.raise_signal(s)   # to the handler that was there before
 
 
 def _umask() -> int:
