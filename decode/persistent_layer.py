@@ -68,21 +68,56 @@ class ResidualTask(_AsTask, GemvTile):
     pass
 
 
-class PersistentProjections:
-    def __init__(self, warps: int = WARPS, ctas_per_sm: int = CTAS_PER_SM):
-        self.warps, self.ctas_per_sm = warps, ctas_per_sm
+class _Projections:
+    """The four projection bodies as tasks, and the loop's steps both persistent kernels share."""
+
+    def __init__(self, warps: int):
+        self.warps = warps
         self.qkv = NormTask("store", warps)
         self.o = ResidualTask("residual", warps)
         self.gate_up = NormTask("swiglu", warps)
         self.down = ResidualTask("residual", warps)
+
+    def _smem(self, h, qkv, attn, hmid, act, h_out):
+        return cutlass.max(cutlass.max(self.qkv._shape(h, qkv)[1], self.o._shape(attn, hmid)[1]),
+                           cutlass.max(self.gate_up._shape(hmid, act)[1], self.down._shape(act, h_out)[1]))
+
+    @cute.jit
+    def _projection_or_wait(self, kind, a0, wait0, target0, counters, tidx, h, w_qkv, s_qkv, qkv, attn, w_o, s_o,
+                            hmid, w_gu, s_gu, act, w_d, s_d, h_out, eps):
+        """The task's projection (on n-block a0 / 16), or for any other kind only its wait."""
+        for body in (self.qkv, self.o, self.gate_up, self.down):
+            body.task_nb, body.task_counters, body.task_wait, body.task_target, body.task_tid = (
+                a0 // 16, counters, wait0, target0, tidx)
+        if kind == PROJ["qkv"]:
+            self.qkv._body(h, w_qkv, s_qkv, None, qkv, eps)
+        elif kind == PROJ["o"]:
+            self.o._body(attn, w_o, s_o, h, hmid, None)
+        elif kind == PROJ["gate_up"]:
+            self.gate_up._body(hmid, w_gu, s_gu, None, act, eps)
+        elif kind == PROJ["down"]:
+            self.down._body(act, w_d, s_d, hmid, h_out, None)
+        else:
+            loop.wait(counters, wait0, target0, tidx)
+
+    @cute.jit
+    def _signal(self, table: cute.Tensor, cta, j, counters: cute.Tensor, tidx):
+        cute.arch.barrier()   # the task's writes (and its shared-memory reads) done by every thread
+        loop.signal(counters, table[cta, j, F["signal0"]], tidx)
+        loop.signal(counters, table[cta, j, F["signal1"]], tidx)
+
+
+class PersistentProjections(_Projections):
+    def __init__(self, warps: int = WARPS, ctas_per_sm: int = CTAS_PER_SM):
+        super().__init__(warps)
+        self.ctas_per_sm = ctas_per_sm
 
     @cute.jit
     def __call__(self, table: cute.Tensor, counters: cute.Tensor, h: cute.Tensor, w_qkv: cute.Tensor,
                  s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor, s_o: cute.Tensor,
                  hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor, w_d: cute.Tensor,
                  s_d: cute.Tensor, h_out: cute.Tensor, eps: Float32, stream):
-        smem = cutlass.max(cutlass.max(self.qkv._shape(h, qkv)[1], self.o._shape(attn, hmid)[1]),
-                           cutlass.max(self.gate_up._shape(hmid, act)[1], self.down._shape(act, h_out)[1]))
+        smem = self._smem(h, qkv, attn, hmid, act, h_out)
         hints = {"min_blocks_per_mp": self.ctas_per_sm, "preferred_smem_carveout": 100} if self.ctas_per_sm > 1 else {}
         self.kernel(table, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d, s_d, h_out,
                     eps).launch(grid=(table.shape[0], 1, 1), block=(WARP * self.warps, 1, 1), smem=smem,
@@ -99,29 +134,16 @@ class PersistentProjections:
         kind = table[cta, 0, F["kind"]]
         while kind != loop.END:
             loop.wait(counters, table[cta, j, F["wait1"]], table[cta, j, F["target1"]], tidx)
-            wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
-            nb = table[cta, j, F["a0"]] // 16
-            for body in (self.qkv, self.o, self.gate_up, self.down):
-                body.task_nb, body.task_counters, body.task_wait, body.task_target, body.task_tid = (
-                    nb, counters, wait0, target0, tidx)
-            if kind == PROJ["qkv"]:
-                self.qkv._body(h, w_qkv, s_qkv, None, qkv, eps)
-            elif kind == PROJ["o"]:
-                self.o._body(attn, w_o, s_o, h, hmid, None)
-            elif kind == PROJ["gate_up"]:
-                self.gate_up._body(hmid, w_gu, s_gu, None, act, eps)
-            elif kind == PROJ["down"]:
-                self.down._body(act, w_d, s_d, hmid, h_out, None)
-            else:   # attention and row factors: not computed here yet (see the module docstring)
-                loop.wait(counters, wait0, target0, tidx)
-            cute.arch.barrier()   # the task's writes (and its shared-memory reads) done by every thread
-            loop.signal(counters, table[cta, j, F["signal0"]], tidx)
-            loop.signal(counters, table[cta, j, F["signal1"]], tidx)
+            # attention and row factors only wait here (see the module docstring)
+            self._projection_or_wait(kind, table[cta, j, F["a0"]], table[cta, j, F["wait0"]],
+                                     table[cta, j, F["target0"]], counters, tidx, h, w_qkv, s_qkv, qkv, attn, w_o,
+                                     s_o, hmid, w_gu, s_gu, act, w_d, s_d, h_out, eps)
+            self._signal(table, cta, j, counters, tidx)
             j = j + 1
             kind = table[cta, j, F["kind"]]
 
 
-class PersistentLayer:
+class PersistentLayer(_Projections):
     """A decode layer (M = 1, INT4 weights, a contiguous INT4 or E4M3 cache by `plan`) as one launch.
 
     Arguments: the step's task table [ctas, rows, FIELDS] and `starts` [ctas, layers + 1] (CTA c's rows of layer l
@@ -135,12 +157,8 @@ class PersistentLayer:
         if plan.warps != warps or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the persistent layer's attention plan must be fused, contiguous, read a mirror "
                              "without the byte table and use the layer's warps")
-        self.warps = warps
+        super().__init__(warps)
         self.att = DecodeAttention(plan)
-        self.qkv = NormTask("store", warps)
-        self.o = ResidualTask("residual", warps)
-        self.gate_up = NormTask("swiglu", warps)
-        self.down = ResidualTask("residual", warps)
 
     @cute.jit
     def __call__(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
@@ -153,9 +171,7 @@ class PersistentLayer:
         t = AttnTensors(qkv=heads, rope=rope, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
                         k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale, out=attn_heads,
                         ws_o=ws_o, ws_ml=ws_ml)
-        smem = cutlass.max(cutlass.max(self.qkv._shape(h, qkv)[1], self.o._shape(attn, hmid)[1]),
-                           cutlass.max(self.gate_up._shape(hmid, act)[1], self.down._shape(act, h)[1]))
-        smem = cutlass.max(smem, self.att.p.smem_bytes)
+        smem = cutlass.max(self._smem(h, qkv, attn, hmid, act, h), self.att.p.smem_bytes)
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
                     s_d, t, eps, softmax_scale * Float32(LOG2E)).launch(
             grid=(table.shape[0], 1, 1), block=(WARP * self.warps, 1, 1), smem=smem, stream=stream, use_pdl=True)
@@ -180,28 +196,16 @@ class PersistentLayer:
             kind = table[cta, j, F["kind"]]
             wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
             a0, a1, a2 = table[cta, j, F["a0"]], table[cta, j, F["a1"]], table[cta, j, F["a2"]]
-            for body in (self.qkv, self.o, self.gate_up, self.down):
-                body.task_nb, body.task_counters, body.task_wait, body.task_target, body.task_tid = (
-                    a0 // 16, counters, wait0, target0, tidx)
-            if kind == PROJ["qkv"]:
-                self.qkv._body(h, w_qkv, s_qkv, None, qkv, eps)
-            elif kind == PROJ["o"]:
-                self.o._body(attn, w_o, s_o, h, hmid, None)
-            elif kind == PROJ["gate_up"]:
-                self.gate_up._body(hmid, w_gu, s_gu, None, act, eps)
-            elif kind == PROJ["down"]:
-                self.down._body(act, w_d, s_d, hmid, h, None)
-            elif kind == ATTN["attn_partial"]:   # (row, KV head, split)
+            if kind == ATTN["attn_partial"]:   # (row, KV head, split)
                 loop.wait(counters, wait0, target0, tidx)
                 self.att.partial(t, scale_log2, a2, a1, a0, nsplit, base, tidx, False)
             elif kind == ATTN["attn_combine"]:   # (row, KV head)
                 loop.wait(counters, wait0, target0, tidx)
                 self.att.combine(t, a1, a0, nsplit, tidx)
-            else:   # row factors (fused into the projections: a table built with fused_norm has none)
-                loop.wait(counters, wait0, target0, tidx)
-            cute.arch.barrier()   # the task's writes (and its shared-memory reads) done by every thread
-            loop.signal(counters, table[cta, j, F["signal0"]], tidx)
-            loop.signal(counters, table[cta, j, F["signal1"]], tidx)
+            else:   # the projections (row factors, fused into them, only wait: fused_norm tables have none)
+                self._projection_or_wait(kind, a0, wait0, target0, counters, tidx, h, w_qkv, s_qkv, qkv, attn, w_o,
+                                         s_o, hmid, w_gu, s_gu, act, w_d, s_d, h, eps)
+            self._signal(table, cta, j, counters, tidx)
             j = j + 1
 
 
