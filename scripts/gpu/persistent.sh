@@ -28,7 +28,7 @@ for part in "$@"; do
     layer)   TAILN=6 step layer 120 python3 scripts/bench_persistent_layer.py --json $OUT/persistent-layer.json ;;
     step)    TAILN=12 step persistent_step 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -x \
                tests/test_persistent_step_gpu.py tests/test_decode_attention_gpu.py \
-               -k 'not table and not s2 and not vlut and not w6v and not fx' ;;
+               -k 'not table and not s2 and not vlut and not w6v and not fx and not bench_graphs' ;;
     bench8)  TAILN=16 step bench8 240 python3 -m futx.cli bench decode --weights int4 --cache int4,e4m3 \
                --points 1x1024,1x8192 --persistent auto,8,16 --breakdown '' --json $OUT/persistent-8b.json ;;
     bench70) TAILN=12 step bench70 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
