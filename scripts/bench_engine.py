@@ -184,6 +184,16 @@ def points(value: str) -> list[tuple[int, int]]:
     return out
 
 
+def split_counts(value: str) -> list:
+    """--persistent: 'auto' or split counts 1..64 (the attention op's range), comma-separated."""
+    out = []
+    for v in (x.strip() for x in value.split(",") if x.strip()):
+        if v != "auto" and not (v.isdigit() and 1 <= int(v) <= 64):
+            raise argparse.ArgumentTypeError(f"split counts are 'auto' or 1..64, got {v!r}")
+        out.append(v if v == "auto" else int(v))
+    return out
+
+
 def peer_list(value: str) -> list[str]:
     return validators.choice_list(PEERS)(value) if value else []
 
@@ -254,7 +264,7 @@ def build_parser(prog: str | None = None) -> Parser:
                    "from R rows) and a final $V (skinny variant V where the router picks the skinny kernel), e.g. "
                    "'/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3', '$rw': also "
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
-    p.add_argument("--persistent", default="", help="also the one-row step on the persistent layer kernel "
+    p.add_argument("--persistent", type=split_counts, default="", help="also the one-row step on the persistent layer kernel "
                    "(futx.engine.persistent; INT4 weights, INT4/E4M3 caches, batch 1): comma-separated split counts, "
                    "'auto' the attention op's choice for the capacity, e.g. auto,8,16")
     p.add_argument("--peers", type=peer_list, default="",
@@ -364,7 +374,7 @@ def run(a: argparse.Namespace) -> int:
                 g = GraphSteps(m, buckets=[batch])
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 cands[name] = lambda g=g: g.replay(batch)
-        for sp in [v for v in a.persistent.split(",") if v] if batch == 1 and "int4" in wfs else []:
+        for sp in a.persistent if batch == 1 and "int4" in wfs else []:
             from futx.engine.persistent import FORMATS as PFORMATS, PersistentStep
 
             for cf in [f for f in cfs if f in PFORMATS]:

@@ -40,3 +40,18 @@ def test_the_step_routes_only_where_the_kernel_fits():
     assert pers.unsupported(m) is None
     m.cache.fmt = "bf16"
     assert "INT4 or E4M3 cache mirror" in pers.unsupported(m)
+
+
+def test_bench_decode_takes_persistent_split_counts():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts import bench_engine
+
+    p = bench_engine.build_parser()
+    assert p.parse_args(["--persistent", "auto,8"]).persistent == ["auto", 8]
+    assert p.parse_args([]).persistent == []
+    for bad in ("0", "65", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--persistent", bad])
