@@ -114,11 +114,15 @@ class GemvTile:
 
     # ---- device side -------------------------------------------------------------------------
     # Where the tile runs and how it meets its producer and consumers: a launch of its own (its CTA's block index,
-    # programmatic dependent launch); a task of the persistent decode layer overrides the three
-    # (decode/persistent_layer.py: the task's n-block, its counters).
+    # programmatic dependent launch); a task of the persistent decode layer overrides the four
+    # (decode/persistent_layer.py: the task's n-block, its counters, a thread index the task loop cannot hoist).
     def _tile(self):
         nb, sy, _ = cute.arch.block_idx()
         return nb, sy
+
+    def _thread(self):
+        tid, _, _ = cute.arch.thread_idx()
+        return tid
 
     def _wait_inputs(self) -> None:
         cute.arch.griddepcontrol_wait()
@@ -259,7 +263,7 @@ class GemvTile:
     def _body(self, x: cute.Tensor, w: cute.Tensor, s: Optional[cute.Tensor], r: Optional[cute.Tensor],
               y: cute.Tensor, eps, ws=None, counters=None, splits=None):
         fmt, W, P = self.fmt, self.warps, self.prefetch
-        tid, _, _ = cute.arch.thread_idx()
+        tid = self._thread()
         nb, sy = self._tile()
         warp = tid // WARP
         lane = tid % WARP

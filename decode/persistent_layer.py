@@ -35,9 +35,9 @@ from decode.persistent_host import LAYER_WARPS, layer_plan
 from decode.persistent_schedule import KINDS
 
 WARPS = LAYER_WARPS                         # every body runs on the launch's one block size
-# CTAs per SM: the four bodies inlined in one kernel take ~248 registers (one CTA of 256 threads per SM; the
-# standalone tile GEMV needs 76); bounded to two CTAs per SM ptxas fits them in 125 but spills (~105 local loads and
-# stores in SASS). Both lose to the four standalone launches on the H200 (91.8 / 78.5 vs 44.0 µs for the 8B layer's
+# CTAs per SM: the four bodies inlined in one kernel take ~219 registers (one CTA of 256 threads per SM; the
+# standalone tile GEMV needs 76; 248 before the bodies' thread index was made opaque to the task loop, whose
+# hoisting keeps every body's invariants live at once); bounded to two CTAs per SM ptxas fits them in 128 but spills. Both lose to the four standalone launches on the H200 (91.8 / 78.5 vs 44.0 µs for the 8B layer's
 # projections: a third of the standalone's warps per SM stream weights; docs/persistent.md). The grid must stay
 # co-resident (<= SMs x this): a CTA spinning on a counter must never hold the SM its producer waits for.
 CTAS_PER_SM = 1
@@ -52,6 +52,11 @@ class _AsTask:
 
     def _tile(self):
         return self.task_nb, Int32(0)
+
+    def _thread(self):
+        # opaque: the body's per-lane addressing then stays inside the task, not hoisted out of the loop for all
+        # four bodies at once (the loop's register pressure: 248 -> see docs/persistent.md)
+        return ptx.opaque_i32(self.task_tid)
 
     def _wait_inputs(self) -> None:
         loop.wait(self.task_counters, self.task_wait, self.task_target, self.task_tid)
@@ -191,8 +196,7 @@ class PersistentLayer(_Projections):
         base = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=1024))
         nsplit = t.ws_o.shape[2]
         j = starts[cta, layer]
-        end = starts[cta, layer + 1]
-        while j < end:
+        while j < starts[cta, layer + 1]:   # read again per task: one register less across the bodies
             kind = table[cta, j, F["kind"]]
             wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
             a0, a1, a2 = table[cta, j, F["a0"]], table[cta, j, F["a1"]], table[cta, j, F["a2"]]

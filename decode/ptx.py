@@ -49,6 +49,14 @@ def _asm(ret, args, text, cons, side_effects=False, loc=None, ip=None):
     return llvm.inline_asm(ret, args, text, cons, has_side_effects=side_effects, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def opaque_i32(x, *, loc=None, ip=None) -> Int32:
+    """x through an inline-asm move the compiler cannot see through nor hoist: values derived from it stay where
+    they are computed (the persistent kernel's task loop, where hoisting every task body's invariants out of the
+    loop keeps them all live at once)."""
+    return Int32(_asm(T.i32(), [_i32(x, loc, ip)], "mov.b32 $0, $1;", "=r,r", True, loc, ip))
+
+
 # ---- global memory --------------------------------------------------------------------------------------
 @dsl_user_op
 def ldg_stream_v4(addr: Int64, pred, *, loc=None, ip=None) -> tuple:
