@@ -4,11 +4,9 @@ indices and end marker, and the chain kernel's table and its torch reference, th
 
 from __future__ import annotations
 
-from decode.persistent_schedule import FIELDS
+from decode.persistent_schedule import END, END_ROW, F  # noqa: F401  (END and F: the kernels' names for them)
 
 THREADS = 128                  # the chain kernel's block: one tile of columns per thread
-END = -1                       # a table row of this kind ends a CTA's list
-F = {name: i for i, name in enumerate(FIELDS)}
 LAYER_WARPS = 8                # the layer kernel's block (decode/persistent_layer.py): every task body runs on it
 
 
@@ -26,8 +24,7 @@ def chain_table(layers: int, tiles: int, ctas: int):
             wait = [0, lay * tiles] if lay else [-1, 0]
             lists[(lay * tiles + t) % ctas].append([0, 0, lay + 1, t, 0, 0, *wait, -1, 0, 0, -1])
     width = max(len(lst) for lst in lists) + 1
-    end = [END, 0, 0, 0, 0, 0, -1, 0, -1, 0, -1, -1]
-    table = [lst + [end] * (width - len(lst)) for lst in lists]
+    table = [lst + [list(END_ROW)] * (width - len(lst)) for lst in lists]
     return torch.tensor(table, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
 
 

@@ -48,8 +48,11 @@ PREFETCH_BYTES = TILE_WARPS_LARGE_K * PREFETCH_UNITS * UNIT_BYTES
 KINDS = ("row_factor", "qkv", "attn_partial", "attn_combine", "o", "row_factor2", "gate_up", "down", "lm_head")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 DEFAULT_WIDTHS = {"qkv": CHANNELS, "o": CHANNELS, "gate_up": CHANNELS, "down": CHANNELS, "lm_head": 8 * CHANNELS}
-# the kernel's task table: int32 [ctas, longest list + 1, len(FIELDS)], a row of kind -1 ends each list
+# the kernel's task table: int32 [ctas, longest list + 1, len(FIELDS)], a row of kind END ends each list
 FIELDS = ("kind", "layer", "a0", "a1", "a2", "a3", "wait0", "target0", "wait1", "target1", "signal0", "signal1")
+F = {name: i for i, name in enumerate(FIELDS)}
+END = -1
+END_ROW = (END, 0, 0, 0, 0, 0, -1, 0, -1, 0, -1, -1)   # no arguments, no waits (-1), no signals (-1)
 
 
 def int4_bytes(n: int, k: int, group_size: int) -> int:
@@ -713,6 +716,6 @@ def task_table(schedule: Schedule):
             waits = [x for w in t.waits for x in w] + [-1, 0] * (2 - len(t.waits))
             cta.append([KINDS.index(t.kind), t.layer, *t.args, *[0] * (4 - len(t.args)), *waits,
                         *t.signals, *[-1] * (2 - len(t.signals))])
-        cta += [[-1] + [0] * 5 + [-1, 0, -1, 0, -1, -1]] * (width - len(cta))
+        cta += [list(END_ROW)] * (width - len(cta))
         rows.append(cta)
     return torch.tensor(rows, dtype=torch.int32)

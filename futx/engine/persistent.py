@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-FORMATS = ("int4", "e4m3")   # cache formats the layer kernel reads (a mirror without the byte table)
-HEAD_DIM = 128
+from futx.runtime.catalog.persistent import CACHES as FORMATS, HEAD_DIM, layer_key  # the kernels built
+
 MAX_ROWS = 1
 
 
@@ -63,7 +63,6 @@ class PersistentStep:
         from decode.persistent_schedule import make_schedule, task_table
         from futx.hardware import sm_count
         from futx.runtime import get_kernel
-        from futx.runtime.catalog.persistent import layer_key
 
         self.model = model
         c, dev = model.config, model.device

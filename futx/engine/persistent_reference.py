@@ -34,13 +34,12 @@ from typing import Optional, Sequence, Union
 import torch
 
 from decode.attn_plan import default_plan
-from decode.persistent_schedule import FIELDS, KINDS, Deadlock, Schedule, task_table
+from decode.persistent_schedule import END, F, FIELDS, KINDS, Deadlock, Schedule, task_table
 from futx.quant.fold import rms_row_factor
 
 from .backends import apply_rope_f32, fused_norm
 from .packed import dequantize_weight
 
-F = {name: i for i, name in enumerate(FIELDS)}
 
 
 class ReadBeforeWrite(AssertionError):
@@ -388,7 +387,7 @@ def _lists(table, counters, layers, m, kv_heads) -> list:
         lst = []
         for j, row in enumerate(cta):
             kind = row[F["kind"]]
-            if kind == -1:
+            if kind == END:
                 break
             if not 0 <= kind < len(KINDS):
                 raise ValueError(f"CTA {c} row {j}: kind {kind} is not an index of KINDS")

@@ -11,13 +11,18 @@ SOURCES = tuple(dict.fromkeys(("decode/persistent_layer.py", "decode/persistent_
                                "decode/persistent_schedule.py", *LINEAR_SOURCES, *ATTENTION_SOURCES)))
 
 
-def layer_key(cache: str, head_dim: int = 128) -> str:
+CACHES = ("int4", "e4m3")   # the cache mirrors the layer kernel reads (no BF16-cache plan without the byte table)
+HEAD_DIM = 128
+
+
+def layer_key(cache: str, head_dim: int = HEAD_DIM) -> str:
     return f"decode.persistent.layer.{cache}.d{head_dim}"
 
 
 SPECS = [
-    KernelSpec(key=layer_key(cache), module="decode.persistent_layer", params=(("cache", cache), ("head_dim", 128)),
+    KernelSpec(key=layer_key(cache), module="decode.persistent_layer",
+               params=(("cache", cache), ("head_dim", HEAD_DIM)),
                sources=SOURCES, expect_sass=("HMMA",),
                doc=f"a decode layer (M = 1, INT4 weights, {cache} cache mirror) as tasks of one persistent launch")
-    for cache in ("int4", "e4m3")
+    for cache in CACHES
 ]
