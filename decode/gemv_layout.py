@@ -65,7 +65,7 @@ def tile_slice_k(k: int, splits: int) -> int:
 
 
 def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False,
-              tokens: int = 1, rows=1, nblocks: int = 1) -> dict:
+              tokens: int = 1, rows=1, nblocks: int = 1, red_in_x: bool = False, mx=max) -> dict:
     """Byte offset of each shared-memory region of the tile GEMV and "total"; `ring` = units per warp of the
     "ring" pipeline (0: the register pipelines, no ring); `split`: the split-K kernel, whose `k` is the slice a
     CTA stages (`tile_slice_k`); `tokens` = TOKENS: the multi-token kernel, staging `rows` (1..TOKENS, may be a
@@ -80,11 +80,23 @@ def tile_smem(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool 
     ring    [warps][ring][1 KB]          each warp's weight ring (ring only)
     sums    [k / 128] f32 (+ pad)        each unit's sum of activations (`fold`)
     xchg    [16] f32 + flag (+ pad)      split-K: the tile's summed partials and the "last CTA" flag
+
+    `red_in_x` (multi-token, one n-block: the persistent layer's tasks): the partials overwrite the staged rows
+    (the body meets at a CTA barrier first), so 8 rows of the 8B down projection (K = 14336) fit; `mx` is max on
+    the values given (the kernel passes the DSL's).
     """
     per_warp = TOKENS if tokens > 1 else 1  # token columns each warp reduces
     ss = -(-warps * per_warp * 4 // 16) * 16 if norm else 0
     x = rows * (k * 2 + X_ROW_PAD) if tokens > 1 else k * 2
-    return regions((("x", x), ("red", nblocks * warps * CHANNELS * per_warp * 4), ("ss", ss),
-                    ("scales", warps * tile_share_units(k, warps) * UNIT_SCALE_BYTES if ring else 0),
-                    ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0),
-                    ("xchg", CHANNELS * 4 + 16 if split else 0)))
+    red = nblocks * warps * CHANNELS * per_warp * 4
+    if red_in_x:
+        if tokens == 1 or nblocks != 1 or ring or fold or split:
+            raise ValueError("red_in_x is the multi-token kernel's, one n-block per CTA")
+        x, red = mx(x, red), 0
+    out = regions((("x", x), ("red", red), ("ss", ss),
+                   ("scales", warps * tile_share_units(k, warps) * UNIT_SCALE_BYTES if ring else 0),
+                   ("ring", warps * ring * UNIT_BYTES), ("sums", (k // 128 * 4 + 15) // 16 * 16 if fold else 0),
+                   ("xchg", CHANNELS * 4 + 16 if split else 0)))
+    if red_in_x:
+        out["red"] = 0
+    return out

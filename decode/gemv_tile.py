@@ -68,14 +68,15 @@ DEFAULT_PREFETCH = 2     # units per batch (docs/routing.md P2)
 
 
 def smem_bytes(k: int, warps: int, norm: bool = False, ring: int = 0, fold: bool = False, split: bool = False,
-               tokens: int = 1, rows=1, nblocks: int = 1) -> int:
+               tokens: int = 1, rows=1, nblocks: int = 1, red_in_x: bool = False) -> int:
     """Dynamic shared memory of a launch (decode.gemv_layout.tile_smem, which the host's planner shares)."""
-    return tile_smem(k, warps, norm, ring, fold, split, tokens, rows, nblocks)["total"]
+    return tile_smem(k, warps, norm, ring, fold, split, tokens, rows, nblocks, red_in_x, cutlass.max)["total"]
 
 
 class GemvTile:
     norm = False   # GemvTileNorm: the RMSNorm row factor in the prologue
     split = False  # GemvTileSplit: split-K over the CTAs of a tile
+    red_in_x = False   # multi-token: the warps' partials overwrite the staged rows (decode.gemv_layout.tile_smem)
 
     def __init__(self, epilogue: str = "store", warps: int = 4, prefetch: int = 0, pipeline: str = "batch",
                  fold: bool = False, tokens: int = 1, nblocks: int = 1):
@@ -110,7 +111,7 @@ class GemvTile:
         """(CTAs, dynamic shared-memory bytes) of a launch."""
         return ((self.epi.weight_rows(y.shape[1]) // BLOCK_N + self.nblocks - 1) // self.nblocks,
                 smem_bytes(x.shape[1], self.warps, self.norm, self.ring, self.fmt.fold, tokens=self.tokens,
-                           rows=x.shape[0], nblocks=self.nblocks))
+                           rows=x.shape[0], nblocks=self.nblocks, red_in_x=self.red_in_x))
 
     # ---- device side -------------------------------------------------------------------------
     # Where the tile runs and how it meets its producer and consumers: a launch of its own (its CTA's block index,
@@ -299,7 +300,7 @@ class GemvTile:
         xs = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=16))
         m = x.shape[0]
         regions = tile_smem(k_smem, W, self.norm, self.ring, self.fmt.fold, self.split, self.tokens, m,
-                            self.nblocks)
+                            self.nblocks, self.red_in_x, cutlass.max)
         chunks = self.unit_k * 2 // LANE_BYTES
         row_stride = k * 2 + X_ROW_PAD  # multi-token: bytes between staged rows
         # the staged row's origin: unit u of the row sits at xrow + u * unit bytes (a split CTA stages its slice)
@@ -418,6 +419,8 @@ class GemvTile:
         elif cutlass.const_expr(self.tokens > 1):
             # 4. every lane's fragment: rows g and g + 8, token columns 2t and 2t + 1 -> red[warp][row][token]
             t2 = (lane % 4) * 2
+            if cutlass.const_expr(self.red_in_x):
+                cute.arch.sync_threads()   # every warp's ldmatrix reads of the rows done
             ptx.sts_f32x2(red + ((warp * BLOCK_N + g) * TOKENS + t2) * 4, acc[0], acc[1])
             ptx.sts_f32x2(red + ((warp * BLOCK_N + g + layouts.MMA_N) * TOKENS + t2) * 4, acc[2], acc[3])
             cute.arch.sync_threads()

@@ -1,8 +1,8 @@
 """The persistent decode layer (issue 29): one launch runs a layer's tasks (decode.persistent_schedule.task_table,
-M = 1) on the task loop of decode/persistent_loop.py, each task being a standalone kernel's own body on the task's
-piece: the projections the tile GEMV's (decode/gemv_tile.py) on a 16-channel n-block, QKV and gate/up with the
-RMSNorm row factor fused (the M = 1 engine's form, routing rule E2), O and down with the residual epilogue, SwiGLU on
-gate/up; attention decode/attention.py's split-KV partial of one (row, KV head, split) with its RoPE and new cache
+for 1..8 rows) on the task loop of decode/persistent_loop.py, each task being a standalone kernel's own body on the
+task's piece: the projections the tile GEMV's (decode/gemv_tile.py; for several rows its multi-token form) on a
+16-channel n-block, QKV and gate/up with the RMSNorm row factor fused (the M = 1 engine's form, routing rule E2), O
+and down with the residual epilogue, SwiGLU on gate/up; attention decode/attention.py's split-KV partial of one (row, KV head, split) with its RoPE and new cache
 row, and the partials' combine. A projection task requests its first weights, then waits on its counter where the
 standalone kernel waits for the previous launch (programmatic dependent launch), so its weights stream while its
 producers finish.
@@ -48,7 +48,12 @@ F = loop.F
 
 class _AsTask:
     """The tile GEMV body as a task of the loop: its n-block and its counter come from the task's table row, which
-    the loop stores on the body before running it (values of the traced kernel)."""
+    the loop stores on the body before running it (values of the traced kernel). With several rows (the multi-token
+    body) the partials overwrite the staged rows, so that 8 rows of the 8B down projection fit in shared memory."""
+
+    @property
+    def red_in_x(self) -> bool:
+        return self.tokens > 1
 
     def _tile(self):
         return self.task_nb, Int32(0)
@@ -76,12 +81,12 @@ class ResidualTask(_AsTask, GemvTile):
 class _Projections:
     """The four projection bodies as tasks, and the loop's steps both persistent kernels share."""
 
-    def __init__(self, warps: int):
+    def __init__(self, warps: int, tokens: int = 1):
         self.warps = warps
-        self.qkv = NormTask("store", warps)
-        self.o = ResidualTask("residual", warps)
-        self.gate_up = NormTask("swiglu", warps)
-        self.down = ResidualTask("residual", warps)
+        self.qkv = NormTask("store", warps, tokens=tokens)
+        self.o = ResidualTask("residual", warps, tokens=tokens)
+        self.gate_up = NormTask("swiglu", warps, tokens=tokens)
+        self.down = ResidualTask("residual", warps, tokens=tokens)
 
     def _smem(self, h, qkv, attn, hmid, act, h_out):
         return cutlass.max(cutlass.max(self.qkv._shape(h, qkv)[1], self.o._shape(attn, hmid)[1]),
@@ -149,20 +154,21 @@ class PersistentProjections(_Projections):
 
 
 class PersistentLayer(_Projections):
-    """A decode layer (M = 1, INT4 weights, a contiguous INT4 or E4M3 cache by `plan`) as one launch.
+    """A decode layer (INT4 weights, a contiguous INT4 or E4M3 cache by `plan`) as one launch: `tokens` = 1 for
+    one row, TOKENS for 1..8 rows (the multi-token tile GEMV's bodies; the table's tasks name the rows).
 
     Arguments: the step's task table [ctas, rows, FIELDS] and `starts` [ctas, layers + 1] (CTA c's rows of layer l
     are starts[c, l] .. starts[c, l + 1] - 1), this launch's `layer`, the step's counters; the residual stream `h`
-    [1, H] (read by QKV and O, rewritten in place by down), the projections' weights and outputs (`qkv` [1, QKV],
-    `hmid`, `act`), `heads` = qkv as [1, Hq + 2 Hkv, D] and `attn_heads` = attn as [1, Hq, D] (the same memory
+    [M, H] (read by QKV and O, rewritten in place by down), the projections' weights and outputs (`qkv` [M, QKV],
+    `hmid`, `act`), `heads` = qkv as [M, Hq + 2 Hkv, D] and `attn_heads` = attn as [M, Hq, D] (the same memory
     as `qkv` and `attn`), the attention kernel's positions, slots, cache and mirror tensors, RoPE table and split
-    workspace [1, Hkv, splits, MAX_GROUP, D | 2] (its splits the table's)."""
+    workspace [M, Hkv, splits, MAX_GROUP, D | 2] (its splits the table's); M = 1 for `tokens` = 1."""
 
-    def __init__(self, plan: AttnPlan, warps: int = WARPS):
+    def __init__(self, plan: AttnPlan, warps: int = WARPS, tokens: int = 1):
         if plan.warps != warps or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the persistent layer's attention plan must be fused, contiguous, read a mirror "
                              "without the byte table and use the layer's warps")
-        super().__init__(warps)
+        super().__init__(warps, tokens)
         self.att = DecodeAttention(plan)
 
     @cute.jit
@@ -176,16 +182,18 @@ class PersistentLayer(_Projections):
         t = AttnTensors(qkv=heads, rope=rope, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
                         k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale, out=attn_heads,
                         ws_o=ws_o, ws_ml=ws_ml)
-        smem = cutlass.max(self._smem(h, qkv, attn, hmid, act, h), self.att.p.smem_bytes)
+        bodies = cutlass.max(self._smem(h, qkv, attn, hmid, act, h), self.att.p.smem_bytes)
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
-                    s_d, t, eps, softmax_scale * Float32(LOG2E)).launch(
-            grid=(table.shape[0], 1, 1), block=(WARP * self.warps, 1, 1), smem=smem, stream=stream, use_pdl=True)
+                    s_d, t, eps, softmax_scale * Float32(LOG2E), bodies).launch(
+            grid=(table.shape[0], 1, 1), block=(WARP * self.warps, 1, 1), smem=bodies + 16, stream=stream,
+            use_pdl=True)
 
     @cute.kernel
     def kernel(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
                w_qkv: cute.Tensor, s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor,
                s_o: cute.Tensor, hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor,
-               w_d: cute.Tensor, s_d: cute.Tensor, t: AttnTensors, eps: Float32, scale_log2: Float32):
+               w_d: cute.Tensor, s_d: cute.Tensor, t: AttnTensors, eps: Float32, scale_log2: Float32,
+               slot_at: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         # the next layer's launch may start now: its CTAs take SMs as this launch's CTAs exit (one per SM), and
@@ -195,7 +203,13 @@ class PersistentLayer(_Projections):
             cute.arch.griddepcontrol_wait()
         base = ptx.smem_addr(cute.arch.get_dyn_smem(cutlass.Int8, alignment=1024))
         nsplit = t.ws_o.shape[2]
+        # the task index waits out each body in shared memory, past every body's (the bodies take every register:
+        # ptxas spilled it with the multi-token bodies; a word per thread keeps its address live and spills too).
+        # One word for the CTA: every thread writes the same value, and writes task j + 1 only after the barrier
+        # that ends task j, by which every thread has read task j
+        slot = base + slot_at
         j = starts[cta, layer]
+        ptx.sts32(slot, j)
         while j < starts[cta, layer + 1]:   # read again per task: one register less across the bodies
             kind = table[cta, j, F["kind"]]
             wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
@@ -209,13 +223,16 @@ class PersistentLayer(_Projections):
             else:   # the projections (row factors, fused into them, only wait: fused_norm tables have none)
                 self._projection_or_wait(kind, a0, wait0, target0, counters, tidx, h, w_qkv, s_qkv, qkv, attn, w_o,
                                          s_o, hmid, w_gu, s_gu, act, w_d, s_d, h, eps)
+            j = Int32(ptx.lds32(slot))
             self._signal(table, cta, j, counters, tidx)
             j = j + 1
+            ptx.sts32(slot, j)
 
 
-def compile_target(cache: str = "int4", head_dim: int = 128):
+def compile_target(cache: str = "int4", head_dim: int = 128, tokens: int = 1):
     """Registry factory (futx/runtime/catalog/persistent.py): (jit callable, fake arguments) of the layer for one
-    cache format and head dim; CTAs, table rows, layers, counters, model shape and split count dynamic."""
+    cache format, head dim and token columns (1: one row; TOKENS: 1..8 rows, a runtime value); CTAs, table rows,
+    layers, counters, model shape and split count dynamic."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     from decode.attention import fake_args as attn_fake_args
@@ -227,14 +244,15 @@ def compile_target(cache: str = "int4", head_dim: int = 128):
     table = make_fake_compact_tensor(Int32, (c, r, len(FIELDS)), stride_order=(2, 1, 0), assumed_align=4)
     starts = make_fake_compact_tensor(Int32, (c, ls), stride_order=(1, 0), assumed_align=4)
     counters = make_fake_compact_tensor(Int32, (n,), assumed_align=4)
-    h, w_qkv, s_qkv, _, qkv, _ = fake_args("int4", "store", m=1)
-    attn, w_o, s_o, _, hmid, _ = fake_args("int4", "residual", m=1)
-    _, w_gu, s_gu, _, act, _ = fake_args("int4", "swiglu", m=1)
-    _, w_d, s_d, _, _, _ = fake_args("int4", "residual", m=1)
+    m = 1 if tokens == 1 else None
+    h, w_qkv, s_qkv, _, qkv, _ = fake_args("int4", "store", m=m)
+    attn, w_o, s_o, _, hmid, _ = fake_args("int4", "residual", m=m)
+    _, w_gu, s_gu, _, act, _ = fake_args("int4", "swiglu", m=m)
+    _, w_d, s_d, _, _, _ = fake_args("int4", "residual", m=m)
     a = dict(zip(plan.tensors, attn_fake_args(plan)))
     attention = [a[k] for k in ("qkv", "positions", "slots", "k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror",
                                 "v_scale", "rope", "out", "ws_o", "ws_ml")]
-    return PersistentLayer(plan), (table, starts, Int32(0), counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid,
+    return PersistentLayer(plan, tokens=tokens), (table, starts, Int32(0), counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid,
                                    w_gu, s_gu, act, w_d, s_d, *attention, Float32(1e-5), Float32(1.0),
                                    make_fake_stream(use_tvm_ffi_env_stream=True))
 

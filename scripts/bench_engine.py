@@ -264,8 +264,9 @@ def build_parser(prog: str | None = None) -> Parser:
                    "from R rows) and a final $V (skinny variant V where the router picks the skinny kernel), e.g. "
                    "'/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3', '$rw': also "
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
-    p.add_argument("--persistent", type=split_counts, default="", help="also the one-row step on the persistent layer kernel "
-                   "(futx.engine.persistent; INT4 weights, INT4/E4M3 caches, batch 1): comma-separated split counts, "
+    p.add_argument("--persistent", type=split_counts, default="", help="also the step on the persistent layer kernel "
+                   "(futx.engine.persistent; INT4 weights, INT4/E4M3 caches, batch 1..8 where its shared memory fits "
+                   "the rows): comma-separated split counts, "
                    "'auto' the attention op's choice for the capacity, e.g. auto,8,16")
     p.add_argument("--peers", type=peer_list, default="",
                    help=f"comma-separated, each timed in a process of its own after the engine: {', '.join(PEERS)} "
@@ -374,15 +375,20 @@ def run(a: argparse.Namespace) -> int:
                 g = GraphSteps(m, buckets=[batch])
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 cands[name] = lambda g=g: g.replay(batch)
-        for sp in a.persistent if batch == 1 and "int4" in wfs else []:
-            from futx.engine.persistent import FORMATS as PFORMATS, PersistentStep
+        for sp in a.persistent if "int4" in wfs else []:
+            from futx.engine.persistent import FORMATS as PFORMATS, PersistentStep, unsupported
 
             for cf in [f for f in cfs if f in PFORMATS]:
                 m = DecodeModel(packed["int4"], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])
+                why = unsupported(m, batch)
+                if why is not None:
+                    print(f"  persistent at batch {batch}: skipped, {why}")
+                    continue
                 m.persistent = PersistentStep(m, splits=None if sp == "auto" else int(sp))
                 g = GraphSteps(m, buckets=[batch])
-                m.load_inputs([1], [context - 1], [0])
-                cands[f"int4/{cf} persistent s{m.persistent.splits}"] = lambda g=g: g.replay(batch)
+                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                splits = m.persistent.tables(batch)["splits"]
+                cands[f"int4/{cf} persistent s{splits}"] = lambda g=g: g.replay(batch)
         variant_models = {}
         for v in tile_variants:
             route(v)

@@ -42,6 +42,30 @@ def test_the_step_routes_only_where_the_kernel_fits():
     assert "INT4 or E4M3 cache mirror" in pers.unsupported(m)
 
 
+def test_rows_that_fit_shared_memory():
+    """The multi-token bodies stage every row of a projection's input, their partials over the rows: 8 rows of
+    the 8B down projection (K = 14336) fit, 4 of the 70B's (K = 28672); past MAX_ROWS or the fit, a reason."""
+    from decode.gemv_layout import tile_smem
+    from futx.hardware import SMEM_PER_CTA
+
+    assert pers.fitting_rows(preset("llama-3.1-8b")) == 8 and pers.fitting_rows(preset("layer-70b")) == 4
+    assert tile_smem(14336, 8, tokens=8, rows=8, red_in_x=True)["total"] + 16 <= SMEM_PER_CTA
+    assert tile_smem(14336, 8, tokens=8, rows=8)["total"] > SMEM_PER_CTA   # without the overlap: 7 rows
+    r = tile_smem(1024, 8, True, tokens=8, rows=1, red_in_x=True)   # the partials outgrow one short row
+    assert r["red"] == 0 and r["ss"] == 8 * 16 * 8 * 4 and r["total"] == r["ss"] + 8 * 8 * 4
+    with pytest.raises(ValueError, match="multi-token"):
+        tile_smem(4096, 8, red_in_x=True)
+    cfg = tiny_config(head_dim=128, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                      intermediate_size=512, num_hidden_layers=1, vocab_size=256)
+    m = DecodeModel(random_packed(cfg, "int4", device="cpu", seed=1), "int4", max_batch=1, capacity=64,
+                    backend="emulated", device="cpu")
+    m.backend = "kernels"
+    assert pers.unsupported(m, 8) is None
+    assert "1..8 rows" in pers.unsupported(m, 9)
+    m.config = preset("layer-70b")
+    assert "5 rows" in pers.unsupported(m, 5) and "at most 4" in pers.unsupported(m, 5)
+
+
 def test_bench_decode_takes_persistent_split_counts():
     import sys
     from pathlib import Path

@@ -90,18 +90,19 @@ def test_persistent_projections_compile_with_the_tile_gemv_bodies(tmp_path, ctas
         assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
-@pytest.mark.parametrize("cache", ["int4", "e4m3"])
-def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache):
-    """decode/persistent_layer.py's whole layer (registry decode.persistent.layer.*): the four tile GEMV bodies
-    (64 HMMA) and decode attention's partial (its QK and PV MMAs) on the task loop; it releases the next layer's
-    launch at once (PREEXIT) and waits for the launch before it only in layer 0 (one ACQBULK); no spills (the
-    bodies' thread index opaque to the task loop, the loop's bound read per task)."""
+@pytest.mark.parametrize("cache,tokens", [("int4", 1), ("e4m3", 1), ("int4", 8), ("e4m3", 8)])
+def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache, tokens):
+    """decode/persistent_layer.py's whole layer (registry decode.persistent.layer.*, one row or 1..8): the four tile
+    GEMV bodies (64 HMMA) and decode attention's partial (its QK and PV MMAs) on the task loop; it releases the next
+    layer's launch at once (PREEXIT) and waits for the launch before it only in layer 0 (one ACQBULK); no spills (the
+    bodies' thread index opaque to the task loop, the loop's bound read per task, the task index kept in shared
+    memory across the bodies)."""
     pytest.importorskip("cutlass")
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
         from decode import persistent_layer as pl
-        fn, args = pl.compile_target(cache={cache!r})
+        fn, args = pl.compile_target(cache={cache!r}, tokens={tokens})
         cute.compile(fn, *args)
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=str(tmp_path))

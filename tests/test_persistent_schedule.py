@@ -223,24 +223,26 @@ def test_restated_constants_agree_with_their_sources():
     assert dequant.BLOCK_N == ps.CHANNELS and gemv_tile.DEFAULT_PREFETCH == ps.PREFETCH_UNITS
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("context", [1, 64, 1025])
-def test_the_kernel_form_fuses_the_norms_and_lists_every_split(context):
-    """build_graph(fused_norm=True, every_split=True), the table the layer kernel runs (futx.engine.persistent):
-    no row-factor tasks in the layers (QKV waits on the previous layer's down blocks directly), all `splits`
-    partials of every (row, head) whatever the context, each reading the head's new K/V columns (the kernel picks
-    at run time which holds the token), and still race- and deadlock-free across layers."""
-    g = _graph("layer-1b", 1, context, layers=2, splits=4, fused_norm=True, every_split=True)
+def test_the_kernel_form_fuses_the_norms_and_lists_every_split(context, m):
+    """build_graph(fused_norm=True, every_split=True), the table the layer kernel runs (futx.engine.persistent) for
+    1, 3 and 8 rows: no row-factor tasks in the layers (QKV waits on the previous layer's down blocks directly), all
+    `splits` partials of every (row, head) whatever the context, each reading the head's new K/V columns (the kernel
+    picks at run time which holds the token), and still race- and deadlock-free across layers."""
+    g = _graph("layer-1b", m, context, layers=2, splits=4, fused_norm=True, every_split=True)
     kinds = {t.kind for t in g.tasks}
     assert "row_factor" not in kinds and "row_factor2" not in kinds
     partials = [t for t in g.tasks if t.kind == "attn_partial"]
-    assert len(partials) == 2 * g.config.num_key_value_heads * 4 and all(t.args[3] == 4 for t in partials)
+    assert len(partials) == 2 * m * g.config.num_key_value_heads * 4 and all(t.args[3] == 4 for t in partials)
+    assert {t.args[0] for t in partials} == set(range(m))
     assert all(any(r.buf == "qkv" and r.c0 >= g.config.q_size for r in t.reads) for t in partials)
-    assert sum(t.kind == "attn_combine" for t in g.tasks) == 2 * g.config.num_key_value_heads
+    assert sum(t.kind == "attn_combine" for t in g.tasks) == 2 * m * g.config.num_key_value_heads
     qkv1 = next(t for t in g.tasks if t.kind == "qkv" and t.layer == 1)
     (counter, target), = qkv1.waits
     assert {g.tasks[p].kind for p in g.counters[counter].generations[1]} == {"down"}
     s = ps.assign(g, 7)
     ps.check(s)
     ps.verify(s)
-    unfused = _graph("layer-1b", 1, context, layers=2, splits=4, every_split=True)
+    unfused = _graph("layer-1b", m, context, layers=2, splits=4, every_split=True)
     assert len(g.counters) < len(unfused.counters)   # the row factors' counters are gone

@@ -1,11 +1,13 @@
 """The persistent decode layer in the engine (futx.engine.persistent, registry decode.persistent.layer.*) on the
-GPU: one-row steps on it against the engine's shipped step, both from the same random cache and weights.
+GPU: steps of 1, 3 and 8 rows on it against the engine's shipped step, both from the same random cache and weights.
 
 Same arithmetic but the attention's split-KV partials (8 warps per CTA and the persistent table's split count vs 4
-warps and the op's), which round differently: hidden rows agree within BF16 rounding carried through the layers.
-Layer 0's new cache rows come from the same QKV bits through the same writer: equal bit for bit. Scratch buffers
-are NaN-poisoned first; several consecutive steps (counters zeroed per step), contexts 1, 63, 64, 1025 (tiles and
-splits at their edges), slot 1 of 2, INT4 and E4M3 caches, graph replay equal to eager."""
+warps and the op's), which round differently, and for several rows the shipped step's own kernel choices (its
+row factor and projections by the router): hidden rows agree within BF16 rounding carried through the layers.
+At one row layer 0's new cache rows come from the same QKV bits through the same writer: equal bit for bit.
+Scratch buffers are NaN-poisoned first; several consecutive steps (counters zeroed per step); the first row at
+contexts 1, 63, 64, 1025, 8191 (tiles and splits at their edges), the others 5 positions apart below it; slots 1..M
+of M + 1; INT4 and E4M3 caches; graph replay equal to eager."""
 
 import pytest
 import torch
@@ -16,8 +18,9 @@ from futx.engine.graphs import GraphSteps
 from futx.engine.packed import random_packed
 
 pytestmark = pytest.mark.gpu
-CAPACITY = 2048
+CAPACITY = 8200
 STEPS = 3
+SLOTS = 9
 
 
 def _config(name):
@@ -32,62 +35,70 @@ def packed(request):
     return random_packed(_config(request.param), "int4", device="cuda", seed=5)
 
 
-def _pair(packed, cf):
+def _pair(packed, cf, rows=1):
     models = []
     for persistent in (False, True):
-        m = DecodeModel(packed, cf, max_batch=2, capacity=CAPACITY, device="cuda", persistent=persistent)
+        m = DecodeModel(packed, cf, max_batch=SLOTS, capacity=CAPACITY, device="cuda", persistent=persistent)
         m.cache.randomize(11)
         models.append(m)
     p = models[1].persistent
-    for t in (p.qkv, p.attn, p.hmid, p.act, p.ws_o, p.ws_ml):
-        t.fill_(float("nan"))
+    t = p.tables(rows)
+    for buf in (p.qkv, p.attn, p.hmid, p.act, t["ws_o"], t["ws_ml"]):
+        buf.fill_(float("nan"))
     return models
 
 
-def _run(m, start, slot=1, graphs=None):
+def _run(m, start, rows=1, graphs=None):
+    """STEPS steps of `rows` rows: row r in slot r + 1 at position max(0, start - 5 r) + step."""
     out = []
     for s in range(STEPS):
-        n = m.load_inputs([100 + 7 * s], [start + s], [slot])
+        tokens = [100 + 7 * s + r for r in range(rows)]
+        n = m.load_inputs(tokens, [max(0, start - 5 * r) + s for r in range(rows)], list(range(1, rows + 1)))
         if graphs is None:
             m.step(n)
         else:
             graphs.replay(n)
-        out.append(m.buffers.hidden[:1].clone())
-    return torch.cat(out)
+        out.append(m.buffers.hidden[:rows].clone())
+    return torch.stack(out)
 
 
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("cf", ["int4", "e4m3"])
-@pytest.mark.parametrize("start", [0, 62, 63, 1024])
-def test_persistent_step_equals_the_shipped_step(packed, cf, start):
-    ref, per = _pair(packed, cf)
+@pytest.mark.parametrize("start", [0, 62, 63, 1024, 8190])
+def test_persistent_step_equals_the_shipped_step(packed, cf, start, rows):
+    ref, per = _pair(packed, cf, rows)
     assert per.persistent is not None and ref.persistent is None
-    want, got = _run(ref, start), _run(per, start)
+    want, got = _run(ref, start, rows), _run(per, start, rows)
     assert torch.isfinite(got).all()
-    assert _rel(got, want) < 1e-2, _rel(got, want)
-    for a, b in zip(ref.cache.layers[0].tensors(), per.cache.layers[0].tensors()):   # same history, same new rows
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for r in range(rows):
+        assert _rel(got[:, r], want[:, r]) < 1e-2, (r, _rel(got[:, r], want[:, r]))
+    if rows == 1:
+        for a, b in zip(ref.cache.layers[0].tensors(), per.cache.layers[0].tensors()):   # same new rows
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_persistent_graph_replay_equals_eager(packed):
-    _, per = _pair(packed, "int4")
-    eager = _run(per, 200)
-    _, per2 = _pair(packed, "int4")
-    graphs = GraphSteps(per2, buckets=[1])
-    replayed = _run(per2, 200, graphs=graphs)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_persistent_graph_replay_equals_eager(packed, rows):
+    _, per = _pair(packed, "int4", rows)
+    eager = _run(per, 200, rows)
+    _, per2 = _pair(packed, "int4", rows)
+    graphs = GraphSteps(per2, buckets=[rows])
+    replayed = _run(per2, 200, rows, graphs=graphs)
     assert torch.equal(eager.view(torch.int16), replayed.view(torch.int16))
 
 
-def test_persistent_counters_end_at_their_totals(packed):
-    _, per = _pair(packed, "int4")
-    _run(per, 5)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_persistent_counters_end_at_their_totals(packed, rows):
+    _, per = _pair(packed, "int4", rows)
+    _run(per, 5, rows)
     torch.cuda.synchronize()
-    p = per.persistent
+    t = per.persistent.tables(rows)
     from decode.persistent_host import F
 
-    signals = torch.cat([p.table[..., F["signal0"]].flatten(), p.table[..., F["signal1"]].flatten()])
-    totals = torch.bincount(signals[signals >= 0].long().cpu(), minlength=p.counter_count)
-    assert p.counters.cpu().tolist() == totals.tolist()
+    signals = torch.cat([t["table"][..., F["signal0"]].flatten(), t["table"][..., F["signal1"]].flatten()])
+    totals = torch.bincount(signals[signals >= 0].long().cpu(), minlength=t["counters"].numel())
+    assert t["counters"].cpu().tolist() == totals.tolist()

@@ -92,8 +92,9 @@ class DecodeModel:
         pages: a paged cache of that many pages of page_size positions (futx.paging; None: contiguous slots of
         `capacity` positions); requests still reach at most `capacity` positions, the caller fills the block
         table (EngineCache.set_pages). staging: the INT4-only cache's staging pages (futx.paging; 0: every page
-        keeps its main copy). persistent: one-row steps run their layers on the persistent layer kernel
-        (futx.engine.persistent; True raises where it does not fit, None uses it where it fits)."""
+        keeps its main copy). persistent: steps of 1..8 rows run their layers on the persistent layer kernel
+        (futx.engine.persistent, up to the rows its shared memory fits; True raises where it does not fit, None
+        uses it where it fits)."""
         check_formats(packed.weights, cache)
         check_model(packed.config, packed.weights, packed.group_size)
         check_batch(max_batch)
@@ -141,7 +142,7 @@ class DecodeModel:
         b = self.buffers
         positions, slots = b.positions[:rows], b.slots[:rows]
         x = self.packed.embed[b.tokens[:rows]]
-        if rows == 1 and width == 1 and self.persistent is not None:
+        if width == 1 and self.persistent is not None and rows <= self.persistent.max_rows:
             x = self.persistent.run(x, positions, slots)
         else:
             for i in range(len(self.packed.layers)):

@@ -1,11 +1,13 @@
-"""The persistent decode layer's host side (issue 29): the task table of a model's whole step at one row, its
-counters and scratch, and the layer launches (decode/persistent_layer.py, registry `decode.persistent.layer.*`).
+"""The persistent decode layer's host side (issue 29): the task table of a model's whole step at 1..8 rows, its
+counters and scratch, and the layer launches (decode/persistent_layer.py, registry `decode.persistent.layer.*`:
+one row on the one-token bodies, 2..8 rows on the multi-token ones).
 
-The table is built once per model (decode.persistent_schedule, kernel form: fused row factors, every split-KV
-partial in the table, the split count chosen for the cache's capacity as the attention op chooses it), so one
-table serves every context: which splits hold tiles and which one writes the new token is the kernel's choice at
-run time, from the row's position. A step zeroes the counters (targets are cumulative over the layers) and launches
-the layer kernel once per layer; the residual stream is updated in place.
+A table is built once per model and row count, on the first step of that many rows (decode.persistent_schedule,
+kernel form: fused row factors, every split-KV partial in the table, the split count chosen for the cache's capacity
+as the attention op chooses it; a CUDA graph's warm-up step builds it before the capture), so one table serves every
+context: which splits hold tiles and which one writes the new token is the kernel's choice at run time, from the
+row's position. A step zeroes the counters (targets are cumulative over the layers) and launches the layer kernel
+once per layer; the residual stream is updated in place.
 """
 
 from __future__ import annotations
@@ -15,13 +17,31 @@ from typing import Optional
 
 import torch
 
-from futx.runtime.catalog.persistent import CACHES as FORMATS, HEAD_DIM, layer_key  # the kernels built
-
-MAX_ROWS = 1
+from futx.runtime.catalog.persistent import CACHES as FORMATS, HEAD_DIM, MAX_ROWS, layer_key, tokens_for
 
 
-def unsupported(model) -> Optional[str]:
-    """Why the persistent layer cannot run this DecodeModel's one-row step (None: it can)."""
+def fitting_rows(config) -> int:
+    """The most rows (<= MAX_ROWS) whose task bodies fit one CTA's shared memory for this model shape: the
+    multi-token bodies stage every row of a projection's input (8 rows of the 8B down projection fit; 4 of the
+    70B's, K = 28672)."""
+    from decode.gemv_layout import tile_smem
+    from decode.persistent_host import LAYER_WARPS
+    from futx.hardware import SMEM_PER_CTA
+
+    c = config
+    inputs = ((c.hidden_size, True), (c.q_size, False), (c.hidden_size, True), (c.intermediate_size, False))
+    best = 0
+    for rows in range(1, MAX_ROWS + 1):
+        tokens = tokens_for(rows)
+        need = max(tile_smem(k, LAYER_WARPS, norm, tokens=tokens, rows=rows, red_in_x=tokens > 1)["total"]
+                   for k, norm in inputs) + 16   # + the task index's word (decode/persistent_layer.py)
+        if need <= SMEM_PER_CTA:
+            best = rows
+    return best
+
+
+def unsupported(model, rows: int = 1) -> Optional[str]:
+    """Why the persistent layer cannot run this DecodeModel's steps of `rows` rows (None: it can)."""
     from decode.attn_plan import MAX_GROUP
 
     c, p = model.config, model.packed
@@ -35,6 +55,11 @@ def unsupported(model) -> Optional[str]:
         return "it reads a contiguous cache, not a paged one"
     if c.head_dim != HEAD_DIM or c.num_attention_heads // c.num_key_value_heads > MAX_GROUP:
         return f"it is built for head dim {HEAD_DIM} and GQA groups <= {MAX_GROUP}"
+    if not 1 <= rows <= MAX_ROWS:
+        return f"it takes 1..{MAX_ROWS} rows, not {rows}"
+    fit = fitting_rows(c)
+    if rows > fit:
+        return f"{rows} rows of this model's projection inputs do not fit shared memory (at most {fit})"
     return None
 
 
@@ -52,62 +77,97 @@ def layer_starts(table: torch.Tensor, layers: int) -> torch.Tensor:
 
 
 class PersistentStep:
-    """The one-row step's layers on the persistent layer kernel, for one DecodeModel (its cache and weights)."""
+    """Steps of 1..`max_rows` rows of one DecodeModel (its cache and weights) on the persistent layer kernel."""
 
-    def __init__(self, model, ctas: Optional[int] = None, splits: Optional[int] = None):
+    def __init__(self, model, ctas: Optional[int] = None, splits: Optional[int] = None,
+                 max_rows: Optional[int] = None):
+        """ctas: CTAs of every launch (default one per SM); splits: the split-KV count of every row count (default
+        the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
+        max_rows, at most what fits)."""
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the persistent decode layer does not fit this model: {why}")
+        from futx.hardware import sm_count
+
+        c, dev = model.config, model.device
+        self.model = model
+        sms = sm_count(dev)
+        self.ctas = ctas or sms   # one CTA per SM (the layer kernel's registers), all co-resident
+        if not 1 <= self.ctas <= sms:
+            raise ValueError(f"ctas must be 1..{sms} (co-resident, one per SM), got {self.ctas}")
+        if max_rows is None:
+            max_rows = min(model.max_rows, fitting_rows(c))
+        why = unsupported(model, max_rows)
+        if why is not None:
+            raise ValueError(f"the persistent decode layer does not fit this model: {why}")
+        self.max_rows, self.fixed_splits = max_rows, splits
+        self._tables: dict = {}   # rows -> its splits, table, starts, counters, split workspace and kernel
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        self.qkv = torch.empty(max_rows, c.qkv_size, **bf)
+        self.attn = torch.empty(max_rows, c.num_attention_heads, c.head_dim, **bf)
+        self.hmid = torch.empty(max_rows, c.hidden_size, **bf)
+        self.act = torch.empty(max_rows, c.intermediate_size, **bf)
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    def tables(self, rows: int) -> dict:
+        """The task table of `rows` rows and what goes with it (built on first use)."""
+        if rows in self._tables:
+            return self._tables[rows]
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"this persistent step takes 1..{self.max_rows} rows, got {rows}")
         from decode.attn_plan import MAX_GROUP, choose_splits
         from decode.persistent_host import layer_plan
         from decode.persistent_schedule import make_schedule, task_table
         from futx.hardware import sm_count
         from futx.runtime import get_kernel
 
-        self.model = model
-        c, dev = model.config, model.device
-        fmt = model.cache.fmt
-        sms = sm_count(dev)
-        self.ctas = ctas or sms   # one CTA per SM (the layer kernel's registers), all co-resident
-        if not 1 <= self.ctas <= sms:
-            raise ValueError(f"ctas must be 1..{sms} (co-resident, one per SM), got {self.ctas}")
+        m = self.model
+        c, dev, fmt = m.config, m.device, m.cache.fmt
+        splits = self.fixed_splits
         if splits is None:
-            splits = choose_splits(layer_plan(fmt, c.head_dim), MAX_ROWS, c.num_key_value_heads, model.capacity, sms)
-        layers = len(model.packed.layers)
-        sched = make_schedule(c, MAX_ROWS, model.capacity, layers=layers, ctas=self.ctas, cache=fmt,
-                              splits=splits, fused_norm=True, every_split=True)
+            splits = choose_splits(layer_plan(fmt, c.head_dim), rows, c.num_key_value_heads, m.capacity,
+                                   sm_count(dev))
+        layers = len(m.packed.layers)
+        sched = make_schedule(c, rows, m.capacity, layers=layers, ctas=self.ctas, cache=fmt, splits=splits,
+                              fused_norm=True, every_split=True)
         table = task_table(sched)
-        self.splits, self.counter_count = splits, len(sched.graph.counters)
-        self.table = table.to(dev)
-        self.starts = layer_starts(table, layers).to(dev)
-        self.counters = torch.zeros(self.counter_count, dtype=torch.int32, device=dev)
-        bf = dict(dtype=torch.bfloat16, device=dev)
-        self.qkv = torch.empty(1, c.qkv_size, **bf)
-        self.attn = torch.empty(1, c.num_attention_heads, c.head_dim, **bf)
-        self.hmid = torch.empty(1, c.hidden_size, **bf)
-        self.act = torch.empty(1, c.intermediate_size, **bf)
         f32 = dict(dtype=torch.float32, device=dev)
-        self.ws_o = torch.empty(1, c.num_key_value_heads, splits, MAX_GROUP, c.head_dim, **f32)
-        self.ws_ml = torch.empty(1, c.num_key_value_heads, splits, MAX_GROUP, 2, **f32)
-        self.kernel = get_kernel(layer_key(fmt, c.head_dim))
-        self.scale = 1.0 / math.sqrt(c.head_dim)
+        t = dict(splits=splits, table=table.to(dev), starts=layer_starts(table, layers).to(dev),
+                 counters=torch.zeros(len(sched.graph.counters), dtype=torch.int32, device=dev),
+                 ws_o=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, c.head_dim, **f32),
+                 ws_ml=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, 2, **f32),
+                 kernel=get_kernel(layer_key(fmt, c.head_dim, tokens_for(rows))))
+        self._tables[rows] = t
+        return t
+
+    @property
+    def splits(self) -> int:
+        """The one-row step's split-KV count."""
+        return self.tables(1)["splits"]
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Every layer on the one-row residual stream x [1, H] bf16 (updated in place; returned)."""
+        """Every layer on the residual stream x [M, H] bf16, 1 <= M <= max_rows (updated in place; returned)."""
         m = self.model
         c = m.config
-        if x.shape != (1, c.hidden_size) or x.dtype != torch.bfloat16 or not x.is_contiguous():
-            raise ValueError(f"the persistent step takes one contiguous bf16 row [1, {c.hidden_size}], got "
-                             f"{tuple(x.shape)} {x.dtype}")
-        heads = self.qkv.view(1, -1, c.head_dim)
-        attn2 = self.attn.view(1, c.q_size)
-        self.counters.zero_()
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if (x.dim() != 2 or not 1 <= rows <= self.max_rows or x.shape[1] != c.hidden_size
+                or x.dtype != torch.bfloat16 or not x.is_contiguous()):
+            raise ValueError(f"the persistent step takes 1..{self.max_rows} contiguous bf16 rows [M, "
+                             f"{c.hidden_size}], got {tuple(x.shape)} {x.dtype}")
+        if positions.shape != (rows,) or slots.shape != (rows,):
+            raise ValueError(f"positions and slots must be [{rows}], got {tuple(positions.shape)} and "
+                             f"{tuple(slots.shape)}")
+        t = self.tables(rows)
+        qkv, attn = self.qkv[:rows], self.attn[:rows]
+        heads = qkv.view(rows, -1, c.head_dim)
+        attn2 = attn.view(rows, c.q_size)
+        hmid, act = self.hmid[:rows], self.act[:rows]
+        counters = t["counters"]
+        counters.zero_()
         for i, w in enumerate(m.packed.layers):
             kc, vc, km, ks, vm, vs = m.cache.layers[i].tensors()
-            self.kernel(self.table, self.starts, i, self.counters, x, w.qkv.packed, w.qkv.scales, self.qkv, attn2,
-                        w.o.packed, w.o.scales, self.hmid, w.gateup.packed, w.gateup.scales, self.act, w.down.packed,
+            t["kernel"](t["table"], t["starts"], i, counters, x, w.qkv.packed, w.qkv.scales, qkv, attn2,
+                        w.o.packed, w.o.scales, hmid, w.gateup.packed, w.gateup.scales, act, w.down.packed,
                         w.down.scales, heads, positions, slots, kc, vc, km.view(torch.uint8), ks,
-                        vm.view(torch.uint8), vs, m.rope, self.attn, self.ws_o, self.ws_ml, c.rms_norm_eps,
-                        self.scale)
+                        vm.view(torch.uint8), vs, m.rope, attn, t["ws_o"], t["ws_ml"], c.rms_norm_eps, self.scale)
         return x
-

@@ -16,6 +16,10 @@
 #             variants need their tuning-space build staged)
 #   bench8    futx bench decode: the 8B step at batch 1 on the persistent layer (split counts) vs the shipped step
 #   bench70   the same for the 70B shape
+#   rows      tests/test_persistent_step_gpu.py (1, 3 and 8 rows, contexts to 8191) and
+#             tests/test_persistent_sanitizer_gpu.py (compute-sanitizer racecheck and synccheck on a small model)
+#   bench8r   the 8B step at (4, 1024) and (8, 1024) on the persistent layer vs the shipped step
+#   bench70r  the 70B step at (4, 1024) (8 rows of its down projection do not fit one CTA's shared memory)
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
 #             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
 set -u
@@ -33,6 +37,12 @@ for part in "$@"; do
                --points 1x1024,1x8192 --persistent auto,8,16 --breakdown '' --json $OUT/persistent-8b.json ;;
     bench70) TAILN=12 step bench70 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
                --cache int4 --points 1x1024 --persistent auto,16 --breakdown '' --json $OUT/persistent-70b.json ;;
+    rows)    TAILN=12 step persistent_rows 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_persistent_step_gpu.py tests/test_persistent_sanitizer_gpu.py ;;
+    bench8r) TAILN=16 step bench8r 240 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+               --points 4x1024,8x1024 --persistent auto --breakdown '' --json $OUT/persistent-8b-rows.json ;;
+    bench70r) TAILN=12 step bench70r 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
+               --cache int4 --points 4x1024 --persistent auto --breakdown '' --json $OUT/persistent-70b-rows.json ;;
     ncu)     source scripts/gpu/ncu_decode.sh
              ncu --clock-control none -k regex:'gemv_tile|persistent_layer' --metrics $M --csv \
                python3 scripts/bench_persistent_layer.py --once > $OUT/ncu_persistent.csv 2> $LOGS/ncu_persistent.err

@@ -1,5 +1,5 @@
 """The persistent decode layer (decode/persistent_layer.py, issue 29): a layer's projections, attention partials
-and their combine as tasks of one launch per layer at M = 1, INT4 weights, per cache format with a mirror (the INT4
+and their combine as tasks of one launch per layer for one row, or 1..8 rows (".m8": the multi-token bodies), INT4 weights, per cache format with a mirror (the INT4
 mirror rotated, as the engine cache keeps it) and head dim 128; the model shape, the table, the layer count and the
 split count are runtime values."""
 
@@ -13,16 +13,26 @@ SOURCES = tuple(dict.fromkeys(("decode/persistent_layer.py", "decode/persistent_
 
 CACHES = ("int4", "e4m3")   # the cache mirrors the layer kernel reads (no BF16-cache plan without the byte table)
 HEAD_DIM = 128
+TOKENS = (1, 8)             # token columns of the projection bodies: one row, or 1..8 rows
+MAX_ROWS = TOKENS[-1]
 
 
-def layer_key(cache: str, head_dim: int = HEAD_DIM) -> str:
-    return f"decode.persistent.layer.{cache}.d{head_dim}"
+def tokens_for(rows: int) -> int:
+    """The kernel's token columns for a step of `rows` rows."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"the persistent layer takes 1..{MAX_ROWS} rows, got {rows}")
+    return 1 if rows == 1 else MAX_ROWS
+
+
+def layer_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1) -> str:
+    return f"decode.persistent.layer.{cache}.d{head_dim}" + ("" if tokens == 1 else f".m{tokens}")
 
 
 SPECS = [
-    KernelSpec(key=layer_key(cache), module="decode.persistent_layer",
-               params=(("cache", cache), ("head_dim", HEAD_DIM)),
+    KernelSpec(key=layer_key(cache, HEAD_DIM, tokens), module="decode.persistent_layer",
+               params=(("cache", cache), ("head_dim", HEAD_DIM), ("tokens", tokens)),
                sources=SOURCES, expect_sass=("HMMA",),
-               doc=f"a decode layer (M = 1, INT4 weights, {cache} cache mirror) as tasks of one persistent launch")
-    for cache in CACHES
+               doc=f"a decode layer ({'M = 1' if tokens == 1 else '1 <= M <= 8'}, INT4 weights, {cache} cache "
+                   "mirror) as tasks of one persistent launch")
+    for cache in CACHES for tokens in TOKENS
 ]
