@@ -72,18 +72,26 @@ class SkinnyWs(Skinny):
                  halves: Optional[bool] = None, schedule: str = "grid", weights_tma: bool = False):
         if group_size != UNIT_K:
             raise ValueError(f"the warp-specialized skinny kernel serves INT4 group {UNIT_K}, got {group_size}")
-        super().__init__("int4", group_size, epilogue, m_tiles, 3, warps=CONSUMER_WARPS, nb_per_warp=1)
+        self.weights_tma = weights_tma   # one 2D TMA copy per stage for the weights, one for the scales
+        self.halves = m_tiles == 8 if halves is None else halves   # a unit's MMAs as two groups (see _unit)
+        self._setup("int4", group_size, epilogue, m_tiles, stages, schedule, CONSUMER_WARPS * UNIT_BYTES,
+                    CONSUMER_WARPS * UNIT_SCALE_BYTES)
         assert self.unit_k == UNIT_K and self.bpu * BLOCK_K == UNIT_K
+
+    def _setup(self, fmt: str, group_size: int, epilogue: str, m_tiles: int, stages: int, schedule: str,
+               wt_bytes: int, sc_bytes: int):
+        """What every weight format's kernel shares: the skinny base (format, epilogue, token groups), the schedule and
+        the ring: a stage holds one unit (`self.unit_k` of k) of activations [tokens x unit_k] in 64-k halves of the
+        128-byte swizzle, `wt_bytes` of the tile's weights and `sc_bytes` of its scales."""
+        Skinny.__init__(self, fmt, group_size, epilogue, m_tiles, 3, warps=CONSUMER_WARPS, nb_per_warp=1)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.stream_k = schedule == "stream"
-        self.weights_tma = weights_tma   # one 2D TMA copy per stage for the weights, one for the scales
         self.tokens = m_tiles * TOKENS
-        self.halves = m_tiles == 8 if halves is None else halves   # a unit's MMAs as two groups (see _unit)
-        self.xs_bytes = self.tokens * UNIT_K * 2            # a unit's activation tile (two swizzled 64-k halves)
+        self.xs_bytes = self.tokens * self.unit_k * 2       # a unit's activation tile (swizzled 64-k halves)
         self.half_bytes = self.tokens * SWIZZLE_ROW         # one 64-k half: tokens rows of 128 bytes
-        self.wt_bytes = CONSUMER_WARPS * UNIT_BYTES
-        self.sc_bytes = CONSUMER_WARPS * UNIT_SCALE_BYTES
+        self.wt_bytes = wt_bytes
+        self.sc_bytes = sc_bytes
         self.stage_bytes = self.xs_bytes + self.wt_bytes + self.sc_bytes
         self.stages = stages or min(MAX_STAGES, (SMEM_PER_CTA - SMEM_RESERVE) // self.stage_bytes)
         if not 2 <= self.stages <= MAX_STAGES or self.stages * self.stage_bytes + SMEM_RESERVE > SMEM_PER_CTA:
@@ -95,28 +103,20 @@ class SkinnyWs(Skinny):
                  y: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, split: Int32, stream_):
         n = self.epi.weight_rows(y.shape[1])
         n_tiles = (n + self.tile_n - 1) // self.tile_n
-        # the activation ring: (tokens, 128 k, stages), K-major in 128-byte swizzle atoms stacked along tokens first
-        x_staged = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.tokens, UNIT_K), BFloat16,
+        # the activation ring: (tokens, unit k, stages), K-major in 128-byte swizzle atoms stacked along tokens first
+        x_staged = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.tokens, self.unit_k), BFloat16,
                                                  self.stages)
         x_one = cute.slice_(x_staged, (None, None, 0))
-        tma_x, g_x = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x, x_one, (self.tokens, UNIT_K))
-        tmas = ()
-        if cutlass.const_expr(self.weights_tma):
-            row = w.shape[1] * (WARP * 4)   # int32 of one n-block's packed row
-            w2 = cute.make_tensor(w.iterator, cute.make_layout((w.shape[0], row), stride=(row, 1)))
-            tma_w, g_w = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), w2, self._w_tile(),
-                                                     (CONSUMER_WARPS, UNIT_BYTES // 4))
-            srow = s.shape[1] * BLOCK_N
-            s2 = cute.make_tensor(s.iterator, cute.make_layout((s.shape[0], srow), stride=(srow, 1)))
-            tma_s, g_s = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s2, self._s_tile(),
-                                                     (CONSUMER_WARPS, BLOCK_N))
-            tmas = (tma_w, g_w, tma_s, g_s)
+        tma_x, g_x = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x, x_one,
+                                                 (self.tokens, self.unit_k))
+        tmas = self._weight_atoms(w, s)
+        w_elem = self.w_smem_type
 
         @cute.struct
         class Storage:
             sx: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(x_staged)], 1024]
-            sw: cute.struct.Align[cute.struct.MemRange[Int32, self.stages * self.wt_bytes // 4], 128]
-            ss: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.stages * self.sc_bytes // 2], 128]
+            sw: cute.struct.Align[cute.struct.MemRange[w_elem, self.stages * self.wt_bytes * 8 // w_elem.width], 1024]
+            ss: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, max(8, self.stages * self.sc_bytes // 2)], 128]
             bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             flag: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
 
@@ -125,6 +125,23 @@ class SkinnyWs(Skinny):
         self.kernel(tma_x, g_x, x_staged, x, w, s, r, y, ws, counters, split, tmas).launch(
             grid=grid, block=(THREADS, 1, 1), smem=Storage.size_in_bytes(), stream=stream_,
             use_pdl=True)
+
+    w_smem_type = Int32   # the element type of the weights' ring (its size in bytes is what counts)
+
+    def _weight_atoms(self, w, s) -> tuple:
+        """The TMA atoms of the weights (host side, passed to the kernel as `tmas`): with `weights_tma` (weights atom,
+        its global tensor, scales atom, its global tensor), else none (bulk copies)."""
+        if not self.weights_tma:
+            return ()
+        row = w.shape[1] * (WARP * 4)   # int32 of one n-block's packed row
+        w2 = cute.make_tensor(w.iterator, cute.make_layout((w.shape[0], row), stride=(row, 1)))
+        tma_w, g_w = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), w2, self._w_tile(),
+                                                 (CONSUMER_WARPS, UNIT_BYTES // 4))
+        srow = s.shape[1] * BLOCK_N
+        s2 = cute.make_tensor(s.iterator, cute.make_layout((s.shape[0], srow), stride=(srow, 1)))
+        tma_s, g_s = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s2, self._s_tile(),
+                                                 (CONSUMER_WARPS, BLOCK_N))
+        return (tma_w, g_w, tma_s, g_s)
 
     def _w_tile(self):
         """A stage's weights: 8 n-block rows of one unit (256 int32 each), row after row."""
@@ -154,15 +171,14 @@ class SkinnyWs(Skinny):
         k = x.shape[1]
         n = self.epi.weight_rows(y.shape[1])
         n_blocks = n // BLOCK_N
-        n_units = k // UNIT_K
+        n_units = k // self.unit_k
         # this CTA's work: the (tile, unit) pairs [w0, w1) in tile-major order (pair w: tile w // n_units, unit
         # w % n_units); the grid schedule's tile bx and its split sy, or stream-K's even share of all pairs
         w0, w1 = self._share(bx, sy, split, n_blocks, n_units)
         if warp == PRODUCER_WARP:
             cpasync.prefetch_descriptor(tma_x)
-            if cutlass.const_expr(self.weights_tma):
-                cpasync.prefetch_descriptor(tmas[0])
-                cpasync.prefetch_descriptor(tmas[2])
+            for atom in self._weight_atoms_of(tmas):
+                cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.storage)
         ring = pipeline.PipelineTmaAsync.create(
@@ -176,13 +192,7 @@ class SkinnyWs(Skinny):
 
         if warp == PRODUCER_WARP:
             sx = storage.sx.get_tensor(x_staged.outer, swizzle=x_staged.inner)
-            wt = None
-            if cutlass.const_expr(self.weights_tma):
-                sw = storage.sw.get_tensor(cute.make_layout((self._w_tile().shape, self.stages),
-                                                            stride=(self._w_tile().stride, self.wt_bytes // 4)))
-                ss = storage.ss.get_tensor(cute.make_layout((self._s_tile().shape, self.stages),
-                                                            stride=(self._s_tile().stride, self.sc_bytes // 2)))
-                wt = self._weight_tmas(tmas, sw, ss)
+            wt = self._weight_ring(storage, tmas)
             self._produce(ring, tma_x, g_x, sx, w, s, k, n_blocks, n_units, w0, w1, ws0, ss0, wt)
         else:
             cw = warp
@@ -274,6 +284,20 @@ class SkinnyWs(Skinny):
                                       Int32(1 - phase if producer else phase))
 
     # ---- producer ----------------------------------------------------------------------------
+    def _weight_atoms_of(self, tmas) -> tuple:
+        """The TMA atoms among `tmas` (their descriptors are prefetched)."""
+        return (tmas[0], tmas[2]) if self.weights_tma else ()
+
+    def _weight_ring(self, storage, tmas):
+        """What `_copy_weights` needs of the ring (with `weights_tma`: `_weight_tmas` over the ring's tensors)."""
+        if not self.weights_tma:
+            return None
+        sw = storage.sw.get_tensor(cute.make_layout((self._w_tile().shape, self.stages),
+                                                    stride=(self._w_tile().stride, self.wt_bytes // 4)))
+        ss = storage.ss.get_tensor(cute.make_layout((self._s_tile().shape, self.stages),
+                                                    stride=(self._s_tile().stride, self.sc_bytes // 2)))
+        return self._weight_tmas(tmas, sw, ss)
+
     def _weight_tmas(self, tmas, sw, ss):
         """(weights atom, its (8 n-blocks, unit) tiles of global, of the ring; the same for the scales)."""
         tma_w, g_w, tma_s, g_s = tmas
@@ -288,7 +312,7 @@ class SkinnyWs(Skinny):
     @cute.jit
     def _produce(self, ring, tma_x, g_x, sx, w, s, k, n_blocks, n_units, w0, w1, ws0, ss0, wt):
         """One warp (TMA issue and the barrier arrives elect their thread): pairs [w0, w1) into the ring."""
-        g_units = cute.local_tile(g_x, (self.tokens, UNIT_K), (None, None))   # (tokens, 128, 1, units)
+        g_units = cute.local_tile(g_x, (self.tokens, self.unit_k), (None, None))   # (tokens, unit k, 1, units)
         t_s, t_g = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sx, 0, 2),
                                          cute.group_modes(g_units, 0, 2))
         w_base = w.iterator.toint()
