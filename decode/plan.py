@@ -131,6 +131,10 @@ SKINNY_VARIANTS = {"": {}, "s3": {"stages": 3, "ctas_per_sm": 4}, "s4": {"stages
 # `split` the CTA count. "wst", "wskt": the same with each stage's weights and scales loaded by one 2D TMA copy each
 # instead of 8 + 8 bulk copies (tuning space)
 ANY_BUCKET_VARIANTS = ("ws", "wsk", "wst", "wskt")
+# "ws", "wsk" on E4M3 weights (decode/skinny_ws_e4m3.py: 64-k units, the weights by one 2D TMA copy per stage into a
+# 64-byte swizzle, their A operands from natural rows by one lane-dependent prmt per 4 weights, no fold: the channel
+# scale in the epilogue); every token bucket; "wst", "wskt" do not apply (its weights always arrive by TMA)
+E4M3_WS_VARIANTS = ("ws", "wsk")
 # the 64-row bucket's variants: the register-weights kernel at 148-198 registers, one CTA (8 warps) per SM, which
 # the split rule counts (ctas_per_sm); "rww" batches 2 units, "rww1" 1; "rwwb" 1, bounded to 128 registers for two
 # CTAs per SM: faster on projections of >= 64 tiles (70B QKV 55 vs 81 us at M = 64) but it spills (18-33 local loads),
@@ -250,10 +254,10 @@ def skinny_variant(fmt: str, group_size: int, m: int, n: Optional[int] = None, k
     return SKINNY_ROUTED_VARIANTS[bucket]
 
 
-def ws_schedule(n: int, k: int, sms: int = 132) -> str:
+def ws_schedule(n: int, k: int, sms: int = 132, fmt: str = "int4", group_size: int = 128) -> str:
     """P17's schedule: "ws" (tiles x split CTAs) where they fill at least WS_STREAM_FILL of their waves, else "wsk"
     (stream-K)."""
-    ctas = -(-n // TILE_N) * skinny_split("int4", 128, n, k, sms, "ws")
+    ctas = -(-n // TILE_N) * skinny_split(fmt, group_size, n, k, sms, "ws")
     return "ws" if ctas >= WS_STREAM_FILL * -(-ctas // sms) * sms else "wsk"
 
 

@@ -292,6 +292,14 @@ def prmt(a, b, selector: int, dtype=Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def prmt_r(a, b, selector, *, loc=None, ip=None) -> Int32:
+    """Byte permute of {b:a} with a selector in a register (a lane-dependent permutation): byte i of the result is
+    byte (selector >> 4i) & 7 of {b:a} (selector bit 4i + 3 clear)."""
+    return Int32(_asm(T.i32(), [_i32(a, loc, ip), _i32(b, loc, ip), _i32(selector, loc, ip)],
+                      "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
 def fma_bf16x2(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [_i32(a, loc, ip), _i32(b, loc, ip), _i32(c, loc, ip)],
                       "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", loc=loc, ip=ip))

@@ -3,8 +3,8 @@
 
 The kernels form a one-way tree: `skinny.py` holds the base class (the mma.sync ring kernel) and the shared
 constants; `skinny_regs.py`, `skinny_wgmma.py` and `skinny_ws.py` subclass it (`skinny_wgmma.py` also builds on
-`skinny_regs.py`). Only this module knows all of them, and none of them imports it
-(tests/test_import_graph.py).
+`skinny_regs.py`, `skinny_ws_e4m3.py` on `skinny_ws.py`). Only this module knows all of them, and none of them
+imports it (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     """Registry factory (ctas_per_sm only steers the host's split choice, decode.plan.SKINNY_VARIANTS; it is
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
     are registry parameters with one value per `mma`: "sync" (decode/skinny.py), "wgmma" (the tuning space's
-    decode/skinny_wgmma.py, INT4; `overlap` is its option) or "ws" (decode/skinny_ws.py, INT4 g128). `chains`:
+    decode/skinny_wgmma.py, INT4; `overlap` is its option) or "ws" (decode/skinny_ws.py, INT4 g128; E4M3:
+    decode/skinny_ws_e4m3.py). `chains`:
     the mma.sync kernel's accumulation chains per token group (0: stream.mma_unit's default). `weights`: "ring"
     (decode/skinny.py: through the shared-memory ring) or "regs" (streamed into registers in batches of
     `prefetch` units: decode/skinny_regs.py, or with "wgmma" skinny_wgmma.SkinnyRegsWgmma). `reduce`: how
@@ -36,10 +37,16 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     if mma == "ws":
         from . import skinny_ws   # only the warp-specialized variants import (and fingerprint) its files
 
-        if (fmt, warps, nb_per_warp, weights, reduce, chains, prefetch, overlap, min_ctas) != (
-                "int4", skinny_ws.CONSUMER_WARPS, 1, "ring", "global", 0, 0, False, 0):
-            raise ValueError("the warp-specialized skinny kernel serves INT4 with its own 8 consumer warps of one "
-                             "n-block and no other option")
+        shape = (warps, nb_per_warp, weights, reduce, chains, prefetch, overlap, min_ctas)
+        if fmt not in ("int4", "e4m3") or shape != (skinny_ws.CONSUMER_WARPS, 1, "ring", "global", 0, 0, False, 0):
+            raise ValueError("the warp-specialized skinny kernel serves INT4 and E4M3 with its own 8 consumer warps of "
+                             "one n-block and no other option")
+        if fmt == "e4m3":
+            from . import skinny_ws_e4m3
+
+            if weights_tma:
+                raise ValueError("the E4M3 warp-specialized kernel always loads its weights by TMA (no weights_tma)")
+            return skinny_ws_e4m3.make_target(epilogue, m_tiles, stages, schedule)
         return skinny_ws.make_target(group_size, epilogue, m_tiles, stages, schedule=schedule, weights_tma=weights_tma)
     if mma == "wgmma":
         if fmt != "int4":

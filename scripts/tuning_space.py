@@ -19,6 +19,7 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.skinny.int4.m16.*.{rw1,rw4}, .m32.*.{rw,rw4}, .m64.*.rww1   the register-weights skinny kernel the bucket
                                               does not route
     decode.skinny.int4[g64].m{16,32}.*.{wg,wgo,rwg,rwgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
+    decode.skinny.e4m3.m{16,32,64}.*.{ws,wsk}  the warp-specialized kernel on E4M3 weights (decode/skinny_ws_e4m3.py)
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
     prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1|.n256.pp.c2x2|.n256.c2x2]   prefill schedules
                                               and clusters (catalog prefill.TUNING)
@@ -87,6 +88,10 @@ def linear_specs() -> list[KernelSpec]:
               and ((v in plan.WIDE_VARIANTS) == (m == 64) or v in plan.ANY_BUCKET_VARIANTS) for e in plan.EPILOGUES]
     specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo", "rwg", "rwgo")
               for e in plan.EPILOGUES for m in (16, 32)]
+    # the warp-specialized kernel on E4M3 weights (decode/skinny_ws_e4m3.py), every token bucket, where not routed
+    specs += [linear_catalog.skinny_spec("e4m3", 128, e, m, v) for m in plan.SKINNY_M_TILES
+              for v in plan.E4M3_WS_VARIANTS if v not in plan.skinny_routed_variants("e4m3", 128, m)
+              for e in plan.EPILOGUES]
     return specs
 
 

@@ -168,7 +168,7 @@ GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344, 65536)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
 
 
-TUNING_COUNT = 345
+TUNING_COUNT = 363   # + 18: the E4M3 ws / wsk in every token bucket and epilogue (decode/skinny_ws_e4m3.py)
 
 
 def _router_keys() -> set[str]:
@@ -266,6 +266,8 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
             for v in plan.SKINNY_VARIANTS:
                 for group in plan.GROUP_SIZES:
                     forced.add(plan.choose("int4", group, e, m, n, k, kernel="skinny", variant=v).key)
+            for v in plan.E4M3_WS_VARIANTS:
+                forced.add(plan.choose("e4m3", 128, e, m, n, k, kernel="skinny", variant=v).key)
     assert {s.key for s in _tuning_space().linear_specs()} <= forced
 
 

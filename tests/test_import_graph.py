@@ -69,11 +69,13 @@ def test_decode_import_graph_is_acyclic():
     modules = _decode_modules()
     graph = {m: _imports(DECODE / f"{m}.py", modules) for m in modules}
     # the skinny family: the variants import the base, only the dispatch module imports the variants
-    assert {"skinny_regs", "skinny_wgmma", "skinny_ws"} <= graph["skinny_dispatch"]
-    assert not graph["skinny"] & {"skinny_regs", "skinny_wgmma", "skinny_ws", "skinny_dispatch"}
+    assert {"skinny_regs", "skinny_wgmma", "skinny_ws", "skinny_ws_e4m3"} <= graph["skinny_dispatch"]
+    assert not graph["skinny"] & {"skinny_regs", "skinny_wgmma", "skinny_ws", "skinny_ws_e4m3", "skinny_dispatch"}
     for variant in ("skinny_regs", "skinny_wgmma", "skinny_ws"):
         assert "skinny" in graph[variant]
         assert "skinny_dispatch" not in graph[variant]
+    assert "skinny_ws" in graph["skinny_ws_e4m3"] and "skinny_dispatch" not in graph["skinny_ws_e4m3"]
+    assert "skinny_ws_e4m3" not in graph["skinny_ws"]
     assert (circle := _cycle(graph)) is None, f"import circle among decode modules: {' -> '.join(circle)}"
 
 

@@ -43,8 +43,10 @@ def skinny_spec(fmt, group, epilogue, m, variant=""):
     params = {"fmt": fmt, "group_size": group, "epilogue": epilogue, "m_tiles": plan.SKINNY_M_TILES[m],
               "warps": plan.SKINNY_WARPS, "nb_per_warp": plan.SKINNY_NB_PER_WARP, **plan.SKINNY_VARIANTS[variant]}
     wgmma = params.get("mma") in ("wgmma", "ws")
-    # only the warp-specialized kernel imports its files
-    sources = _SOURCES + (("decode/skinny_ws.py", "decode/stream_k.py") if params.get("mma") == "ws" else ())
+    # only the warp-specialized kernel imports its files (E4M3: and its subclass)
+    ws = params.get("mma") == "ws"
+    sources = _SOURCES + (("decode/skinny_ws.py", "decode/stream_k.py") if ws else ()) + (
+        ("decode/skinny_ws_e4m3.py",) if ws and fmt == "e4m3" else ())
     return KernelSpec(key=plan.skinny_key(fmt, group, epilogue, m, variant), module="decode.skinny_dispatch",
                       params=tuple(params.items()), sources=sources, expect_sass=("HGMMA",) if wgmma else ("HMMA",),
                       doc=f"M<={m} skinny GEMM{' on warpgroup MMA' if wgmma else ''}, {plan.fmt_tag(fmt, group)} "
