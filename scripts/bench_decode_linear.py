@@ -24,6 +24,7 @@ scripts/tuning_space.py and compiled on demand: JIT, or `python scripts/tuning_s
   futx-int4-nofold    the persistent GEMV without the folded nibble bias
   futx-int4-skinny    the skinny kernel (the plan's choice from M = 9)
   futx-int4-split<S>  the plan's skinny kernel with S split-K CTAs per tile instead of the rule's (1, 2, 4, 8, 16)
+  futx-e4m3-ws/wsk    E4M3: the warp-specialized kernel (decode/skinny_ws_e4m3.py), grid / stream-K, from M = 9
 and the peers: torch._weight_int4pack_mm (g128, the gpt-fast/torchao kernel), torch BF16 matmul, and
 quack's gemm_w4a16 `int4` (optional: --quack, needs quack-kernels and the DSL).
 A candidate equal to the plan's choice is not timed twice. `futx-int4-best` (per projection, the fastest
@@ -99,6 +100,17 @@ def _int4_designs(n, k, m, proj) -> dict:
     return {name: kw for name, kw in out.items() if not same(plan.choose("int4", GROUP, epi, m, n, k, **kw))}
 
 
+def _e4m3_designs(n, k, m, proj) -> dict:
+    """E4M3 design alternatives: the warp-specialized kernel's two schedules (decode/skinny_ws_e4m3.py) from M = 9 on,
+    where they are not the plan's own choice."""
+    epi = EPILOGUE[proj]
+    choice = plan.choose("e4m3", GROUP, epi, m, n, k)
+    out = {f"futx-e4m3-{v}": dict(kernel="skinny", variant=v) for v in plan.E4M3_WS_VARIANTS} if m > 8 else {}
+    def same(c):
+        return (c.key, c.split) == (choice.key, choice.split)
+    return {name: kw for name, kw in out.items() if not same(plan.choose("e4m3", GROUP, epi, m, n, k, **kw))}
+
+
 def futx_candidates(n, k, m, proj, gen):
     from futx.ops.decode_linear import run_variant
 
@@ -127,6 +139,8 @@ def futx_candidates(n, k, m, proj, gen):
     }
     for name, kw in _int4_designs(n, k, m, proj).items():
         cands[name] = (call("int4", packed, scales, **kw), int4_bytes)
+    for name, kw in _e4m3_designs(n, k, m, proj).items():
+        cands[name] = (call("e4m3", e4, e4s, **kw), n * k + 4 * n)
     return x, cands
 
 
@@ -136,7 +150,8 @@ def plan_note(n, k, m, proj, fmt="int4") -> str:
     if c.kind == "tile":
         nb = c.key.rsplit(".nb", 1)[1] if ".nb" in c.key else ""
         return f"tile w{plan.tile_warps(k, n, m=m)}" + (f" nb{nb}" if nb else "")
-    return f"gemv tiles={c.tiles}" if c.kind == "gemv" else f"skinny split={c.split}"
+    variant = f".{c.variant}" if c.variant else ""
+    return f"gemv tiles={c.tiles}" if c.kind == "gemv" else f"skinny{variant} split={c.split}"
 
 
 def torch_candidates(x, n, k, gen):
@@ -426,8 +441,8 @@ def main() -> None:
         timed = sorted((v["us"], c) for c, v in res.items() if not c.startswith("_") and "us" in v)
         errs = {c: v["error"] for c, v in res.items() if isinstance(v, dict) and "error" in v}
         alts = " ".join(f"{c.replace('futx-int4-', '')}={v['us']:.1f}" for c, v in res.items()
-                        if c.startswith("futx-int4-") and "us" in v)
-        print(f"{layer} {proj:7s} M={m:2d} N={n} K={k} [{row['plan']}]: futx-int4 "
+                        if c.startswith(("futx-int4-", "futx-e4m3", "futx-bf16")) and "us" in v)
+        print(f"{layer} {proj:7s} M={m:2d} N={n} K={k} [{row['plan']}; e4m3 {row['plan_e4m3']}]: futx-int4 "
               f"{res.get('futx-int4', {}).get('us', float('nan')):.1f} us "
               f"(floor {floor_us(row['int4_bytes']):.1f}) alts: {alts or '-'}; "
               f"fastest {timed[0][1]} {timed[0][0]:.1f} us "

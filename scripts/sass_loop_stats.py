@@ -5,8 +5,9 @@
 
 For each registry or tuning-space key: compile it (SASS kept), take the loop (a backward branch) that holds the most
 tensor-core instructions, and count its instructions by class per unit of work. A unit is one 16-channel n-block x
-128 k of packed INT4 weights per warp, i.e. 1 KB of weights, so the counts are instructions per KB per warp; the
-expansion counts are also given per 8 weights (one packed word). The unit count of a loop trip is its MMA count over the
+128 k of packed INT4 weights per warp (the E4M3 warp-specialized kernel: x 64 k of e4m3 bytes), i.e. 1 KB of weights,
+so the counts are instructions per KB per warp; the expansion counts are also given per 8 weights (one packed INT4
+word). The unit count of a loop trip is its MMA count over the
 kernel's MMAs per unit (mma.sync: 8 k16 steps x token groups x n-blocks per warp; wgmma: 8 k16 steps).
 """
 
@@ -70,7 +71,19 @@ def hot_loop(ins: list, labels: dict, min_mma: int = 8) -> list:
     return best
 
 
+def e4m3_ws(params: dict) -> bool:
+    """The warp-specialized kernel on E4M3 weights: its unit is 64 k (16 channels x 64 bytes, also 1 KB per warp)."""
+    return params.get("mma") == "ws" and params.get("fmt") == "e4m3"
+
+
+def weights_per_lane(params: dict) -> int:
+    """Weights a lane expands per unit: 16 x 128 / 32 (INT4), 16 x 64 / 32 (E4M3 ws)."""
+    return 32 if e4m3_ws(params) else 64
+
+
 def mmas_per_unit(params: dict) -> int:
+    if e4m3_ws(params):
+        return 4
     if params.get("mma") in ("wgmma", "ws"):
         return 8
     m_tiles = params.get("m_tiles", 1)
@@ -107,8 +120,8 @@ def find_spec(key: str):
 
 def stats(key: str) -> dict:
     spec = find_spec(key)
-    body = hot_loop(*parse(compile_sass(spec)))
     per = mmas_per_unit(spec.param_dict)
+    body = hot_loop(*parse(compile_sass(spec)), min_mma=min(8, per))
     n_mma = sum(1 for x in body if x[1].split(".")[0] in ("HMMA", "HGMMA"))
     units = max(1, n_mma // per)
     counts: dict[str, int] = {}
@@ -120,17 +133,19 @@ def stats(key: str) -> dict:
         ops[base] = ops.get(base, 0) + 1
     return {"key": key, "units_per_trip": units, "total": len(body) / units,
             **{c: v / units for c, v in counts.items()},
-            "per_word": {op: ops.get(op, 0) / units / 8 for op in ("LOP3", "SHF", "HFMA2", "PRMT")}}
+            "per_word": {op: ops.get(op, 0) / units / (weights_per_lane(spec.param_dict) / 8)
+                         for op in ("LOP3", "SHF", "IMAD", "HFMA2", "HMUL2", "PRMT")}}
 
 
 def render(rows: list) -> str:
     cols = ("total", "expand", "mma", "shared", "global", "fold", "sync", "other")
-    out = ["| kernel | units per loop trip | " + " | ".join(cols) + " | LOP3 / SHF / HFMA2 per 8 weights |",
+    per = ("LOP3", "SHF", "IMAD", "HFMA2", "HMUL2", "PRMT")
+    out = ["| kernel | units per loop trip | " + " | ".join(cols) + f" | {' / '.join(per)} per 8 weights |",
            "|---|---:|" + "---:|" * len(cols) + "---|"]
     for r in rows:
         pw = r["per_word"]
         out.append(f"| `{r['key']}` | {r['units_per_trip']} | " + " | ".join(f"{r.get(c, 0):.1f}" for c in cols)
-                   + f" | {pw['LOP3']:.1f} / {pw['SHF']:.1f} / {pw['HFMA2']:.1f} |")
+                   + " | " + " / ".join(f"{pw[op]:.1f}" for op in per) + " |")
     return "\n".join(out)
 
 
@@ -143,7 +158,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     rows = [stats(k) for k in args.keys]
     table = render(rows)
-    print("instructions per unit (1 KB of INT4 weights) per warp in the main loop\n")
+    print("instructions per unit (1 KB of weights: INT4 16 x 128 k, E4M3 16 x 64 k) per warp in the main loop\n")
     print(table)
     if args.md:
         Path(args.md).write_text(table + "\n")

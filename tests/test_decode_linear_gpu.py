@@ -614,6 +614,67 @@ def test_skinny_ws_chain_respects_the_dependency():
     assert err <= 5e-2 * want.abs().max().item(), f"chained projections off by {err:.3g}"
 
 
+# the warp-specialized kernel on E4M3 weights (decode/skinny_ws_e4m3.py, 64-k units): K a multiple of 64 but not of
+# 128 (4160: 65 units, 1344: 21), a partial last 128-channel tile (N/16 = 131 and 65), the 8B QKV, one unit (K = 64)
+E4M3_WS_CASES = [(2096, 4160), (6144, 4096), (1040, 1344), (400, 64)]
+E4M3_WS_M = (8, 9, 16, 17, 31, 33, 63, 64)   # every token bucket, partly and wholly filled
+
+
+@pytest.mark.parametrize("variant", ["ws", "wsk"])
+@pytest.mark.parametrize("epilogue", ["store", "residual", "swiglu"])
+@pytest.mark.parametrize("n,k", E4M3_WS_CASES, ids=[f"{c[0]}x{c[1]}" for c in E4M3_WS_CASES])
+def test_e4m3_ws(n, k, epilogue, variant):
+    """The E4M3 warp-specialized kernel (grid and stream-K schedules, the split the rule picks) against float64
+    x @ dequant(W)^T (every e4m3 bit pattern but NaN, per-channel scales) at odd M in every token bucket, NaN-poisoned
+    outputs."""
+    stored, w_ref = _weights("e4m3", n, k, 128, n + k)
+    for m in E4M3_WS_M:
+        x, r = _inputs(m, k, n, m + n)
+        y = _run("e4m3", stored, x, 128, epilogue, r, kernel="skinny", variant=variant)
+        torch.cuda.synchronize()
+        _check(y, _reference(x, w_ref, epilogue, r), f"e4m3 {variant} M={m} {n}x{k} {epilogue}")
+
+
+@pytest.mark.parametrize("variant,split", [("ws", 1), ("ws", 2), ("ws", 3), ("ws", 7), ("ws", 65), ("wsk", 1),
+                                           ("wsk", 5), ("wsk", 37), ("wsk", 132), ("wsk", 512)])
+@pytest.mark.parametrize("m", [17, 64])
+def test_e4m3_ws_split_k(m, variant, split):
+    """Every split count of both schedules (ws 65: one unit per CTA; wsk 1: every tile whole in one CTA, 512: tiles
+    summed from up to 31 partials) is exact, deterministic and leaves the arrival counters zero."""
+    from futx.ops import split_counters
+
+    n, k = 2096, 4160   # 17 tiles (the last partial) x 65 units
+    stored, w_ref = _weights("e4m3", n, k, 128, 13)
+    x, r = _inputs(m, k, n, 5)
+    epilogue = "residual" if variant == "ws" else "swiglu"
+    y = _run("e4m3", stored, x, 128, epilogue, r, split=split, kernel="skinny", variant=variant)
+    y2 = _run("e4m3", stored, x, 128, epilogue, r, split=split, kernel="skinny", variant=variant)
+    torch.cuda.synchronize()
+    _check(y, _reference(x, w_ref, epilogue, r), f"e4m3 {variant} M={m} split={split}")
+    assert torch.equal(y, y2), "split-K result is not deterministic"
+    assert int(split_counters.counters(x.device).abs().sum()) == 0, "arrival counters were not reset"
+
+
+def test_e4m3_ws_chain_respects_the_dependency():
+    """PDL: the E4M3 ws kernel requests its first weights before it waits for the previous kernel; its activations must
+    still be the previous kernel's finished output (a chain into NaN-poisoned buffers)."""
+    from futx.ops.decode_linear import run_variant
+
+    k, m = 2048, 40
+    stored, w_ref = _weights("e4m3", k, k, 128, 9)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    y, want = x, x.float()
+    for i in range(6):   # both schedules alternating with the routed kernel
+        o = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = run_variant("e4m3", y, stored[0], stored[1], out=o, kernel=("skinny", "auto", "skinny")[i % 3],
+                        variant=("ws", "", "wsk")[i % 3])
+        want = (want @ w_ref.T).bfloat16().float()
+    torch.cuda.synchronize()
+    assert not torch.isnan(y).any(), "a kernel read its input before the previous kernel wrote it"
+    err = (y.float() - want).abs().max().item()
+    assert err <= 5e-2 * want.abs().max().item(), f"chained projections off by {err:.3g}"
+
+
 # the fused-RMSNorm tile GEMV (M = 1): the 8B QKV and gate/up, the 70B QKV (K = 8192), one n-block with one unit,
 # 17 units over 4 warps (uneven shares) and the SwiGLU epilogue
 NORM_CASES = [(6144, 4096, "store"), (28672, 4096, "swiglu"), (10240, 8192, "store"), (16, 128, "store"),

@@ -2,6 +2,9 @@
 # The warp-specialized INT4 projection (decode/skinny_ws.py, routing rule P17) on the GPU, after
 # `source scripts/gpu/remote.sh`:
 #   bash scripts/gpu/decode_ws.sh tests engine proj ncu step        (any subset, in that order)
+#   bash scripts/gpu/decode_ws.sh e4m3 e4m3proj     the E4M3 kernel (decode/skinny_ws_e4m3.py): its GPU tests; the
+#     8B/70B projections at M = 16/32/64 (routed E4M3, its ws / wsk, torch BF16). Stage: the registry's decode.gemv.*,
+#     decode.tile.*, decode.skinny.* and the tuning space's 'decode.skinny.e4m3.*,decode.skinny.int4.*.ws*'.
 # tests: its GPU tests and the decode-projection tests of every routed kernel; engine: the decode engine's GPU tests
 # (the step on the kernels against the emulated path at every row count); proj: every 8B/70B projection at M = 1 and 8
 # (routed, torch BF16, torch INT4) and at 16/32/64 (routed, the ws/wsk/wst/wskt variants, torch); ncu: Nsight Compute
@@ -42,6 +45,14 @@ for part in "$@"; do
     step)
       TAILN=40 step ws_step 240 python3 -m futx bench decode --weights int4 --cache int4 --points "$STEP_POINTS" \
         --tile-variants "$STEP_VARIANTS" --breakdown '' --out "$OUT/step_ws.json" --md "$OUT/step_ws.md" ;;
+    e4m3)   # the E4M3 kernel (decode/skinny_ws_e4m3.py): a one-unit smoke first (a hang stops here), then its tests
+      TAILN=6 step e4m3_smoke 90 $P tests/test_decode_linear_gpu.py -k "test_e4m3_ws and 400x64 and store"
+      grep -q " passed" "$LOGS/e4m3_smoke.log" && ! grep -q " failed" "$LOGS/e4m3_smoke.log" || { pack; exit 1; }
+      TAILN=12 step e4m3_tests 200 $P tests/test_decode_linear_gpu.py -k "e4m3_ws or skinny_ws_chain or skinny_ws_split" ;;
+    e4m3proj)   # every 8B/70B projection at M = 16/32/64, E4M3: routed, ws, wsk; torch BF16
+      TAILN=60 step e4m3_proj 240 python3 scripts/bench_decode_linear.py --layers layer-8b,layer-70b --m 16,32,64 \
+        --cands futx-e4m3,futx-e4m3-ws,futx-e4m3-wsk,torch-bf16 --budget-s "${E4M3_BUDGET:-150}"
+      cp "$OUT/decode_linear.json" "$LOGS/e4m3_proj.json"; cp "$OUT/decode_linear.md" "$LOGS/e4m3_proj.md" ;;
     *) echo "unknown part $part" ;;
   esac
 done
