@@ -18,7 +18,9 @@ The ring, schedules (grid split-K, stream-K), epilogues and exchanges are the IN
   them on a numpy model of the stage and checks the fragment and the banks.
 * No fold: one float32 accumulator, every unit's 4 k16 steps chained into it (the CTA's first step with scale-d 0),
   one commit group per unit; `wgmma.wait_group 1` after issuing unit u releases unit u - 1's stage (its activations
-  are read by the asynchronous MMAs). The per-channel scale is applied in the epilogue (decode/skinny.py).
+  are read by the asynchronous MMAs) and its A-operand registers, rewritten by unit u + 1: two units per loop trip, so
+  that consecutive units' A operands are different registers (`_retire`). The per-channel scale is applied in the
+  epilogue (decode/skinny.py).
 """
 
 from __future__ import annotations
@@ -65,14 +67,14 @@ def lane_selector(lane):
     return SEL_EVEN + (lane % 2) * (SEL_ODD - SEL_EVEN)
 
 
-def lane_words(lds32, base, offsets, sel, ops=ptx) -> list:
-    """The words [A0, B0, A1, B1] of rows g (k16 steps 0..3), then g + 8, read from the stage at `base`, in the order
-    `E4M3Format.a_operands` takes (it returns per step (a0, a1, a2, a3) = (lo g, lo g+8, hi g, hi g+8))."""
+def lane_words(lds32, addrs, sel, ops=ptx) -> list:
+    """The words [A0, B0, A1, B1] of rows g (k16 steps 0..3), then g + 8, read at `addrs` (per step, word A of row g in
+    the stage: the stage's address + `lane_offsets`), in the order `E4M3Format.a_operands` takes (it returns per step
+    (a0, a1, a2, a3) = (lo g, lo g+8, hi g, hi g+8))."""
     out = []
     for row in (0, ROW8):
-        for off in offsets:
-            addr = base + off + row
-            out.append(ops.prmt_r(lds32(addr), lds32(addr + WORD_B), sel))
+        for addr in addrs:
+            out.append(ops.prmt_r(lds32(addr + row), lds32(addr + row + WORD_B), sel))
     return out
 
 
@@ -128,14 +130,31 @@ class SkinnyWsE4M3(SkinnyWs):
         sel = Int32(lane_selector(lane))
         acc = (Float32(0.0),) * (self.tokens // 2)
         acc = self._unit(ring, i0, acc, xs0_lo, offs, sel, consts, True)
-        for i in cutlass.range(i0 + 1, i0 + count, unroll=1):
+        rest = count - 1
+        for j in cutlass.range(rest // 2, unroll=1):   # two units per trip: each its own A-operand registers
+            i = i0 + 1 + 2 * j
             acc = self._unit(ring, i, acc, xs0_lo, offs, sel, consts, False)
-            ptx.wgmma_wait(1)   # unit i - 1 has completed: its stage (activations read by its MMAs) is free
-            ring.consumer_release(self._state(i - 1))
+            self._retire(ring, i - 1)
+            acc = self._unit(ring, i + 1, acc, xs0_lo, offs, sel, consts, False)
+            self._retire(ring, i)
+        if rest % 2 == 1:
+            last = i0 + count - 1
+            acc = self._unit(ring, last, acc, xs0_lo, offs, sel, consts, False)
+            self._retire(ring, last - 1)
         ptx.wgmma_wait(0)
         acc = tuple(ptx.reg_fence(v) for v in acc)
         ring.consumer_release(self._state(i0 + count - 1))
         return acc
+
+    def _retire(self, ring, i):
+        """After the next unit is issued: wait until unit i's MMAs have completed (at most one group in flight), then
+        free its stage (activations its MMAs read) and, implicitly, its A-operand registers, which the unit after next
+        rewrites. wgmma reads its register A operand asynchronously and ptxas keeps no register of an in-flight wgmma
+        from being rewritten: a unit's A operands are rewritten only after the wait that retires it, which is why a
+        loop trip holds two units (one unit per trip rewrote the registers of the unit still in flight: wrong
+        sums on the H200, 2026-12-04)."""
+        ptx.wgmma_wait(1)
+        ring.consumer_release(self._state(i))
 
     @cute.jit
     def _unit(self, ring, i, acc, xs0_lo, offs, sel, consts, first: bool):
@@ -143,7 +162,10 @@ class SkinnyWsE4M3(SkinnyWs):
         one committed group (the segment's first step with scale-d 0)."""
         ring.consumer_wait(self._state(i))
         stage = i % self.stages
-        words = lane_words(ptx.lds32, stage * self.wt_bytes, offs, sel)
+        # the stage's word-A addresses, opaque: LLVM would otherwise hoist each (offset + constant) out of the loop and
+        # add the stage to all 16 (16 adds per unit instead of 4; the constants are the loads' immediates)
+        base = stage * self.wt_bytes
+        words = lane_words(ptx.lds32, tuple(ptx.opaque_i32(base + o) for o in offs), sel)
         a_ops = self.fmt.a_operands(words, consts)
         xs_lo = xs0_lo + stage * (self.xs_bytes >> 4)   # the stage's descriptor word (start address >> 4)
         ptx.wgmma_fence()
