@@ -21,7 +21,8 @@ docs/routing.md:
   CTAs until the resident CTA slots are filled (never a partial second wave), at least `MIN_UNITS` units
   per CTA. For INT4 g128 its register-weights form (`skinny_regs.py`, SKINNY_ROUTED_VARIANTS by token bucket,
   P15): the weights streamed into registers, only the activations in the ring. The 64-row bucket runs the
-  register-weights form for every format (P16: the ring kernel's accumulators for 8 token groups spill).
+  register-weights form for every format (P16: the ring kernel's accumulators for 8 token groups spill). INT4 g128
+  (P17) and E4M3 (P18) run the warp-specialized kernel from 17 rows on (`skinny_ws.py`, `skinny_ws_e4m3.py`).
 
 The package registry (futx/runtime/catalog/decode_linear.py) holds exactly the variants this router picks.
 The `*_VARIANTS` tables below (and the INT4 GEMV M bucket 16) describe the tuning space: design comparisons
@@ -152,6 +153,10 @@ SKINNY_ROUTED_VARIANTS = {16: "rw", 32: "rw1", 64: "rww"}
 # keeps P15 (the register-weights kernel measured faster there)
 WS_BUCKETS = (32, 64)
 WS_STREAM_FILL = 0.9
+# rule P18: E4M3 in the same buckets runs its warp-specialized kernel (decode/skinny_ws_e4m3.py) with P17's schedule
+# rule counted in its 64-k units; the ring kernel ("", 17..32 rows) and "rww" (33..64) it replaced are tuning space.
+# M <= 16 keeps P6/P7 (the persistent GEMV where the rows fit, else the ring kernel)
+WS_FORMATS = (("int4", 128), ("e4m3", 128))
 MIN_UNITS = 4
 # the tile GEMV variant and small-grid rule the router applies (route_tile_variant lets a benchmark time a tuning
 # variant or another threshold in the decode step as the router would launch it)
@@ -241,31 +246,45 @@ def skinny_key(fmt: str, group_size: int, epilogue: str, m: int, variant: str = 
 def skinny_variant(fmt: str, group_size: int, m: int, n: Optional[int] = None, k: Optional[int] = None,
                    sms: int = 132) -> str:
     """The skinny variant the router runs: for INT4 g128 the variant a benchmark forces, else the warp-specialized
-    kernel in the WS_BUCKETS (P17; its schedule by `ws_schedule`, "ws" when the shape is not given) and the
-    register-weights kernel of the 16-token bucket (SKINNY_ROUTED_VARIANTS, P15); for the other formats the ring
-    kernel ("") up to 32 rows and the register-weights kernel in the 64-row bucket (P16)."""
+    kernel in the WS_BUCKETS (P17, and for E4M3 P18; its schedule by `ws_schedule`, "ws" when the shape is not given)
+    and the register-weights kernel of the 16-token bucket (SKINNY_ROUTED_VARIANTS, P15); for the other formats (and
+    E4M3 up to 16 rows) the ring kernel ("") up to 32 rows and the register-weights kernel in the 64-row bucket
+    (P16)."""
     bucket = m_bucket(m)
+    if (fmt, group_size) == ("int4", 128) and SKINNY_ROUTED is not None:
+        return SKINNY_ROUTED
+    if _ws_format(fmt, group_size) and bucket in WS_BUCKETS:
+        return ws_schedule(n, k, sms, fmt, group_size) if n is not None and k is not None else "ws"
     if (fmt, group_size) != ("int4", 128):
         return SKINNY_ROUTED_VARIANTS[bucket] if bucket == 64 else ""
-    if SKINNY_ROUTED is not None:
-        return SKINNY_ROUTED
-    if bucket in WS_BUCKETS:
-        return ws_schedule(n, k, sms) if n is not None and k is not None else "ws"
     return SKINNY_ROUTED_VARIANTS[bucket]
 
 
+def _ws_format(fmt: str, group_size: int) -> bool:
+    """Whether the warp-specialized kernel is routed for these weights (WS_FORMATS; the group size counts for INT4)."""
+    return (fmt, group_size if fmt == "int4" else 128) in WS_FORMATS
+
+
 def ws_schedule(n: int, k: int, sms: int = 132, fmt: str = "int4", group_size: int = 128) -> str:
-    """P17's schedule: "ws" (tiles x split CTAs) where they fill at least WS_STREAM_FILL of their waves, else "wsk"
-    (stream-K)."""
+    """P17's (and P18's) schedule: "ws" (tiles x split CTAs, the split counted in the format's units) where they fill
+    at least WS_STREAM_FILL of their waves, else "wsk" (stream-K)."""
     ctas = -(-n // TILE_N) * skinny_split(fmt, group_size, n, k, sms, "ws")
     return "ws" if ctas >= WS_STREAM_FILL * -(-ctas // sms) * sms else "wsk"
 
 
 def skinny_routed_variants(fmt: str, group_size: int, m: int) -> tuple:
     """Every skinny variant the router can pick in M's token bucket (the registry holds exactly these)."""
-    if (fmt, group_size) == ("int4", 128) and m_bucket(m) in WS_BUCKETS:
+    if _ws_format(fmt, group_size) and m_bucket(m) in WS_BUCKETS:
         return ("ws", "wsk")
     return (skinny_variant(fmt, group_size, m),)
+
+
+def skinny_replaced_variants(fmt: str, group_size: int, m: int) -> tuple:
+    """The skinny variants P18 took the E4M3 buckets from (the ring kernel up to 32 rows, "rww" in the 64-row bucket):
+    tuning space since."""
+    if fmt == "e4m3" and m_bucket(m) in WS_BUCKETS:
+        return (SKINNY_ROUTED_VARIANTS[64] if m_bucket(m) == 64 else "",)
+    return ()
 
 
 def is_stream_k(variant: str) -> bool:

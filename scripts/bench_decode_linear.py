@@ -25,6 +25,7 @@ scripts/tuning_space.py and compiled on demand: JIT, or `python scripts/tuning_s
   futx-int4-skinny    the skinny kernel (the plan's choice from M = 9)
   futx-int4-split<S>  the plan's skinny kernel with S split-K CTAs per tile instead of the rule's (1, 2, 4, 8, 16)
   futx-e4m3-ws/wsk    E4M3: the warp-specialized kernel (decode/skinny_ws_e4m3.py), grid / stream-K, from M = 9
+  futx-e4m3-skinny[-rww]  E4M3 from M = 17: the ring / register-weights kernel P18 replaced (tuning space)
 and the peers: torch._weight_int4pack_mm (g128, the gpt-fast/torchao kernel), torch BF16 matmul, and
 quack's gemm_w4a16 `int4` (optional: --quack, needs quack-kernels and the DSL).
 A candidate equal to the plan's choice is not timed twice. `futx-int4-best` (per projection, the fastest
@@ -106,6 +107,8 @@ def _e4m3_designs(n, k, m, proj) -> dict:
     epi = EPILOGUE[proj]
     choice = plan.choose("e4m3", GROUP, epi, m, n, k)
     out = {f"futx-e4m3-{v}": dict(kernel="skinny", variant=v) for v in plan.E4M3_WS_VARIANTS} if m > 8 else {}
+    for v in plan.skinny_replaced_variants("e4m3", GROUP, m):   # the kernel P18 replaced
+        out["futx-e4m3-skinny" + (f"-{v}" if v else "")] = dict(kernel="skinny", variant=v)
     def same(c):
         return (c.key, c.split) == (choice.key, choice.split)
     return {name: kw for name, kw in out.items() if not same(plan.choose("e4m3", GROUP, epi, m, n, k, **kw))}

@@ -19,7 +19,8 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.skinny.int4.m16.*.{rw1,rw4}, .m32.*.{rw,rw4}, .m64.*.rww1   the register-weights skinny kernel the bucket
                                               does not route
     decode.skinny.int4[g64].m{16,32}.*.{wg,wgo,rwg,rwgo}  the skinny kernel on warpgroup MMA (decode/skinny_wgmma.py)
-    decode.skinny.e4m3.m{16,32,64}.*.{ws,wsk}  the warp-specialized kernel on E4M3 weights (decode/skinny_ws_e4m3.py)
+    decode.skinny.e4m3.m16.*.{ws,wsk}         the warp-specialized E4M3 kernel at M <= 16 (routed from 17 rows, P18)
+    decode.skinny.e4m3.m32.*, .m64.*.rww      the E4M3 kernels P18 replaced (the ring and register-weights kernels)
     decode.attn.int4.d128.rot.{table,s2,vlut,w6v,fx}   INT4 attention alternatives (catalog VARIANTS)
     prefill.gemm.<ab>.<chain>[.n256|.n256.st|.n256.pp.g16|.n256.pp.c1|.n256.pp.c2x2|.n256.c2x2]   prefill schedules
                                               and clusters (catalog prefill.TUNING)
@@ -89,9 +90,10 @@ def linear_specs() -> list[KernelSpec]:
     specs += [linear_catalog.skinny_spec("int4", 64, e, m, v) for v in ("wg", "wgo", "rwg", "rwgo")
               for e in plan.EPILOGUES for m in (16, 32)]
     # the warp-specialized kernel on E4M3 weights (decode/skinny_ws_e4m3.py), every token bucket, where not routed
+    # (P18 routes it from 17 rows on), and the kernels P18 replaced there
     specs += [linear_catalog.skinny_spec("e4m3", 128, e, m, v) for m in plan.SKINNY_M_TILES
-              for v in plan.E4M3_WS_VARIANTS if v not in plan.skinny_routed_variants("e4m3", 128, m)
-              for e in plan.EPILOGUES]
+              for v in plan.E4M3_WS_VARIANTS + plan.skinny_replaced_variants("e4m3", 128, m)
+              if v not in plan.skinny_routed_variants("e4m3", 128, m) for e in plan.EPILOGUES]
     return specs
 
 

@@ -56,7 +56,7 @@ def test_routing_rule_follows_the_measurements():
     grids of at most 3 CTAs per SM: the 8B QKV and O, not the 70B ones), INT4 2..8 -> persistent GEMV (the
     multi-token tile GEMV for store/SwiGLU projections whose grid fits one wave, P12/P13), INT4 9..64 -> skinny (g128:
     its register-weights form up to 16 rows, P15; the warp-specialized kernel beyond, P17);
-    BF16/E4M3 up to 16 -> persistent GEMV where the rows fit."""
+    BF16/E4M3 up to 16 -> persistent GEMV where the rows fit; E4M3 from 17 rows -> its warp-specialized kernel (P18)."""
     # the down projections (K > 8192): 8 warps; beyond K = 16384 (70B) batches of 3 units (P2, P3)
     for layer, want in (("layer-70b", {"qkv": "", "o": "", "gate_up": "", "down": ".w8.p3"}),):
         for proj, (n, k) in preset(layer).projection_shapes().items():
@@ -85,6 +85,16 @@ def test_routing_rule_follows_the_measurements():
         for fmt in ("bf16", "e4m3"):
             assert plan.choose(fmt, 128, "store", 1, n, k).kind == "gemv"
             assert plan.choose(fmt, 128, "store", 32, n, k).kind == "skinny"
+        # P18: E4M3 from 17 rows on -> its warp-specialized kernel, P17's schedule rule in 64-k units (stream-K for the
+        # 8B QKV, 96 of 132 CTAs, and gate/up, 224 of 264); BF16 keeps the ring kernel / rww
+        for m in (17, 32, 33, 64):
+            bucket = 32 if m <= 32 else 64
+            want = "wsk" if proj in ("qkv", "gate_up") else "ws"
+            assert plan.choose("e4m3", 128, "store", m, n, k).key == f"decode.skinny.e4m3.m{bucket}.store.{want}"
+            assert plan.choose("bf16", 128, "store", m, n, k).key == \
+                f"decode.skinny.bf16.m{bucket}.store" + (".rww" if bucket == 64 else "")
+        assert plan.choose("e4m3", 128, "store", 16, n, k).key == (   # P6 / P7 up to 16 rows
+            "decode.skinny.e4m3.m16.store" if proj == "down" else "decode.gemv.e4m3.m16.store")
     n, k = shapes["qkv"]
     # P12/P13: 2..8 rows of the store/SwiGLU projections -> the multi-token tile GEMV, 8 warps, its fused norm too:
     # the 8B QKV (one wave as it is), the 8B gate/up (1792 CTAs) and the 70B QKV (640) with n-blocks per CTA; the 8B
@@ -168,7 +178,8 @@ GRID_N = (128, 512, 2048, 4096, 6144, 14336, 28672, 32768, 57344, 65536)
 GRID_K = (256, 1024, 2048, 4096, 8192, 8320, 14336, 28672, 57344, 131072)
 
 
-TUNING_COUNT = 363   # + 18: the E4M3 ws / wsk in every token bucket and epilogue (decode/skinny_ws_e4m3.py)
+# + the E4M3 ws / wsk of the 16-row bucket (6) and the E4M3 kernels P18 replaced (the ring kernel at 32 rows, rww at 64)
+TUNING_COUNT = 357
 
 
 def _router_keys() -> set[str]:
@@ -196,7 +207,7 @@ def test_registry_is_exactly_what_the_router_picks():
                                      f"routed keys missing from the registry: {sorted(routed - set(registry))}")
     tuning = {s.key: s for s in _tuning_space().linear_specs()}
     assert not set(tuning) & routed
-    assert len(registry) == 113 and len(tuning) == TUNING_COUNT
+    assert len(registry) == 119 and len(tuning) == TUNING_COUNT   # 113 + 12 E4M3 ws / wsk - the 6 they replaced
 
 
 def test_fused_norm_routes_only_the_tile_gemv():
@@ -266,7 +277,7 @@ def test_tuning_space_keys_are_what_the_forced_router_names():
             for v in plan.SKINNY_VARIANTS:
                 for group in plan.GROUP_SIZES:
                     forced.add(plan.choose("int4", group, e, m, n, k, kernel="skinny", variant=v).key)
-            for v in plan.E4M3_WS_VARIANTS:
+            for v in plan.E4M3_WS_VARIANTS + plan.skinny_replaced_variants("e4m3", 128, m):
                 forced.add(plan.choose("e4m3", 128, e, m, n, k, kernel="skinny", variant=v).key)
     assert {s.key for s in _tuning_space().linear_specs()} <= forced
 

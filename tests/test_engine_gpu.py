@@ -247,3 +247,19 @@ def test_batched_step_on_the_warp_specialized_projections(batch):
     assert torch.isfinite(got).all()
     assert _rel(got, ref) < 5e-2, "the kernel step left the emulated step"
     assert _rel(got, old) < 2e-2, "the warp-specialized projections left the kernels they replaced"
+
+
+@pytest.mark.parametrize("batch", [17, 33, 64])
+def test_batched_step_on_the_warp_specialized_e4m3_projections(batch):
+    """17..64 rows run the E4M3 projections on their warp-specialized kernel (P18, decode/skinny_ws_e4m3.py): the step
+    equals the emulated step."""
+    from decode import plan
+
+    weights = random_weights(_g128_cfg(), seed=4, std=0.05).to(device="cuda")
+    assert plan.skinny_variant("e4m3", 128, batch) in ("ws", "wsk")
+    toks = torch.randint(0, 512, (batch, 4), generator=torch.Generator().manual_seed(5))
+    starts = [3 * (b % 7) for b in range(batch)]
+    ref = _steps(_model(weights, "e4m3", "e4m3", "emulated", batch=batch), toks, starts)
+    got = _steps(_model(weights, "e4m3", "e4m3", batch=batch), toks, starts)
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < 5e-2, "the kernel step left the emulated step"
