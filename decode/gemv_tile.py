@@ -189,12 +189,13 @@ class GemvTile:
     def _row_stats(self, xs, ua, ub, warp, lane, ss_out, x_sums):
         """One pass over this warp's staged slice of the row: its sum of squares -> ss_out[warp] (`norm`) and
         each unit's activation sum -> x_sums[unit] (fold). Lanes 0-15 read unit ua + 2j, lanes 16-31
-        unit ua + 2j + 1 (16 chunks of 8 values each); a unit past the share reads zeros."""
+        unit ua + 2j + 1 (16 chunks of 8 values each); a unit past the share counts as zeros (its lanes read the
+        share's first unit instead: another warp's may still be landing)."""
         chunks = self.unit_k * 2 // LANE_BYTES  # per unit (16)
         ss = Float32(0.0)
         for j in cutlass.range((ub - ua + 1) // 2, unroll=1):
             u = ua + 2 * j + lane // chunks
-            words = ptx.lds_v4(xs + (u * chunks + lane % chunks) * LANE_BYTES)
+            words = ptx.lds_v4(xs + (cutlass.select_(u < ub, u, ua) * chunks + lane % chunks) * LANE_BYTES)
             s = Float32(0.0)
             for word in words:
                 lo, hi = ptx.bf16x2_to_f32(word)
@@ -273,7 +274,6 @@ class GemvTile:
         n_units = k // self.unit_k
         ua = warp * n_units // W
         ub = (warp + 1) * n_units // W
-        last = n_units - 1  # clamps shared-memory reads of units past the share
         k_smem = k
         if cutlass.const_expr(self.split):
             # this CTA's units [cu0, cu1), the sy-th of `splits` ranges, shared by its warps
@@ -281,9 +281,12 @@ class GemvTile:
             cu1 = (sy + 1) * n_units // splits
             ua = cu0 + warp * (cu1 - cu0) // W
             ub = cu0 + (warp + 1) * (cu1 - cu0) // W
-            last = cu1 - 1
             k_smem = tile_slice_k(k, splits)
 
+        # clamps the shared-memory reads of units past the share (predicated off, adding zero) to the warp's own
+        # staged units: another warp's may still be landing (a benign race, but compute-sanitizer's racecheck
+        # rightly reports it). An empty share reads nothing.
+        last = ub - 1
         s_base = s.iterator.toint()
         nb0 = nb
         if cutlass.const_expr(self.nblocks > 1):

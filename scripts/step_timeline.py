@@ -83,7 +83,7 @@ def main() -> int:
     p.add_argument("--weights", default="int4")
     p.add_argument("--cache", default="int4")
     p.add_argument("--replays", type=int, default=7)
-    p.add_argument("--persistent", action="store_true", help="the one-row step on the persistent layer kernel")
+    p.add_argument("--persistent", action="store_true", help="the step (1..8 rows) on the persistent layer kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch

@@ -18,7 +18,10 @@
 #   bench70   the same for the 70B shape
 #   rows      tests/test_persistent_step_gpu.py (1, 3 and 8 rows, contexts to 8191) and
 #             tests/test_persistent_sanitizer_gpu.py (compute-sanitizer racecheck and synccheck on a small model)
-#   bench8r   the 8B step at (4, 1024) and (8, 1024) on the persistent layer vs the shipped step
+#   tiles     tests/test_decode_linear_gpu.py's tile GEMV tests (its bodies are the layer's projection tasks)
+#   bench8r   the 8B step at (1, 1024), (4, 1024) and (8, 1024) on the persistent layer vs the shipped step and the
+#             gpt-fast-style INT4 peer
+#   timeline8 scripts/step_timeline.py: the 8B step at (8, 1024) on the persistent layer, its kernels traced
 #   bench70r  the 70B step at (4, 1024) (8 rows of its down projection do not fit one CTA's shared memory)
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
 #             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
@@ -39,8 +42,12 @@ for part in "$@"; do
                --cache int4 --points 1x1024 --persistent auto,16 --breakdown '' --json $OUT/persistent-70b.json ;;
     rows)    TAILN=12 step persistent_rows 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
                tests/test_persistent_step_gpu.py tests/test_persistent_sanitizer_gpu.py ;;
-    bench8r) TAILN=16 step bench8r 240 python3 -m futx.cli bench decode --weights int4 --cache int4 \
-               --points 4x1024,8x1024 --persistent auto --breakdown '' --json $OUT/persistent-8b-rows.json ;;
+    tiles)   TAILN=6 step tile_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_decode_linear_gpu.py -k "tile or norm_linear" ;;
+    bench8r) TAILN=16 step bench8r 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+               --points 1x1024,4x1024,8x1024 --persistent auto --peers gptfast-int4 --breakdown '' --json $OUT/persistent-8b-rows.json ;;
+    timeline8) TAILN=6 step timeline8 180 python3 scripts/step_timeline.py --batch 8 --persistent \
+               --json $OUT/timeline-8b-b8-persistent.json ;;
     bench70r) TAILN=12 step bench70r 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
                --cache int4 --points 4x1024 --persistent auto --breakdown '' --json $OUT/persistent-70b-rows.json ;;
     ncu)     source scripts/gpu/ncu_decode.sh
