@@ -42,7 +42,6 @@ def chain_reference(x0, layers: int):
     return torch.stack([r.reshape(-1) for r in rows])
 
 
-
 def layer_plan(cache: str = "int4", head_dim: int = 128):
     """The layer kernel's attention plan: decode attention's fused-QKV plan for the cache format (the INT4 mirror
     rotated, as the engine cache keeps it) on the layer's block of LAYER_WARPS warps."""

@@ -2,8 +2,8 @@
 for 1..8 rows) on the task loop of decode/persistent_loop.py, each task being a standalone kernel's own body on the
 task's piece: the projections the tile GEMV's (decode/gemv_tile.py; for several rows its multi-token form) on a
 16-channel n-block, QKV and gate/up with the RMSNorm row factor fused (the M = 1 engine's form, routing rule E2), O
-and down with the residual epilogue, SwiGLU on gate/up; attention decode/attention.py's split-KV partial of one (row, KV head, split) with its RoPE and new cache
-row, and the partials' combine. A projection task requests its first weights, then waits on its counter where the
+and down with the residual epilogue, SwiGLU on gate/up; attention decode/attention.py's split-KV partial of one
+(row, KV head, split) with its RoPE and new cache row, and the partials' combine. A projection task requests its first weights, then waits on its counter where the
 standalone kernel waits for the previous launch (programmatic dependent launch), so its weights stream while its
 producers finish.
 
@@ -252,9 +252,9 @@ def compile_target(cache: str = "int4", head_dim: int = 128, tokens: int = 1):
     a = dict(zip(plan.tensors, attn_fake_args(plan)))
     attention = [a[k] for k in ("qkv", "positions", "slots", "k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror",
                                 "v_scale", "rope", "out", "ws_o", "ws_ml")]
-    return PersistentLayer(plan, tokens=tokens), (table, starts, Int32(0), counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid,
-                                   w_gu, s_gu, act, w_d, s_d, *attention, Float32(1e-5), Float32(1.0),
-                                   make_fake_stream(use_tvm_ffi_env_stream=True))
+    args = (table, starts, Int32(0), counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d, s_d,
+            *attention, Float32(1e-5), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+    return PersistentLayer(plan, tokens=tokens), args
 
 
 def projections_target(warps: int = WARPS, ctas_per_sm: int = CTAS_PER_SM):

@@ -26,8 +26,8 @@ def compile_target(fmt: str = "int4", group_size: int = 128, epilogue: str = "st
     a parameter so that variants that differ in it are distinct registry entries). `warps` and `nb_per_warp`
     are registry parameters with one value per `mma`: "sync" (decode/skinny.py), "wgmma" (the tuning space's
     decode/skinny_wgmma.py, INT4; `overlap` is its option) or "ws" (decode/skinny_ws.py, INT4 g128; E4M3:
-    decode/skinny_ws_e4m3.py). `chains`:
-    the mma.sync kernel's accumulation chains per token group (0: stream.mma_unit's default). `weights`: "ring"
+    decode/skinny_ws_e4m3.py). `chains`: the mma.sync kernel's accumulation chains per token group (0:
+    stream.mma_unit's default). `weights`: "ring"
     (decode/skinny.py: through the shared-memory ring) or "regs" (streamed into registers in batches of
     `prefetch` units: decode/skinny_regs.py, or with "wgmma" skinny_wgmma.SkinnyRegsWgmma). `reduce`: how
     split-K CTAs combine (skinny.REDUCES; "cluster": mma.sync only, at most decode.plan.CLUSTER_MAX CTAs per

@@ -185,13 +185,11 @@ def points(value: str) -> list[tuple[int, int]]:
 
 
 def split_counts(value: str) -> list:
-    """--persistent: 'auto' or split counts 1..64 (the attention op's range), comma-separated."""
-    out = []
-    for v in (x.strip() for x in value.split(",") if x.strip()):
-        if v != "auto" and not (v.isdigit() and 1 <= int(v) <= 64):
-            raise argparse.ArgumentTypeError(f"split counts are 'auto' or 1..64, got {v!r}")
-        out.append(v if v == "auto" else int(v))
-    return out
+    """--persistent: 'auto' or split counts 1..MAX_SPLITS (the attention op's range), comma-separated."""
+    from futx.ops.decode_attention import MAX_SPLITS
+
+    count = validators.int_in(1, MAX_SPLITS)
+    return [v if v == "auto" else count(v) for v in (x.strip() for x in value.split(",") if x.strip())]
 
 
 def peer_list(value: str) -> list[str]:

@@ -84,22 +84,19 @@ class PersistentStep:
         """ctas: CTAs of every launch (default one per SM); splits: the split-KV count of every row count (default
         the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
         max_rows, at most what fits)."""
-        why = unsupported(model)
-        if why is not None:
-            raise ValueError(f"the persistent decode layer does not fit this model: {why}")
         from futx.hardware import sm_count
 
         c, dev = model.config, model.device
+        if max_rows is None:
+            max_rows = max(1, min(model.max_rows, fitting_rows(c)))
+        why = unsupported(model, max_rows)   # every row count up to max_rows fits if it does
+        if why is not None:
+            raise ValueError(f"the persistent decode layer does not fit this model: {why}")
         self.model = model
         sms = sm_count(dev)
         self.ctas = ctas or sms   # one CTA per SM (the layer kernel's registers), all co-resident
         if not 1 <= self.ctas <= sms:
             raise ValueError(f"ctas must be 1..{sms} (co-resident, one per SM), got {self.ctas}")
-        if max_rows is None:
-            max_rows = min(model.max_rows, fitting_rows(c))
-        why = unsupported(model, max_rows)
-        if why is not None:
-            raise ValueError(f"the persistent decode layer does not fit this model: {why}")
         self.max_rows, self.fixed_splits = max_rows, splits
         self._tables: dict = {}   # rows -> its splits, table, starts, counters, split workspace and kernel
         bf = dict(dtype=torch.bfloat16, device=dev)
@@ -139,11 +136,6 @@ class PersistentStep:
                  kernel=get_kernel(layer_key(fmt, c.head_dim, tokens_for(rows))))
         self._tables[rows] = t
         return t
-
-    @property
-    def splits(self) -> int:
-        """The one-row step's split-KV count."""
-        return self.tables(1)["splits"]
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Every layer on the residual stream x [M, H] bf16, 1 <= M <= max_rows (updated in place; returned)."""

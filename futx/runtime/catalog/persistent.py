@@ -1,7 +1,7 @@
 """The persistent decode layer (decode/persistent_layer.py, issue 29): a layer's projections, attention partials
-and their combine as tasks of one launch per layer for one row, or 1..8 rows (".m8": the multi-token bodies), INT4 weights, per cache format with a mirror (the INT4
-mirror rotated, as the engine cache keeps it) and head dim 128; the model shape, the table, the layer count and the
-split count are runtime values."""
+and their combine as tasks of one launch per layer for one row, or 1..8 rows (".m8": the multi-token bodies), INT4
+weights, per cache format with a mirror (the INT4 mirror rotated, as the engine cache keeps it) and head dim 128; the
+model shape, the table, the layer count and the split count are runtime values."""
 
 from futx.runtime.catalog.decode_attention import SOURCES as ATTENTION_SOURCES
 from futx.runtime.catalog.decode_linear import _SOURCES as LINEAR_SOURCES
