@@ -184,11 +184,12 @@ def points(value: str) -> list[tuple[int, int]]:
     return out
 
 
-def split_counts(value: str) -> list:
-    """--persistent: 'auto' or split counts 1..MAX_SPLITS (the attention op's range), comma-separated."""
-    from futx.ops.decode_attention import MAX_SPLITS
+ATTENTION_MAX_SPLITS = 64   # futx.ops.decode_attention.MAX_SPLITS, not imported: parsing loads no torch
 
-    count = validators.int_in(1, MAX_SPLITS)
+
+def split_counts(value: str) -> list:
+    """--persistent: 'auto' or split counts 1..64 (the attention op's range), comma-separated."""
+    count = validators.int_in(1, ATTENTION_MAX_SPLITS)
     return [v if v == "auto" else count(v) for v in (x.strip() for x in value.split(",") if x.strip())]
 
 

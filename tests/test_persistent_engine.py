@@ -73,6 +73,9 @@ def test_bench_decode_takes_persistent_split_counts():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from scripts import bench_engine
 
+    from futx.ops.decode_attention import MAX_SPLITS
+
+    assert bench_engine.ATTENTION_MAX_SPLITS == MAX_SPLITS
     p = bench_engine.build_parser()
     assert p.parse_args(["--persistent", "auto,8"]).persistent == ["auto", 8]
     assert p.parse_args([]).persistent == []
