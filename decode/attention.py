@@ -101,6 +101,11 @@ class DecodeAttention:
         plan.check_maps()
         self.p = plan
 
+    def _sync(self) -> None:
+        """The CTA barrier of the attention bodies: every thread of a standalone launch (the persistent ring layer,
+        decode/persistent_ring.py, meets only its consumer warps: its producer warp never joins)."""
+        cute.arch.sync_threads()
+
     def tensors(self, **given) -> AttnTensors:
         """AttnTensors of a compile entry, by keyword: exactly the tensors its plan declares, in order."""
         if tuple(given) != self.p.tensors:
@@ -202,12 +207,12 @@ class DecodeAttention:
                     ptx.sts32(s_flag + PAIR_CONST_OFFSET + 4, Uint32(ptx.ALU_CONSTANTS["p_hi"]))
             for j in range(warp, MAX_GROUP, NW):
                 self.stage_query(mQ, t.rope, pos, s_q, b, kvh, group, j, lane, scale_log2)
-            cute.arch.sync_threads()  # new row in global memory, table and query in shared memory
+            self._sync()  # new row in global memory, table and query in shared memory
 
             t_begin = split * per_split
             t_end = cutlass.min(tiles, t_begin + per_split)
             self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages)
-            cute.arch.sync_threads()  # scratch (the ring) holds every warp's partial
+            self._sync()  # scratch (the ring) holds every warp's partial
 
             for h in range(warp, group, NW):
                 big, lsum, outs = merge_warps(s_ring, NW, MAX_GROUP, D, h, lane)
@@ -223,7 +228,7 @@ class DecodeAttention:
             if cutlass.const_expr(arrive):
                 if n_active > 1:
                     cute.arch.fence_acq_rel_gpu()  # publish this thread's partials before the count
-                    cute.arch.sync_threads()
+                    self._sync()
                     if tidx == 0:
                         cnt_addr = mCnt.iterator.toint() + Int64(cute.crd2idx((b, kvh), mCnt.layout)) * 4
                         arrived = ptx.atomic_add_acq_rel_gpu(cnt_addr, 1)
@@ -232,7 +237,7 @@ class DecodeAttention:
                             last = Int32(1)
                             mCnt[b, kvh] = Int32(0)  # every split has arrived: ready for the next launch
                         ptx.sts32(s_flag, Uint32(last))
-                    cute.arch.sync_threads()
+                    self._sync()
                     if ptx.lds32(s_flag) != Uint32(0):
                         cute.arch.fence_acq_rel_gpu()
                         self.merge(t, b, kvh, n_active, warp, lane, group)
@@ -401,7 +406,7 @@ class DecodeAttention:
             cute.arch.sync_warp()  # all lanes are done with this stage before it is refilled
 
         cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()  # the ring becomes merge scratch
+        self._sync()  # the ring becomes merge scratch
         self.store_partial(s_ring, warp, lane, acc, (m0, m1), (l0, l1))
 
     def tile_page(self, t: AttnTensors, slot, tile):

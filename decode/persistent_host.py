@@ -48,3 +48,54 @@ def layer_plan(cache: str = "int4", head_dim: int = 128):
     from decode.attn_plan import default_plan
 
     return default_plan(cache, head_dim, rotate=cache == "int4", warps=LAYER_WARPS, fused_qkv=True)
+
+
+# ---- the ring layer (decode/persistent_ring.py): a producer warp streams every projection task's weights --------
+RING_CONSUMER_WARPS = LAYER_WARPS   # they run every task body; the producer warp is one more
+RING_THREADS = 32 * (RING_CONSUMER_WARPS + 1)
+RING_UNIT_BYTES = 1024              # one INT4 g128 unit of a 16-channel n-block (decode.gemv_layout.UNIT_BYTES)
+RING_UNIT_SCALE_BYTES = 32          # its 16 float16 group scales
+RING_STAGE_UNITS = RING_CONSUMER_WARPS   # a stage holds one unit per consumer warp, consecutive in K
+RING_STAGE_K = RING_STAGE_UNITS * 128    # every projection's K must be a multiple of it (whole stages)
+RING_MAX_STAGES = 16
+RING_HEADER = 1024                  # the stages' full and empty mbarriers and the task loop's words
+ALIGN = 1024
+
+
+def ring_regions(stages: int) -> dict:
+    """Byte offsets of the ring layer's shared memory, all static but the body's size: `bars` (full[stages],
+    empty[stages], 8 bytes each), `slot` (the task index word, then the stage counter word), `weights` [stages][8 units
+    of 1 KB], `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps' partials), `ss` [warps] f32 (sums of
+    squares), `body` (1024-aligned: the staged activation row of a projection task, or the attention bodies' scratch;
+    its size is the larger of the two, a launch-time value)."""
+    if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 16 > RING_HEADER:
+        raise ValueError(f"the ring takes 2..{RING_MAX_STAGES} stages, got {stages}")
+    w = RING_HEADER
+    s = w + stages * RING_STAGE_UNITS * RING_UNIT_BYTES
+    red = s + stages * RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES
+    ss = red + RING_CONSUMER_WARPS * 16 * 4
+    body = -(-(ss + RING_CONSUMER_WARPS * 4) // ALIGN) * ALIGN
+    return {"bars": 0, "slot": 16 * stages, "weights": w, "scales": s, "red": red, "ss": ss, "body": body}
+
+
+def ring_body_bytes(attention_bytes: int, k_max: int) -> int:
+    """The body region: the attention bodies' scratch or the largest projection input row (bf16), whichever is
+    larger."""
+    return max(attention_bytes, 2 * k_max)
+
+
+def ring_stages(attention_bytes: int, k_max: int, smem: int) -> int:
+    """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside the body (0: not even 2)."""
+    body = ring_body_bytes(attention_bytes, k_max)
+    best = 0
+    for stages in range(2, RING_MAX_STAGES + 1):
+        if ring_regions(stages)["body"] + body <= smem:
+            best = stages
+    return best
+
+
+def ring_misfit(ks) -> "str | None":
+    """Why projections of these input widths K cannot run on the ring (None: they can): a stage is one unit per
+    consumer warp, so K must be whole stages."""
+    bad = sorted({k for k in ks if k % RING_STAGE_K})
+    return f"the ring layer needs every projection's K a multiple of {RING_STAGE_K}, got {bad}" if bad else None

@@ -153,7 +153,27 @@ class PersistentProjections(_Projections):
             kind = table[cta, j, F["kind"]]
 
 
-class PersistentLayer(_Projections):
+class LayerCall:
+    """The layer kernels' calling convention (the tile bodies' PersistentLayer and decode/persistent_ring.py's
+    RingLayer take the same arguments, listed on PersistentLayer): the attention tensors gathered, then the kernel's
+    own launch (`_launch`)."""
+
+    @cute.jit
+    def __call__(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
+                 w_qkv: cute.Tensor, s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor,
+                 s_o: cute.Tensor, hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor,
+                 w_d: cute.Tensor, s_d: cute.Tensor, heads: cute.Tensor, positions: cute.Tensor, slots: cute.Tensor,
+                 k_cache: cute.Tensor, v_cache: cute.Tensor, k_mirror: cute.Tensor, k_scale: cute.Tensor,
+                 v_mirror: cute.Tensor, v_scale: cute.Tensor, rope: cute.Tensor, attn_heads: cute.Tensor,
+                 ws_o: cute.Tensor, ws_ml: cute.Tensor, eps: Float32, softmax_scale: Float32, stream):
+        t = AttnTensors(qkv=heads, rope=rope, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
+                        k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale, out=attn_heads,
+                        ws_o=ws_o, ws_ml=ws_ml)
+        self._launch(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
+                     s_d, t, eps, softmax_scale * Float32(LOG2E), stream)
+
+
+class PersistentLayer(LayerCall, _Projections):
     """A decode layer (INT4 weights, a contiguous INT4 or E4M3 cache by `plan`) as one launch: `tokens` = 1 for
     one row, TOKENS for 1..8 rows (the multi-token tile GEMV's bodies; the table's tasks name the rows).
 
@@ -172,19 +192,11 @@ class PersistentLayer(_Projections):
         self.att = DecodeAttention(plan)
 
     @cute.jit
-    def __call__(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
-                 w_qkv: cute.Tensor, s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor,
-                 s_o: cute.Tensor, hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor,
-                 w_d: cute.Tensor, s_d: cute.Tensor, heads: cute.Tensor, positions: cute.Tensor, slots: cute.Tensor,
-                 k_cache: cute.Tensor, v_cache: cute.Tensor, k_mirror: cute.Tensor, k_scale: cute.Tensor,
-                 v_mirror: cute.Tensor, v_scale: cute.Tensor, rope: cute.Tensor, attn_heads: cute.Tensor,
-                 ws_o: cute.Tensor, ws_ml: cute.Tensor, eps: Float32, softmax_scale: Float32, stream):
-        t = AttnTensors(qkv=heads, rope=rope, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
-                        k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale, out=attn_heads,
-                        ws_o=ws_o, ws_ml=ws_ml)
+    def _launch(self, table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
+                s_d, t: AttnTensors, eps, scale_log2, stream):
         bodies = cutlass.max(self._smem(h, qkv, attn, hmid, act, h), self.att.p.smem_bytes)
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
-                    s_d, t, eps, softmax_scale * Float32(LOG2E), bodies).launch(
+                    s_d, t, eps, scale_log2, bodies).launch(
             grid=(table.shape[0], 1, 1), block=(WARP * self.warps, 1, 1), smem=bodies + 16, stream=stream,
             use_pdl=True)
 

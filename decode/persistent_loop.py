@@ -17,6 +17,7 @@ counter's last increment to its waiters running, the parameter docs/persistent.m
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import dsl_user_op
@@ -39,23 +40,34 @@ def _cg(x: cute.Tensor, row, col) -> Float32:
 
 
 @cute.jit
-def wait(counters: cute.Tensor, idx: Int32, target: Int32, tidx: Int32) -> None:
-    """Until counters[idx] >= target (idx < 0: no wait); every thread of the CTA returns after it."""
+def wait(counters: cute.Tensor, idx: Int32, target: Int32, tidx: Int32, threads: cutlass.Constexpr = 0) -> None:
+    """Until counters[idx] >= target (idx < 0: no wait); every thread of the CTA returns after it (`threads` > 0:
+    the CTA's first `threads` threads, which meet at a named barrier: the ring layer's consumers)."""
     if idx >= 0:
         if tidx == 0:
             seen = cute.arch.load(counters.iterator + idx, Int32, sem="acquire", scope="gpu")
             while seen < target:
                 nanosleep(POLL_NS)
                 seen = cute.arch.load(counters.iterator + idx, Int32, sem="acquire", scope="gpu")
+        cta_sync(threads)
+
+
+def cta_sync(threads: int = 0) -> None:
+    """The task loop's CTA barrier: every thread (`threads` = 0), or the first `threads` at the consumers' named
+    barrier (decode/persistent_ring.py: its producer warp runs ahead and never joins)."""
+    if threads:
+        ptx.bar_sync(ptx.Barrier.PERSISTENT_CONSUMERS, threads)
+    else:
         cute.arch.barrier()
 
 
 @cute.jit
-def signal(counters: cute.Tensor, idx: Int32, tidx: Int32) -> None:
-    """counters[idx] += 1 once the whole CTA's writes are done (idx < 0: none). Call after a CTA barrier."""
+def signal(counters: cute.Tensor, idx: Int32, tidx: Int32, count=1) -> None:
+    """counters[idx] += count (1: this task) once the whole CTA's writes are done (idx < 0: none). Call after a CTA
+    barrier."""
     if idx >= 0:
         if tidx == 0:
-            cute.arch.atomic_add(counters.iterator + idx, Int32(1), sem="release", scope="gpu")
+            cute.arch.atomic_add(counters.iterator + idx, Int32(count), sem="release", scope="gpu")
 
 
 class ChainKernel:

@@ -188,9 +188,17 @@ ATTENTION_MAX_SPLITS = 64   # futx.ops.decode_attention.MAX_SPLITS, not imported
 
 
 def split_counts(value: str) -> list:
-    """--persistent: 'auto' or split counts 1..64 (the attention op's range), comma-separated."""
+    """--persistent: 'auto' or split counts 1..64 (the attention op's range), comma-separated, each optionally
+    'ring:' (the ring layer's body; 'ring' alone: 'ring:auto'). Returns 'auto' / ints, and ('ring', 'auto' / int)
+    for the ring."""
     count = validators.int_in(1, ATTENTION_MAX_SPLITS)
-    return [v if v == "auto" else count(v) for v in (x.strip() for x in value.split(",") if x.strip())]
+    out = []
+    for v in (x.strip() for x in value.split(",") if x.strip()):
+        ring = v == "ring" or v.startswith("ring:")
+        v = "auto" if v == "ring" else v.removeprefix("ring:")
+        v = v if v == "auto" else count(v)
+        out.append(("ring", v) if ring else v)
+    return out
 
 
 def peer_list(value: str) -> list[str]:
@@ -266,7 +274,8 @@ def build_parser(prog: str | None = None) -> Parser:
     p.add_argument("--persistent", type=split_counts, default="", help="also the step on the persistent layer kernel "
                    "(futx.engine.persistent; INT4 weights, INT4/E4M3 caches, batch 1..8 where its shared memory fits "
                    "the rows): comma-separated split counts, "
-                   "'auto' the attention op's choice for the capacity, e.g. auto,8,16")
+                   "'auto' the attention op's choice for the capacity, each optionally 'ring:' (the layer with a "
+                   "producer warp streaming the weights, batch 1; 'ring' = 'ring:auto'), e.g. auto,8,ring,ring:16")
     p.add_argument("--peers", type=peer_list, default="",
                    help=f"comma-separated, each timed in a process of its own after the engine: {', '.join(PEERS)} "
                         "(scripts/decode_peers.py)")
@@ -377,17 +386,19 @@ def run(a: argparse.Namespace) -> int:
         for sp in a.persistent if "int4" in wfs else []:
             from futx.engine.persistent import FORMATS as PFORMATS, PersistentStep, unsupported
 
+            body, sp = sp if isinstance(sp, tuple) else ("tiles", sp)
+            name = "persistent ring" if body == "ring" else "persistent"
             for cf in [f for f in cfs if f in PFORMATS]:
                 m = DecodeModel(packed["int4"], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])
-                why = unsupported(m, batch)
+                why = unsupported(m, batch, body)
                 if why is not None:
-                    print(f"  persistent at batch {batch}: skipped, {why}")
+                    print(f"  {name} at batch {batch}: skipped, {why}")
                     continue
-                m.persistent = PersistentStep(m, splits=None if sp == "auto" else int(sp))
+                m.persistent = PersistentStep(m, splits=None if sp == "auto" else int(sp), body=body)
                 g = GraphSteps(m, buckets=[batch])
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 splits = m.persistent.tables(batch)["splits"]
-                cands[f"int4/{cf} persistent s{splits}"] = lambda g=g: g.replay(batch)
+                cands[f"int4/{cf} {name} s{splits}"] = lambda g=g: g.replay(batch)
         variant_models = {}
         for v in tile_variants:
             route(v)

@@ -23,6 +23,7 @@ KINDS = (("rms+qkv / rms+gate-up (tile GEMV, fused norm)", r"GemvTileNorm"),
          ("o / down (tile GEMV, residual)", r"GemvTile"),
          ("attention", r"DecodeAttention"),
          ("persistent layer", r"PersistentLayer"),
+         ("persistent ring layer", r"RingLayer"),
          ("other futx GEMV / skinny (at M = 1: the LM head)", r"[Gg]emv|Skinny"),
          ("torch (embedding, copies, argmax)", r"."))
 SPLIT_GAP_US = 20.0   # replays are synchronized apart: a longer gap starts the next step
@@ -84,6 +85,8 @@ def main() -> int:
     p.add_argument("--cache", default="int4")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--persistent", action="store_true", help="the step (1..8 rows) on the persistent layer kernel")
+    p.add_argument("--ring", action="store_true", help="the step (one row) on the persistent ring layer kernel "
+                   "(decode/persistent_ring.py)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch
@@ -102,6 +105,10 @@ def main() -> int:
     cache.randomize(0)
     m = DecodeModel(packed, a.cache, max_batch=a.batch, shared_cache=cache, capacity=cap, persistent=a.persistent,
                     **kw)
+    if a.ring:
+        from futx.engine.persistent import PersistentStep
+
+        m.persistent = PersistentStep(m, body="ring")
     g = GraphSteps(m, buckets=[a.batch])
     m.load_inputs(list(range(1, a.batch + 1)), [a.context - 1] * a.batch, list(range(a.batch)))
     for _ in range(3):
@@ -125,9 +132,9 @@ def main() -> int:
         return 1
     best = sorted(steps, key=lambda s: s["span_us"])[len(steps) // 2]   # the median step
     out = {"device": torch.cuda.get_device_name(), "shape": cfg.name, "batch": a.batch, "context": a.context,
-           "weights": a.weights, "cache": a.cache, "persistent": a.persistent, "steps_traced": len(steps),
+           "weights": a.weights, "cache": a.cache, "persistent": "ring" if a.ring else a.persistent, "steps_traced": len(steps),
            "median_step": best, "spans_us": [s["span_us"] for s in steps]}
-    print(f"{cfg.name} ({a.weights}/{a.cache}) B={a.batch} ctx={a.context}{' persistent' if a.persistent else ''}: "
+    print(f"{cfg.name} ({a.weights}/{a.cache}) B={a.batch} ctx={a.context}{' persistent ring' if a.ring else ' persistent' if a.persistent else ''}: "
           f"{best['kernels']} kernels, span {best['span_us']:.1f} us, kernels busy {best['busy_us']:.1f} us, "
           f"idle {best['idle_us']:.1f} us in {best['idle_gaps']} gaps (mean {best['mean_idle_gap_us']:.2f} us), "
           f"overlap {best['overlap_us']:.1f} us", flush=True)

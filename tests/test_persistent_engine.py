@@ -78,7 +78,62 @@ def test_bench_decode_takes_persistent_split_counts():
     assert bench_engine.ATTENTION_MAX_SPLITS == MAX_SPLITS
     p = bench_engine.build_parser()
     assert p.parse_args(["--persistent", "auto,8"]).persistent == ["auto", 8]
+    assert p.parse_args(["--persistent", "ring,ring:16,4"]).persistent == [("ring", "auto"), ("ring", 16), 4]
     assert p.parse_args([]).persistent == []
-    for bad in ("0", "65", "x"):
+    for bad in ("0", "65", "x", "ring:0", "ring:x", "rings"):
         with pytest.raises(SystemExit):
             p.parse_args(["--persistent", bad])
+
+
+def test_ring_layer_fits_the_served_shapes_and_says_why_not():
+    """decode/persistent_ring.py: whole ring stages (K a multiple of 1024) and the ring beside the attention
+    scratch; one row; a clear reason otherwise."""
+    from decode.persistent_host import (RING_STAGE_K, layer_plan, ring_body_bytes, ring_misfit, ring_regions,
+                                        ring_stages)
+    from futx.hardware import SMEM_PER_CTA
+
+    for cache, stages in (("int4", 13), ("e4m3", 14)):
+        att = layer_plan(cache, 128).smem_bytes
+        assert ring_stages(att, 28672, SMEM_PER_CTA) == stages
+        r = ring_regions(stages)
+        assert r["body"] % 1024 == 0 and r["body"] + ring_body_bytes(att, 28672) <= SMEM_PER_CTA
+        assert ring_regions(stages + 1)["body"] + ring_body_bytes(att, 28672) > SMEM_PER_CTA
+        assert r["weights"] >= r["slot"] + 8 and r["scales"] - r["weights"] == stages * 8 * 1024
+    assert ring_misfit((4096, 14336)) is None and "[2816]" in ring_misfit((1024, 2816))
+    with pytest.raises(ValueError, match="2..16 stages"):
+        ring_regions(1)
+    for name in ("llama-3.1-8b", "layer-70b", "layer-1b"):
+        assert pers.ring_misfit(preset(name), "int4") is None, name
+    cfg = tiny_config(head_dim=128, num_attention_heads=8, num_key_value_heads=2, hidden_size=1024,
+                      intermediate_size=2816, num_hidden_layers=1, vocab_size=256)
+    m = DecodeModel(random_packed(cfg, "int4", device="cpu", seed=1), "int4", max_batch=2, capacity=64,
+                    backend="emulated", device="cpu")
+    m.backend = "kernels"
+    assert f"multiple of {RING_STAGE_K}, got [2816]" in pers.unsupported(m, 1, "ring")
+    assert pers.unsupported(m, 1) is None   # the tile bodies take any K of whole groups
+    m.config = cfg.replace(intermediate_size=3072)
+    assert pers.unsupported(m, 1, "ring") is None
+    assert "one row" in pers.unsupported(m, 2, "ring")
+    with pytest.raises(ValueError, match="body must be one of"):
+        pers.unsupported(m, 1, "rings")
+
+
+@pytest.mark.parametrize("name,ctas", [("llama-3.1-8b", 132), ("llama-3.1-8b", 7), ("layer-70b", 132),
+                                       ("layer-1b", 264)])
+def test_ring_tables_wait_once_per_kind_and_layer(name, ctas):
+    """The ring layer skips a same-kind task's wait and reuses its staged row: every projection task of a layer
+    waits for one (counter, target), in the tables the engine builds (kernel form, one row); a table breaking it is
+    refused."""
+    sched = ps.make_schedule(preset(name), 1, 1030, layers=3, ctas=ctas, splits=4, fused_norm=True, every_split=True)
+    table = ps.task_table(sched)
+    pers.check_ring_waits(table)
+    broken = table.clone()
+    rows = (broken[..., F["kind"]] == ps.KINDS.index("o")) & (broken[..., F["layer"]] == 1)
+    c, j = rows.nonzero()[0].tolist()
+    broken[c, j, F["target0"]] += 1
+    with pytest.raises(ValueError, match="every o task of a layer"):
+        pers.check_ring_waits(broken)
+    broken = table.clone()
+    broken[c, j, F["wait1"]] = 0
+    with pytest.raises(ValueError, match="two"):
+        pers.check_ring_waits(broken)

@@ -1,4 +1,5 @@
-"""The persistent decode layer under NVIDIA Compute Sanitizer (issue 29): a small model's steps of 1 and 3 rows on 8
+"""The persistent decode layer under NVIDIA Compute Sanitizer (issue 29), both bodies (the ring: one row, its
+mbarrier ring between the producer warp and the consumers checked too): a small model's steps of 1 and 3 rows on 8
 CTAs (every CTA runs tasks of every kind, counters wait across CTAs and across the layers' launches) finish, with no
 shared-memory hazard (racecheck) and no misuse of barriers (synccheck). Eager steps, no graphs: the sanitizer
 instruments each launch. Skipped where compute-sanitizer is not installed."""
@@ -25,13 +26,16 @@ STEPS = textwrap.dedent(f"""
     from futx.engine.packed import random_packed
     from futx.engine.persistent import PersistentStep
 
-    cfg = tiny_config(head_dim=128, num_attention_heads=8, num_key_value_heads=2, hidden_size=512,
-                      intermediate_size=1024, num_hidden_layers=2, vocab_size=256)
+    body = sys.argv[1]
+    # the ring takes whole stages of K (1024) and one row
+    cfg = tiny_config(head_dim=128, num_attention_heads=8, num_key_value_heads=2,
+                      hidden_size=1024 if body == "ring" else 512, intermediate_size=1024, num_hidden_layers=2,
+                      vocab_size=256)
     m = DecodeModel(random_packed(cfg, "int4", device="cuda", seed=3), "int4", max_batch=4, capacity=256,
                     device="cuda")
     m.cache.randomize(1)
-    m.persistent = PersistentStep(m, ctas=8)
-    for rows in (1, 3):
+    m.persistent = PersistentStep(m, ctas=8, body=body)
+    for rows in ((1,) if body == "ring" else (1, 3)):
         for s in range(2):
             n = m.load_inputs(list(range(1, rows + 1)), [100 + s - r for r in range(rows)], list(range(rows)))
             m.step(n)
@@ -41,13 +45,14 @@ STEPS = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.parametrize("body", ["tiles", "ring"])
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
-def test_persistent_steps_are_clean_under_compute_sanitizer(tool):
+def test_persistent_steps_are_clean_under_compute_sanitizer(tool, body):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if not os.path.exists(SANITIZER):
         pytest.skip("compute-sanitizer not installed")
-    r = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "3", sys.executable, "-c", STEPS],
+    r = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "3", sys.executable, "-c", STEPS, body],
                        capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "STEPS DONE" in out, out[-6000:]

@@ -1,6 +1,7 @@
 """The persistent decode layer's host side (issue 29): the task table of a model's whole step at 1..8 rows, its
 counters and scratch, and the layer launches (decode/persistent_layer.py, registry `decode.persistent.layer.*`:
-one row on the one-token bodies, 2..8 rows on the multi-token ones).
+one row on the one-token bodies, 2..8 rows on the multi-token ones; or, `body="ring"`, one row on
+decode/persistent_ring.py, registry `decode.persistent.ring.*`: a producer warp streams the weights).
 
 A table is built once per model and row count, on the first step of that many rows (decode.persistent_schedule,
 kernel form: fused row factors, every split-KV partial in the table, the split count chosen for the cache's capacity
@@ -17,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from futx.runtime.catalog.persistent import CACHES as FORMATS, HEAD_DIM, MAX_ROWS, layer_key, tokens_for
+from futx.runtime.catalog.persistent import (BODIES, CACHES as FORMATS, HEAD_DIM, MAX_ROWS, layer_key, ring_key,
+                                             tokens_for)
 
 
 def fitting_rows(config) -> int:
@@ -40,8 +42,29 @@ def fitting_rows(config) -> int:
     return best
 
 
-def unsupported(model, rows: int = 1) -> Optional[str]:
-    """Why the persistent layer cannot run this DecodeModel's steps of `rows` rows (None: it can)."""
+def ring_misfit(config, cache: str) -> Optional[str]:
+    """Why the ring layer (decode/persistent_ring.py) cannot run this model shape with this cache (None: it can):
+    whole ring stages in every projection's K, and the widest input row or the attention scratch beside its ring."""
+    from decode.persistent_host import layer_plan, ring_body_bytes, ring_misfit as k_misfit, ring_regions
+    from decode.persistent_host import ring_stages
+    from futx.hardware import SMEM_PER_CTA
+
+    c = config
+    ks = (c.hidden_size, c.q_size, c.intermediate_size)
+    why = k_misfit(ks)
+    if why is not None:
+        return why
+    att = layer_plan(cache, c.head_dim).smem_bytes
+    stages = ring_stages(att, 28672, SMEM_PER_CTA)   # what decode/persistent_ring.py compiles
+    need = ring_regions(stages)["body"] + ring_body_bytes(att, max(ks))
+    if need > SMEM_PER_CTA:
+        return f"its ring and its widest row need {need} bytes of shared memory, more than {SMEM_PER_CTA}"
+    return None
+
+
+def unsupported(model, rows: int = 1, body: str = "tiles") -> Optional[str]:
+    """Why the persistent layer (`body` "tiles": decode/persistent_layer.py, "ring": decode/persistent_ring.py)
+    cannot run this DecodeModel's steps of `rows` rows (None: it can)."""
     from decode.attn_plan import MAX_GROUP
 
     c, p = model.config, model.packed
@@ -55,8 +78,12 @@ def unsupported(model, rows: int = 1) -> Optional[str]:
         return "it reads a contiguous cache, not a paged one"
     if c.head_dim != HEAD_DIM or c.num_attention_heads // c.num_key_value_heads > MAX_GROUP:
         return f"it is built for head dim {HEAD_DIM} and GQA groups <= {MAX_GROUP}"
+    if body not in BODIES:
+        raise ValueError(f"body must be one of {BODIES}, got {body!r}")
     if not 1 <= rows <= MAX_ROWS:
         return f"it takes 1..{MAX_ROWS} rows, not {rows}"
+    if body == "ring":
+        return "the ring layer takes one row" if rows != 1 else ring_misfit(c, model.cache.fmt)
     fit = fitting_rows(c)
     if rows > fit:
         return f"{rows} rows of this model's projection inputs do not fit shared memory (at most {fit})"
@@ -76,20 +103,39 @@ def layer_starts(table: torch.Tensor, layers: int) -> torch.Tensor:
     return starts
 
 
+def check_ring_waits(table: torch.Tensor) -> None:
+    """The ring layer keeps a projection's staged row for the CTA's next task of the same kind and skips that task's
+    wait (decode/persistent_ring.py): sound only if every task of a kind in a layer waits on one counter for one
+    target, and none on a second counter. Raises ValueError naming the first kind where the table breaks that."""
+    from decode.persistent_host import F
+    from decode.persistent_schedule import KINDS
+
+    flat = table.reshape(-1, table.shape[-1])
+    if (flat[:, F["wait1"]] >= 0).any():
+        raise ValueError("the ring layer waits on one counter per task, the table has tasks with two")
+    for name in ("qkv", "o", "gate_up", "down"):
+        rows = flat[flat[:, F["kind"]] == KINDS.index(name)]
+        keys = rows[:, [F["layer"], F["wait0"], F["target0"]]].unique(dim=0)
+        if keys.shape[0] != keys[:, 0].unique().numel():
+            raise ValueError(f"the ring layer needs every {name} task of a layer to wait for one counter and target")
+
+
 class PersistentStep:
-    """Steps of 1..`max_rows` rows of one DecodeModel (its cache and weights) on the persistent layer kernel."""
+    """Steps of 1..`max_rows` rows of one DecodeModel (its cache and weights) on the persistent layer kernel (both
+    bodies take the same table and arguments)."""
 
     def __init__(self, model, ctas: Optional[int] = None, splits: Optional[int] = None,
-                 max_rows: Optional[int] = None):
+                 max_rows: Optional[int] = None, body: str = "tiles"):
         """ctas: CTAs of every launch (default one per SM); splits: the split-KV count of every row count (default
         the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
-        max_rows, at most what fits)."""
+        max_rows, at most what fits; the ring: 1); body: "tiles" (the tile GEMV bodies) or "ring" (a producer warp
+        streams the weights, one row)."""
         from futx.hardware import sm_count
 
         c, dev = model.config, model.device
         if max_rows is None:
-            max_rows = max(1, min(model.max_rows, fitting_rows(c)))
-        why = unsupported(model, max_rows)   # every row count up to max_rows fits if it does
+            max_rows = 1 if body == "ring" else max(1, min(model.max_rows, fitting_rows(c)))
+        why = unsupported(model, max_rows, body)   # every row count up to max_rows fits if it does
         if why is not None:
             raise ValueError(f"the persistent decode layer does not fit this model: {why}")
         self.model = model
@@ -97,7 +143,7 @@ class PersistentStep:
         self.ctas = ctas or sms   # one CTA per SM (the layer kernel's registers), all co-resident
         if not 1 <= self.ctas <= sms:
             raise ValueError(f"ctas must be 1..{sms} (co-resident, one per SM), got {self.ctas}")
-        self.max_rows, self.fixed_splits = max_rows, splits
+        self.max_rows, self.fixed_splits, self.body = max_rows, splits, body
         self._tables: dict = {}   # rows -> its splits, table, starts, counters, split workspace and kernel
         bf = dict(dtype=torch.bfloat16, device=dev)
         self.qkv = torch.empty(max_rows, c.qkv_size, **bf)
@@ -128,12 +174,15 @@ class PersistentStep:
         sched = make_schedule(c, rows, m.capacity, layers=layers, ctas=self.ctas, cache=fmt, splits=splits,
                               fused_norm=True, every_split=True)
         table = task_table(sched)
+        if self.body == "ring":
+            check_ring_waits(table)
         f32 = dict(dtype=torch.float32, device=dev)
         t = dict(splits=splits, table=table.to(dev), starts=layer_starts(table, layers).to(dev),
                  counters=torch.zeros(len(sched.graph.counters), dtype=torch.int32, device=dev),
                  ws_o=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, c.head_dim, **f32),
                  ws_ml=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, 2, **f32),
-                 kernel=get_kernel(layer_key(fmt, c.head_dim, tokens_for(rows))))
+                 kernel=get_kernel(ring_key(fmt, c.head_dim) if self.body == "ring"
+                                   else layer_key(fmt, c.head_dim, tokens_for(rows))))
         self._tables[rows] = t
         return t
 

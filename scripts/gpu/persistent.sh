@@ -23,6 +23,11 @@
 #             gpt-fast-style INT4 peer
 #   timeline8 scripts/step_timeline.py: the 8B step at (8, 1024) on the persistent layer, its kernels traced
 #   bench70r  the 70B step at (4, 1024) (8 rows of its down projection do not fit one CTA's shared memory)
+#   ring      the ring layer (decode/persistent_ring.py, a producer warp streams the weights): its step tests and
+#             compute-sanitizer racecheck / synccheck (tests/test_persistent_step_gpu.py -k ring, the sanitizer test)
+#   bench8g   the 8B step at (1, 1024) and (1, 8192): ring layer vs tile layer vs shipped step vs gpt-fast INT4 peer
+#   bench70g  the 70B step at (1, 1024): ring layer vs shipped step
+#   timelineg scripts/step_timeline.py: the 8B step at (1, 1024) on the ring layer, its kernels traced
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
 #             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
 set -u
@@ -50,6 +55,15 @@ for part in "$@"; do
                --json $OUT/timeline-8b-b8-persistent.json ;;
     bench70r) TAILN=12 step bench70r 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
                --cache int4 --points 4x1024 --persistent auto --breakdown '' --json $OUT/persistent-70b-rows.json ;;
+    ring)    TAILN=12 step persistent_ring 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_persistent_step_gpu.py tests/test_persistent_sanitizer_gpu.py -k ring ;;
+    bench8g) TAILN=16 step bench8g 420 python3 -m futx.cli bench decode --weights int4 --cache int4,e4m3 \
+               --points 1x1024,1x8192 --persistent auto,ring --peers gptfast-int4 --breakdown '' \
+               --json $OUT/persistent-ring-8b.json ;;
+    bench70g) TAILN=12 step bench70g 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
+               --cache int4 --points 1x1024 --persistent ring --breakdown '' --json $OUT/persistent-ring-70b.json ;;
+    timelineg) TAILN=6 step timelineg 180 python3 scripts/step_timeline.py --ring \
+               --json $OUT/timeline-8b-1x1024-ring.json ;;
     ncu)     source scripts/gpu/ncu_decode.sh
              ncu --clock-control none -k regex:'gemv_tile|persistent_layer' --metrics $M --csv \
                python3 scripts/bench_persistent_layer.py --once > $OUT/ncu_persistent.csv 2> $LOGS/ncu_persistent.err

@@ -1,7 +1,9 @@
 """The persistent decode layer (decode/persistent_layer.py, issue 29): a layer's projections, attention partials
 and their combine as tasks of one launch per layer for one row, or 1..8 rows (".m8": the multi-token bodies), INT4
 weights, per cache format with a mirror (the INT4 mirror rotated, as the engine cache keeps it) and head dim 128; the
-model shape, the table, the layer count and the split count are runtime values."""
+model shape, the table, the layer count and the split count are runtime values. `decode.persistent.ring.*`
+(decode/persistent_ring.py): the same layer for one row with a producer warp streaming the weights through a
+shared-memory ring."""
 
 from futx.runtime.catalog.decode_attention import SOURCES as ATTENTION_SOURCES
 from futx.runtime.catalog.decode_linear import _SOURCES as LINEAR_SOURCES
@@ -9,12 +11,14 @@ from futx.runtime.registry import KernelSpec
 
 SOURCES = tuple(dict.fromkeys(("decode/persistent_layer.py", "decode/persistent_loop.py", "decode/persistent_host.py",
                                "decode/persistent_schedule.py", *LINEAR_SOURCES, *ATTENTION_SOURCES)))
+RING_SOURCES = ("decode/persistent_ring.py", *SOURCES)
 
 
 CACHES = ("int4", "e4m3")   # the cache mirrors the layer kernel reads (no BF16-cache plan without the byte table)
 HEAD_DIM = 128
 TOKENS = (1, 8)             # token columns of the projection bodies: one row, or 1..8 rows
 MAX_ROWS = TOKENS[-1]
+BODIES = ("tiles", "ring")  # the projection tasks' bodies: the tile GEMV's, or a producer warp's ring (one row)
 
 
 def tokens_for(rows: int) -> int:
@@ -28,6 +32,10 @@ def layer_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1) -> str:
     return f"decode.persistent.layer.{cache}.d{head_dim}" + ("" if tokens == 1 else f".m{tokens}")
 
 
+def ring_key(cache: str, head_dim: int = HEAD_DIM) -> str:
+    return f"decode.persistent.ring.{cache}.d{head_dim}"
+
+
 SPECS = [
     KernelSpec(key=layer_key(cache, HEAD_DIM, tokens), module="decode.persistent_layer",
                params=(("cache", cache), ("head_dim", HEAD_DIM), ("tokens", tokens)),
@@ -35,4 +43,11 @@ SPECS = [
                doc=f"a decode layer ({'M = 1' if tokens == 1 else '1 <= M <= 8'}, INT4 weights, {cache} cache "
                    "mirror) as tasks of one persistent launch")
     for cache in CACHES for tokens in TOKENS
+]
+SPECS += [
+    KernelSpec(key=ring_key(cache, HEAD_DIM), module="decode.persistent_ring",
+               params=(("cache", cache), ("head_dim", HEAD_DIM)), sources=RING_SOURCES, expect_sass=("HMMA",),
+               doc=f"a decode layer (M = 1, INT4 weights streamed by a producer warp through a shared-memory ring, "
+                   f"{cache} cache mirror) as tasks of one persistent launch")
+    for cache in CACHES
 ]

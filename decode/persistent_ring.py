@@ -1,0 +1,301 @@
+"""The persistent decode layer with its weights streamed apart from the math (issue 29): one launch per layer runs
+the layer's tasks (decode.persistent_schedule.task_table, one row) as decode/persistent_layer.py does, but a
+producer warp copies every projection task's packed weights into a shared-memory ring ahead of the consumer warps,
+across task boundaries and without waiting on any counter.
+
+Why (docs/persistent.md, measured on the H200): the tile GEMV body keeps its weights in its warps' registers, so one
+8-warp CTA per SM has a third of the standalone launches' bytes in flight and streams half their bandwidth. Here the
+bytes in flight are the ring's (`stages` x 8 KB per SM, whatever the consumers' registers), and the weights of task
+j + 1 land while task j computes, waits on its counter, or runs attention.
+
+CTA anatomy (288 threads, one CTA per SM):
+
+  warp 8        producer: one lane walks the CTA's task list of this layer; for each projection task (16 weight rows
+                = one n-block, K / 1024 stages) it waits for a free stage (its *empty* mbarrier), then copies the
+                stage's 8 units of packed weights (8 KB, contiguous in the packed order: an n-block's units are
+                consecutive) and their group scales (256 B) with two bulk copies completing on the stage's *full*
+                mbarrier. Weights never depend on another task, so it never waits on a counter.
+  warps 0-7     consumers: the task loop of decode/persistent_layer.py (counters, attention partials and combines
+                on decode/attention.py's bodies), meeting at a named barrier the producer never joins. A projection
+                task stages the activation row (warp w its units w, w + 8, ...: the ones it multiplies), then per
+                stage warp w takes unit w: its two 16-byte words and two scales from the stage, releases the stage
+                (one arrive per warp), expands and multiplies them as the tile GEMV does (decode/dequant.py,
+                decode/stream.py: the same MMAs per unit), the group scale folded per unit. The warps' partials meet
+                in shared memory, the RMSNorm row factor (QKV, gate/up) scales the sums and the fused epilogue
+                (store, SwiGLU, residual) writes the n-block's outputs.
+
+Both sides count the ring's stages in the same order (the task list's projection stages), so stage i is slot
+i % stages in phase (i / stages) % 2 for both. Every projection's K must be a multiple of 1024 (whole stages:
+decode.persistent_host.ring_misfit). The outputs equal the tile GEMV's up to float32 summation order (a warp's units
+are strided, not a contiguous share).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from decode import persistent_loop as loop
+from decode import ptx, stream
+from decode.attention import AttnTensors, DecodeAttention
+from decode.attn_plan import AttnPlan
+from decode.dequant import LANE_BYTES
+from decode.gemv_tile import WARP, GemvTile
+from decode.persistent_layer import LayerCall
+from decode.persistent_host import (RING_CONSUMER_WARPS, RING_STAGE_K, RING_STAGE_UNITS, RING_THREADS,
+                                    RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, layer_plan, ring_regions, ring_stages)
+from decode.persistent_schedule import KINDS
+from futx.hardware import SMEM_PER_CTA
+
+CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
+PRODUCER_WARP = RING_CONSUMER_WARPS
+STAGE_W = RING_STAGE_UNITS * RING_UNIT_BYTES          # a stage's weights
+STAGE_S = RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES    # its scales
+CHUNKS = 128 * 2 // LANE_BYTES                        # 16-byte chunks of a unit's activations (128 bf16)
+PROJ = {k: KINDS.index(k) for k in ("qkv", "o", "gate_up", "down")}
+ATTN = {k: KINDS.index(k) for k in ("attn_partial", "attn_combine")}
+F = loop.F
+
+
+class ConsumerAttention(DecodeAttention):
+    """decode/attention.py's bodies on the consumer warps: their CTA barriers leave the producer warp out."""
+
+    def _sync(self) -> None:
+        loop.cta_sync(CONSUMERS)
+
+
+class RingProjection(GemvTile):
+    """A projection task on the consumer warps, reading its weights from the ring (the tile GEMV's unit arithmetic,
+    its partials' sum, RMSNorm factor and epilogues)."""
+
+    def __init__(self, epilogue: str, norm: bool, stages: int):
+        super().__init__(epilogue, RING_CONSUMER_WARPS)
+        self.norm = norm
+        self.stages = stages
+        self.r = ring_regions(stages)
+
+    @cute.jit
+    def _stage_row(self, x: cute.Tensor, xs, ss_out, n_st, warp, lane):
+        """This warp's units of the row (w, w + 8, ...: the ones it multiplies) -> shared memory, where only it reads
+        them; `norm`: their sum of squares -> ss_out[warp]."""
+        x_base = x.iterator.toint()
+        for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
+            off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
+            ptx.cp_async_16(xs + off, x_base + Int64(off))
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_warp()
+        if cutlass.const_expr(self.norm):
+            ss = Float32(0.0)
+            for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
+                off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
+                for word in ptx.lds_v4(xs + off):
+                    lo, hi = ptx.bf16x2_to_f32(word)
+                    ss = ss + lo * lo + hi * hi
+            for sh in (16, 8, 4, 2, 1):
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=sh)
+            if lane == 0:
+                ptx.sts_f32(ss_out + warp * 4, ss)
+
+    @cute.jit
+    def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, counters, wait, target, staged):
+        """n-block nb of y = x @ W^T (+ epilogue); its stages are the ring's i0, i0 + 1, ...; returns the stage
+        after its last. `staged`: the row (and its sums of squares) is still in shared memory from the CTA's
+        previous task, of the same kind (every task of a kind reads the same row): no wait, no copy."""
+        fmt = self.fmt
+        warp = tid // WARP
+        lane = tid % WARP
+        g = lane // 4
+        k = x.shape[1]
+        n_st = k // RING_STAGE_K
+        xs = base + self.r["body"]
+        if not staged:
+            loop.wait(counters, wait, target, tid, CONSUMERS)
+            self._stage_row(x, xs, base + self.r["ss"], n_st, warp, lane)
+
+        # the residual of this thread's output column, requested now: its latency hides behind the stages
+        cols = 16 // self.epi.rows_per_output
+        at = Int64(nb) * cols + tid
+        res = Float32(0.0)
+        if cutlass.const_expr(self.epi.residual):
+            if tid < cols:
+                res = ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2)
+
+        xs_lane = xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
+        consts = fmt.consts()
+        w_lane = base + self.r["weights"] + warp * RING_UNIT_BYTES + lane * LANE_BYTES
+        s_warp = base + self.r["scales"] + warp * RING_UNIT_SCALE_BYTES
+        acc = (Float32(0.0),) * 4
+        for st in cutlass.range(n_st, unroll=1):
+            i = i0 + st
+            slot = i % self.stages
+            cute.arch.mbarrier_wait(bars + slot, (i // self.stages) % 2)
+            cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
+            cute.arch.sync_warp()   # every lane's reads of the stage issued before the warp releases it
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bars + self.stages + slot)
+            u = st * RING_STAGE_UNITS + warp
+            b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
+            (acc,) = stream.mma_unit(fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
+
+        # the warps' partials (every B column holds the row: lanes with t = 0 have them) -> the n-block's outputs
+        red = base + self.r["red"]
+        if lane % 4 == 0:
+            ptx.sts_f32(red + (warp * 16 + g) * 4, acc[0])
+            ptx.sts_f32(red + (warp * 16 + g + 8) * 4, acc[2])
+        loop.cta_sync(CONSUMERS)
+        if tid < cols:   # output column tid of the n-block
+            sums = tuple(self._row_sum(red, row) for row in self.epi.rows(tid))
+            if cutlass.const_expr(self.norm):
+                factor = self._norm_factor(base + self.r["ss"], k, eps)
+                sums = tuple(v * factor for v in sums)
+            ptx.stg_bf16(y.iterator.toint() + at * 2, self.epi.finish(sums, lambda: res))
+        return i0 + n_st
+
+
+class RingLayer(LayerCall):
+    """A decode layer (one row, INT4 g128 weights, a contiguous INT4 or E4M3 cache mirror by `plan`) as one launch
+    with a producer warp streaming the projections' weights; the arguments are decode/persistent_layer.py's
+    PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many as fit beside the attention bodies' scratch)."""
+
+    def __init__(self, plan: AttnPlan, stages: int = 0):
+        if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
+            raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
+                             "byte table and use the consumer warps")
+        self.att = ConsumerAttention(plan)
+        # the ring beside the attention scratch, leaving room for the 8B's and the 70B's widest row (K = 28672)
+        self.stages = stages or ring_stages(plan.smem_bytes, 28672, SMEM_PER_CTA)
+        self.r = ring_regions(self.stages)
+        self.qkv = RingProjection("store", True, self.stages)
+        self.o = RingProjection("residual", False, self.stages)
+        self.gate_up = RingProjection("swiglu", True, self.stages)
+        self.down = RingProjection("residual", False, self.stages)
+
+    @cute.jit
+    def _launch(self, table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
+                s_d, t: AttnTensors, eps, scale_log2, stream):
+        k_max = cutlass.max(cutlass.max(h.shape[1], attn.shape[1]), act.shape[1])
+        body = cutlass.max(Int32(self.att.p.smem_bytes), k_max * 2)
+        self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
+                    s_d, t, eps, scale_log2).launch(
+            grid=(table.shape[0], 1, 1), block=(RING_THREADS, 1, 1), smem=self.r["body"] + body, stream=stream,
+            use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
+               w_qkv: cute.Tensor, s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor,
+               s_o: cute.Tensor, hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor,
+               w_d: cute.Tensor, s_d: cute.Tensor, t: AttnTensors, eps: Float32, scale_log2: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # the next layer's launch may start now (its CTAs take each SM as this launch's CTA there exits)
+        cute.arch.griddepcontrol_launch_dependents()
+        bars = cute.arch.get_dyn_smem(cutlass.Int64, alignment=1024)
+        base = ptx.smem_addr(bars)
+        S = self.stages
+        if tidx == 0:
+            for s in cutlass.range_constexpr(S):
+                cute.arch.mbarrier_init(bars + s, 1)                          # full: the producer's arrive + bytes
+                cute.arch.mbarrier_init(bars + S + s, RING_CONSUMER_WARPS)    # empty: one arrive per consumer warp
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()   # the only barrier of all 288 threads: the mbarriers are ready
+        if warp == PRODUCER_WARP:
+            if tidx % WARP == 0:
+                self._produce(table, starts, layer, cta, h, w_qkv, s_qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act,
+                              w_d, s_d, base, bars)
+        else:
+            self._consume(table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, w_qkv, s_qkv, w_o,
+                          s_o, w_gu, s_gu, w_d, s_d, t, eps, scale_log2, base, bars)
+
+    @cute.jit
+    def _produce(self, table, starts, layer, cta, h, w_qkv, s_qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d, s_d,
+                 base, bars):
+        """One lane: every projection task's stages of this CTA's list, in order, into the ring."""
+        S = self.stages
+        i = Int32(0)
+        for j in cutlass.range(starts[cta, layer], starts[cta, layer + 1], unroll=1):
+            kind = table[cta, j, F["kind"]]
+            is_qkv, is_o = kind == PROJ["qkv"], kind == PROJ["o"]
+            is_gu, is_d = kind == PROJ["gate_up"], kind == PROJ["down"]
+            k = cutlass.select_(is_qkv, h.shape[1], cutlass.select_(is_o, attn.shape[1],
+                                cutlass.select_(is_gu, hmid.shape[1], act.shape[1])))
+            w = cutlass.select_(is_qkv, w_qkv.iterator.toint(), cutlass.select_(is_o, w_o.iterator.toint(),
+                                cutlass.select_(is_gu, w_gu.iterator.toint(), w_d.iterator.toint())))
+            s = cutlass.select_(is_qkv, s_qkv.iterator.toint(), cutlass.select_(is_o, s_o.iterator.toint(),
+                                cutlass.select_(is_gu, s_gu.iterator.toint(), s_d.iterator.toint())))
+            n_st = cutlass.select_(is_qkv | is_o | is_gu | is_d, k // RING_STAGE_K, 0)
+            nb = Int64(table[cta, j, F["a0"]] // 16)
+            w_src = w + nb * Int64(k * 8)      # an n-block's packed weights: 16 channels x K nibbles
+            s_src = s + nb * Int64(k // 4)     # its scales: K / 128 groups x 16 float16
+            for st in cutlass.range(n_st, unroll=1):
+                slot = i % S
+                full = bars + slot
+                cute.arch.mbarrier_wait(bars + S + slot, ((i // S) % 2) ^ 1)   # a fresh slot passes at once
+                cute.arch.mbarrier_arrive_and_expect_tx(full, STAGE_W + STAGE_S)
+                f = ptx.smem_addr(full)
+                ptx.cp_async_bulk_g2s(base + self.r["weights"] + slot * STAGE_W, w_src + Int64(st) * STAGE_W,
+                                      STAGE_W, f)
+                ptx.cp_async_bulk_g2s(base + self.r["scales"] + slot * STAGE_S, s_src + Int64(st) * STAGE_S,
+                                      STAGE_S, f)
+                i = i + 1
+
+    @cute.jit
+    def _consume(self, table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, w_qkv, s_qkv, w_o, s_o,
+                 w_gu, s_gu, w_d, s_d, t, eps, scale_log2, base, bars):
+        """The consumer warps' task loop (decode/persistent_layer.py's, at the consumers' barrier)."""
+        if layer == 0:   # the step's first layer reads the rows the launch before it wrote
+            cute.arch.griddepcontrol_wait()
+        body = base + self.r["body"]
+        nsplit = t.ws_o.shape[2]
+        i = Int32(0)   # the ring's next stage
+        staged = Int32(-1)   # the kind of the projection whose row the body holds (-1: none, or attention scratch)
+        pending = Int32(0)   # tasks done whose signals are held (see below)
+        end = starts[cta, layer + 1]
+        for j in cutlass.range(starts[cta, layer], end, unroll=1):
+            kind = table[cta, j, F["kind"]]
+            wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
+            a0, a1, a2 = table[cta, j, F["a0"]], table[cta, j, F["a1"]], table[cta, j, F["a2"]]
+            nb = a0 // 16
+            again = staged == kind   # the same kind's row: its tasks wait on one counter, one target
+            if kind == ATTN["attn_partial"]:   # (row, KV head, split)
+                loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+                self.att.partial(t, scale_log2, a2, a1, a0, nsplit, body, tidx, False)
+            elif kind == ATTN["attn_combine"]:   # (row, KV head)
+                loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+                self.att.combine(t, a1, a0, nsplit, tidx)
+            elif kind == PROJ["qkv"]:
+                i = self.qkv.task(h, None, qkv, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
+            elif kind == PROJ["o"]:
+                i = self.o.task(attn, h, hmid, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
+            elif kind == PROJ["gate_up"]:
+                i = self.gate_up.task(hmid, None, act, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
+            elif kind == PROJ["down"]:
+                i = self.down.task(act, hmid, h, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
+            else:   # row factors (fused into QKV and gate/up: the kernel form's tables have none) only wait
+                loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+            is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
+            staged = cutlass.select_(is_proj, kind, Int32(-1))
+            loop.cta_sync(CONSUMERS)   # the task's writes and shared-memory reads done by every consumer
+            # one release per run of tasks signalling the same counters: a waiter's target is all of a counter's
+            # producers in the layer, so holding a task's count until the run's last task delays no waiter, and
+            # saves the release fences between them
+            sig0, sig1 = table[cta, j, F["signal0"]], table[cta, j, F["signal1"]]
+            pending = pending + 1
+            more = j + 1 < end
+            nxt = cutlass.select_(more, j + 1, j)
+            same = more & (table[cta, nxt, F["signal0"]] == sig0) & (table[cta, nxt, F["signal1"]] == sig1)
+            if not same:
+                loop.signal(counters, sig0, tidx, pending)
+                loop.signal(counters, sig1, tidx, pending)
+                pending = Int32(0)
+
+
+def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0):
+    """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
+    arguments) of the ring layer for one cache format and head dim; the arguments are the persistent layer's."""
+    from decode import persistent_layer
+
+    _, args = persistent_layer.compile_target(cache, head_dim, tokens=1)
+    return RingLayer(layer_plan(cache, head_dim), stages), args
