@@ -120,7 +120,7 @@ class RingProjection(GemvTile):
         res = Float32(0.0)
         if cutlass.const_expr(self.epi.residual):
             if tid < cols:
-                res = ptx.ldg_bf16_to_f32(r.iterator.toint() + at * 2)
+                res = ptx.ldg_cg_bf16_to_f32(r.iterator.toint() + at * 2)
 
         xs_lane = xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
         consts = fmt.consts()

@@ -134,6 +134,15 @@ def ldg_bf16_to_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def ldg_cg_bf16_to_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """ldg_bf16_to_f32 through L2 and kept in program order (a residual another CTA wrote during this launch, read
+    after the wait that orders it: decode/persistent_ring.py)."""
+    res = _asm(T.f32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+               "{.reg .b16 h; ld.global.cg.b16 h, [$1]; cvt.f32.bf16 $0, h;}", "=f,l", True, loc, ip)
+    return Float32(res)
+
+
+@dsl_user_op
 def stg_bf16(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
     _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
          "{.reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h;}", "l,f", True, loc, ip)
