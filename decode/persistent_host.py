@@ -99,3 +99,10 @@ def ring_misfit(ks) -> "str | None":
     consumer warp, so K must be whole stages."""
     bad = sorted({k for k in ks if k % RING_STAGE_K})
     return f"the ring layer needs every projection's K a multiple of {RING_STAGE_K}, got {bad}" if bad else None
+
+
+# the ring layer's task trace (its `.trace` registry entries): int64 [CTAs, table rows, fields] of global-timer ns,
+# written by the task's CTA (-1 where it did not run): when its consumers reached it, when its wait had passed, when
+# its last write was done, and (projections) when the producer had issued its first stage's copies
+TRACE_FIELDS = ("start", "ready", "end", "issued")
+

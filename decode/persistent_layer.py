@@ -22,6 +22,8 @@ standalone launches (tests/test_persistent_layer_gpu.py); tuning space.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -156,7 +158,7 @@ class PersistentProjections(_Projections):
 class LayerCall:
     """The layer kernels' calling convention (the tile bodies' PersistentLayer and decode/persistent_ring.py's
     RingLayer take the same arguments, listed on PersistentLayer): the attention tensors gathered, then the kernel's
-    own launch (`_launch`)."""
+    own launch (`_launch`). `trace`: None, or the ring layer's task trace (its `.trace` registry entries)."""
 
     @cute.jit
     def __call__(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
@@ -165,12 +167,13 @@ class LayerCall:
                  w_d: cute.Tensor, s_d: cute.Tensor, heads: cute.Tensor, positions: cute.Tensor, slots: cute.Tensor,
                  k_cache: cute.Tensor, v_cache: cute.Tensor, k_mirror: cute.Tensor, k_scale: cute.Tensor,
                  v_mirror: cute.Tensor, v_scale: cute.Tensor, rope: cute.Tensor, attn_heads: cute.Tensor,
-                 ws_o: cute.Tensor, ws_ml: cute.Tensor, eps: Float32, softmax_scale: Float32, stream):
+                 ws_o: cute.Tensor, ws_ml: cute.Tensor, eps: Float32, softmax_scale: Float32,
+                 trace: Optional[cute.Tensor], stream):
         t = AttnTensors(qkv=heads, rope=rope, positions=positions, slots=slots, k_cache=k_cache, v_cache=v_cache,
                         k_mirror=k_mirror, k_scale=k_scale, v_mirror=v_mirror, v_scale=v_scale, out=attn_heads,
                         ws_o=ws_o, ws_ml=ws_ml)
         self._launch(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
-                     s_d, t, eps, softmax_scale * Float32(LOG2E), stream)
+                     s_d, t, eps, softmax_scale * Float32(LOG2E), trace, stream)
 
 
 class PersistentLayer(LayerCall, _Projections):
@@ -193,7 +196,9 @@ class PersistentLayer(LayerCall, _Projections):
 
     @cute.jit
     def _launch(self, table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
-                s_d, t: AttnTensors, eps, scale_log2, stream):
+                s_d, t: AttnTensors, eps, scale_log2, trace, stream):
+        if cutlass.const_expr(trace is not None):
+            raise ValueError("the tile layer keeps no task trace (the ring layer does)")
         bodies = cutlass.max(self._smem(h, qkv, attn, hmid, act, h), self.att.p.smem_bytes)
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
                     s_d, t, eps, scale_log2, bodies).launch(
@@ -265,7 +270,7 @@ def compile_target(cache: str = "int4", head_dim: int = 128, tokens: int = 1):
     attention = [a[k] for k in ("qkv", "positions", "slots", "k_cache", "v_cache", "k_mirror", "k_scale", "v_mirror",
                                 "v_scale", "rope", "out", "ws_o", "ws_ml")]
     args = (table, starts, Int32(0), counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d, s_d,
-            *attention, Float32(1e-5), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+            *attention, Float32(1e-5), Float32(1.0), None, make_fake_stream(use_tvm_ffi_env_stream=True))
     return PersistentLayer(plan, tokens=tokens), args
 
 

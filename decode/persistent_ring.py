@@ -32,6 +32,8 @@ are strided, not a contiguous share).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -44,7 +46,8 @@ from decode.dequant import LANE_BYTES
 from decode.gemv_tile import WARP, GemvTile
 from decode.persistent_layer import LayerCall
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_STAGE_K, RING_STAGE_UNITS, RING_THREADS,
-                                    RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, layer_plan, ring_regions, ring_stages)
+                                    RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan, ring_regions,
+                                    ring_stages)
 from decode.persistent_schedule import KINDS
 from futx.hardware import SMEM_PER_CTA
 
@@ -56,6 +59,16 @@ CHUNKS = 128 * 2 // LANE_BYTES                        # 16-byte chunks of a unit
 PROJ = {k: KINDS.index(k) for k in ("qkv", "o", "gate_up", "down")}
 ATTN = {k: KINDS.index(k) for k in ("attn_partial", "attn_combine")}
 F = loop.F
+TRACE = {n: i for i, n in enumerate(TRACE_FIELDS)}
+
+
+@cute.jit
+def _stamp(trace: Optional[cute.Tensor], cta, j, field: int, tid) -> None:
+    """trace[cta, j, field] = the global timer, by thread `tid` 0 (no trace: nothing)."""
+    if cutlass.const_expr(trace is not None):
+        if tid == 0:
+            ptx.stg_i64(trace.iterator.toint() + Int64(cute.crd2idx((cta, j, field), trace.layout)) * 8,
+                        ptx.globaltimer())
 
 
 class ConsumerAttention(DecodeAttention):
@@ -99,10 +112,10 @@ class RingProjection(GemvTile):
                 ptx.sts_f32(ss_out + warp * 4, ss)
 
     @cute.jit
-    def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, counters, wait, target, staged):
-        """n-block nb of y = x @ W^T (+ epilogue); its stages are the ring's i0, i0 + 1, ...; returns the stage
-        after its last. `staged`: the row (and its sums of squares) is still in shared memory from the CTA's
-        previous task, of the same kind (every task of a kind reads the same row): no wait, no copy."""
+    def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, staged):
+        """n-block nb of y = x @ W^T (+ epilogue), once the task's wait has passed; its stages are the ring's i0,
+        i0 + 1, ...; returns the stage after its last. `staged`: the row (and its sums of squares) is still in shared
+        memory from the CTA's previous task, of the same kind (every task of a kind reads the same row): no copy."""
         fmt = self.fmt
         warp = tid // WARP
         lane = tid % WARP
@@ -111,7 +124,6 @@ class RingProjection(GemvTile):
         n_st = k // RING_STAGE_K
         xs = base + self.r["body"]
         if not staged:
-            loop.wait(counters, wait, target, tid, CONSUMERS)
             self._stage_row(x, xs, base + self.r["ss"], n_st, warp, lane)
 
         # the residual of this thread's output column, requested now: its latency hides behind the stages
@@ -159,11 +171,12 @@ class RingLayer(LayerCall):
     with a producer warp streaming the projections' weights; the arguments are decode/persistent_layer.py's
     PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many as fit beside the attention bodies' scratch)."""
 
-    def __init__(self, plan: AttnPlan, stages: int = 0):
+    def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False):
         if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
                              "byte table and use the consumer warps")
         self.att = ConsumerAttention(plan)
+        self.trace = trace
         # the ring beside the attention scratch, leaving room for the 8B's and the 70B's widest row (K = 28672)
         self.stages = stages or ring_stages(plan.smem_bytes, 28672, SMEM_PER_CTA)
         self.r = ring_regions(self.stages)
@@ -174,11 +187,13 @@ class RingLayer(LayerCall):
 
     @cute.jit
     def _launch(self, table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
-                s_d, t: AttnTensors, eps, scale_log2, stream):
+                s_d, t: AttnTensors, eps, scale_log2, trace, stream):
+        if cutlass.const_expr((trace is not None) != self.trace):
+            raise ValueError("a traced ring layer takes the trace buffer, an untraced one None")
         k_max = cutlass.max(cutlass.max(h.shape[1], attn.shape[1]), act.shape[1])
         body = cutlass.max(Int32(self.att.p.smem_bytes), k_max * 2)
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
-                    s_d, t, eps, scale_log2).launch(
+                    s_d, t, eps, scale_log2, trace).launch(
             grid=(table.shape[0], 1, 1), block=(RING_THREADS, 1, 1), smem=self.r["body"] + body, stream=stream,
             use_pdl=True)
 
@@ -186,7 +201,8 @@ class RingLayer(LayerCall):
     def kernel(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
                w_qkv: cute.Tensor, s_qkv: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, w_o: cute.Tensor,
                s_o: cute.Tensor, hmid: cute.Tensor, w_gu: cute.Tensor, s_gu: cute.Tensor, act: cute.Tensor,
-               w_d: cute.Tensor, s_d: cute.Tensor, t: AttnTensors, eps: Float32, scale_log2: Float32):
+               w_d: cute.Tensor, s_d: cute.Tensor, t: AttnTensors, eps: Float32, scale_log2: Float32,
+               trace: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -204,14 +220,14 @@ class RingLayer(LayerCall):
         if warp == PRODUCER_WARP:
             if tidx % WARP == 0:
                 self._produce(table, starts, layer, cta, h, w_qkv, s_qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act,
-                              w_d, s_d, base, bars)
+                              w_d, s_d, base, bars, trace)
         else:
-            self._consume(table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, w_qkv, s_qkv, w_o,
-                          s_o, w_gu, s_gu, w_d, s_d, t, eps, scale_log2, base, bars)
+            self._consume(table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps, scale_log2,
+                          base, bars, trace)
 
     @cute.jit
     def _produce(self, table, starts, layer, cta, h, w_qkv, s_qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d, s_d,
-                 base, bars):
+                 base, bars, trace):
         """One lane: every projection task's stages of this CTA's list, in order, into the ring."""
         S = self.stages
         i = Int32(0)
@@ -239,11 +255,13 @@ class RingLayer(LayerCall):
                                       STAGE_W, f)
                 ptx.cp_async_bulk_g2s(base + self.r["scales"] + slot * STAGE_S, s_src + Int64(st) * STAGE_S,
                                       STAGE_S, f)
+                if st == 0:   # the task's first stage is on its way
+                    _stamp(trace, cta, j, TRACE["issued"], Int32(0))
                 i = i + 1
 
     @cute.jit
-    def _consume(self, table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, w_qkv, s_qkv, w_o, s_o,
-                 w_gu, s_gu, w_d, s_d, t, eps, scale_log2, base, bars):
+    def _consume(self, table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps, scale_log2, base,
+                 bars, trace):
         """The consumer warps' task loop (decode/persistent_layer.py's, at the consumers' barrier)."""
         if layer == 0:   # the step's first layer reads the rows the launch before it wrote
             cute.arch.griddepcontrol_wait()
@@ -258,26 +276,30 @@ class RingLayer(LayerCall):
             wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
             a0, a1, a2 = table[cta, j, F["a0"]], table[cta, j, F["a1"]], table[cta, j, F["a2"]]
             nb = a0 // 16
-            again = staged == kind   # the same kind's row: its tasks wait on one counter, one target
-            if kind == ATTN["attn_partial"]:   # (row, KV head, split)
+            _stamp(trace, cta, j, TRACE["start"], tidx)
+            # a projection of the kind whose row is staged: the CTA's previous task, of the same kind, passed the
+            # same wait (one counter and target per kind and layer: futx.engine.persistent.check_ring_waits)
+            again = staged == kind
+            if not again:
                 loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+            _stamp(trace, cta, j, TRACE["ready"], tidx)
+            if kind == ATTN["attn_partial"]:   # (row, KV head, split)
                 self.att.partial(t, scale_log2, a2, a1, a0, nsplit, body, tidx, False)
             elif kind == ATTN["attn_combine"]:   # (row, KV head)
-                loop.wait(counters, wait0, target0, tidx, CONSUMERS)
                 self.att.combine(t, a1, a0, nsplit, tidx)
             elif kind == PROJ["qkv"]:
-                i = self.qkv.task(h, None, qkv, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
+                i = self.qkv.task(h, None, qkv, eps, nb, base, bars, i, tidx, again)
             elif kind == PROJ["o"]:
-                i = self.o.task(attn, h, hmid, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
+                i = self.o.task(attn, h, hmid, eps, nb, base, bars, i, tidx, again)
             elif kind == PROJ["gate_up"]:
-                i = self.gate_up.task(hmid, None, act, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
+                i = self.gate_up.task(hmid, None, act, eps, nb, base, bars, i, tidx, again)
             elif kind == PROJ["down"]:
-                i = self.down.task(act, hmid, h, eps, nb, base, bars, i, tidx, counters, wait0, target0, again)
-            else:   # row factors (fused into QKV and gate/up: the kernel form's tables have none) only wait
-                loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+                i = self.down.task(act, hmid, h, eps, nb, base, bars, i, tidx, again)
+            # (row factors, fused into QKV and gate/up, are not in the kernel form's tables: they would only wait)
             is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
             staged = cutlass.select_(is_proj, kind, Int32(-1))
             loop.cta_sync(CONSUMERS)   # the task's writes and shared-memory reads done by every consumer
+            _stamp(trace, cta, j, TRACE["end"], tidx)
             # one release per run of tasks signalling the same counters: a waiter's target is all of a counter's
             # producers in the layer, so holding a task's count until the run's last task delays no waiter, and
             # saves the release fences between them
@@ -292,10 +314,17 @@ class RingLayer(LayerCall):
                 pending = Int32(0)
 
 
-def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0):
+def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False):
     """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
-    arguments) of the ring layer for one cache format and head dim; the arguments are the persistent layer's."""
+    arguments) of the ring layer for one cache format and head dim; the arguments are the persistent layer's, with
+    `trace` the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
     from decode import persistent_layer
 
     _, args = persistent_layer.compile_target(cache, head_dim, tokens=1)
-    return RingLayer(layer_plan(cache, head_dim), stages), args
+    if trace:
+        c, r = cute.sym_int(), cute.sym_int()
+        buf = make_fake_compact_tensor(Int64, (c, r, len(TRACE_FIELDS)), stride_order=(2, 1, 0), assumed_align=8)
+        args = (*args[:-2], buf, args[-1])
+    return RingLayer(layer_plan(cache, head_dim), stages, trace), args

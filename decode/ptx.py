@@ -134,6 +134,18 @@ def ldg_bf16_to_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> Int64:
+    """The GPU's global nanosecond timer (the same clock on every SM; a task trace's timestamps)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", True, loc, ip))
+
+
+@dsl_user_op
+def stg_i64(addr: Int64, v: Int64, *, loc=None, ip=None) -> None:
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int64(v).ir_value(loc=loc, ip=ip)],
+         "st.global.b64 [$0], $1;", "l,l", True, loc, ip)
+
+
+@dsl_user_op
 def ldg_cg_bf16_to_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
     """ldg_bf16_to_f32 through L2 and kept in program order (a residual another CTA wrote during this launch, read
     after the wait that orders it: decode/persistent_ring.py)."""

@@ -3,7 +3,9 @@ shape and of a GQA-4 layer, 8 rows from equal random caches, both cache formats,
 case, ok or each buffer's relative error per row (QKV, attention, O + residual, gate/up + SwiGLU, down + residual)
 and the layer-0 cache bytes that differ per slot.
 
-    python scripts/persistent_buffers.py       (on the H200; AOT kernels as scripts/gpu/persistent.sh stages them)
+    python scripts/persistent_buffers.py [ring]   (on the H200; AOT kernels as scripts/gpu/persistent.sh stages them)
+
+`ring`: the ring layer (decode/persistent_ring.py), one row, its GQA-4 layer with K = 1024 / 3072 (whole stages).
 """
 import sys
 from pathlib import Path
@@ -14,11 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from futx.config import PRESETS
 from futx.engine import DecodeModel
 from futx.engine.packed import random_packed
+from futx.engine.persistent import PersistentStep
+
+BODY = sys.argv[1] if len(sys.argv) > 1 else "tiles"
+ROWS = 1 if BODY == "ring" else 8
 
 def cfg_of(name):
     cfg = PRESETS["llama-3.1-8b"].replace(num_hidden_layers=1, vocab_size=1024)
     if name == "small":
-        cfg = cfg.replace(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2)
+        cfg = cfg.replace(hidden_size=1024, intermediate_size=3072 if BODY == "ring" else 2816, num_attention_heads=8,
+                          num_key_value_heads=2)
     return cfg
 
 def rel(a, b):
@@ -29,9 +36,11 @@ for name in ("small", "8b"):
     for cf in ("int4", "e4m3"):
         for start in (0, 8190, 62):
           for rep in range(2):
-            rows = 8
+            rows = ROWS
             ref = DecodeModel(packed, cf, max_batch=9, capacity=8200, device="cuda", persistent=False)
-            per = DecodeModel(packed, cf, max_batch=9, capacity=8200, device="cuda", persistent=True)
+            per = DecodeModel(packed, cf, max_batch=9, capacity=8200, device="cuda", persistent=BODY == "tiles")
+            if BODY == "ring":
+                per.persistent = PersistentStep(per, body="ring")
             ref.cache.randomize(11); per.cache.randomize(11)
             pos = torch.tensor([max(0, start - 5 * r) for r in range(rows)], dtype=torch.int32, device="cuda")
             slots = torch.arange(1, rows + 1, dtype=torch.int32, device="cuda")

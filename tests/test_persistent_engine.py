@@ -116,6 +116,8 @@ def test_ring_layer_fits_the_served_shapes_and_says_why_not():
     assert "one row" in pers.unsupported(m, 2, "ring")
     with pytest.raises(ValueError, match="body must be one of"):
         pers.unsupported(m, 1, "rings")
+    with pytest.raises(ValueError, match="only the ring layer keeps a task trace"):
+        pers.PersistentStep(m, trace=True)
 
 
 @pytest.mark.parametrize("name,ctas", [("llama-3.1-8b", 132), ("llama-3.1-8b", 7), ("layer-70b", 132),

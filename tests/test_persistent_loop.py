@@ -115,19 +115,19 @@ def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache, tokens)
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
-@pytest.mark.parametrize("cache", ["int4", "e4m3"])
-def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache):
+@pytest.mark.parametrize("cache,trace", [("int4", False), ("e4m3", False), ("int4", True)])
+def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace):
     """decode/persistent_ring.py (registry decode.persistent.ring.*): 288 threads (8 consumer warps + the producer),
     the four projection bodies reading the ring (8 HMMA per unit each) beside decode attention's partial; the producer
     issues two bulk copies per stage on the stage's full mbarrier (arrive + expected bytes); the consumers' barriers
     are named (the producer never joins one: the only bar.sync 0 is the mbarrier setup's); PDL as the tile layer's
-    (one PREEXIT, one ACQBULK); no spills."""
+    (one PREEXIT, one ACQBULK); no spills. The traced variant reads the global timer at the task's four stamps."""
     pytest.importorskip("cutlass")
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
         from decode import persistent_ring as pr
-        fn, args = pr.compile_target(cache={cache!r})
+        fn, args = pr.compile_target(cache={cache!r}, trace={trace})
         cute.compile(fn, *args)
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass,ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -140,7 +140,8 @@ def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache):
     assert len(re.findall(r"\bUBLKCP\.S\.G\b", sass)) == 2 and "SYNCS.ARRIVE.TRANS64" in sass
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
     assert len(re.findall(r"\bbar(rier)?\.sync(\.aligned)?\s+0;", ptx)) == 1
-    assert len(re.findall(r"\bbarrier\.sync\s+3,", ptx)) >= 10   # ptx.Barrier.PERSISTENT_CONSUMERS
+    assert len(re.findall(r"\bbarrier\.sync\s+3,", ptx)) >= 4   # ptx.Barrier.PERSISTENT_CONSUMERS
     assert sass.count("PREEXIT") == 1 and sass.count("ACQBULK") == 1
     assert "REDG.E.ADD.STRONG.GPU" in sass and "CCTL.IVALL" in sass
+    assert ptx.count("%globaltimer") == (4 if trace else 0)
     assert not re.search(r"\b(LDL|STL)\b", sass)

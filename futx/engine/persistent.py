@@ -125,16 +125,19 @@ class PersistentStep:
     bodies take the same table and arguments)."""
 
     def __init__(self, model, ctas: Optional[int] = None, splits: Optional[int] = None,
-                 max_rows: Optional[int] = None, body: str = "tiles"):
+                 max_rows: Optional[int] = None, body: str = "tiles", trace: bool = False):
         """ctas: CTAs of every launch (default one per SM); splits: the split-KV count of every row count (default
         the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
         max_rows, at most what fits; the ring: 1); body: "tiles" (the tile GEMV bodies) or "ring" (a producer warp
-        streams the weights, one row)."""
+        streams the weights, one row); trace: the ring's traced kernel, each step's task timestamps kept in
+        `tables(1)["trace"]` (futx.engine.persistent_trace reads them)."""
         from futx.hardware import sm_count
 
         c, dev = model.config, model.device
         if max_rows is None:
             max_rows = 1 if body == "ring" else max(1, min(model.max_rows, fitting_rows(c)))
+        if trace and body != "ring":
+            raise ValueError("only the ring layer keeps a task trace (body='ring')")
         why = unsupported(model, max_rows, body)   # every row count up to max_rows fits if it does
         if why is not None:
             raise ValueError(f"the persistent decode layer does not fit this model: {why}")
@@ -143,7 +146,7 @@ class PersistentStep:
         self.ctas = ctas or sms   # one CTA per SM (the layer kernel's registers), all co-resident
         if not 1 <= self.ctas <= sms:
             raise ValueError(f"ctas must be 1..{sms} (co-resident, one per SM), got {self.ctas}")
-        self.max_rows, self.fixed_splits, self.body = max_rows, splits, body
+        self.max_rows, self.fixed_splits, self.body, self.trace = max_rows, splits, body, trace
         self._tables: dict = {}   # rows -> its splits, table, starts, counters, split workspace and kernel
         bf = dict(dtype=torch.bfloat16, device=dev)
         self.qkv = torch.empty(max_rows, c.qkv_size, **bf)
@@ -181,8 +184,12 @@ class PersistentStep:
                  counters=torch.zeros(len(sched.graph.counters), dtype=torch.int32, device=dev),
                  ws_o=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, c.head_dim, **f32),
                  ws_ml=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, 2, **f32),
-                 kernel=get_kernel(ring_key(fmt, c.head_dim) if self.body == "ring"
+                 kernel=get_kernel(ring_key(fmt, c.head_dim, self.trace) if self.body == "ring"
                                    else layer_key(fmt, c.head_dim, tokens_for(rows))))
+        if self.trace:
+            from decode.persistent_host import TRACE_FIELDS
+
+            t["trace"] = torch.full((*table.shape[:2], len(TRACE_FIELDS)), -1, dtype=torch.int64, device=dev)
         self._tables[rows] = t
         return t
 
@@ -205,10 +212,14 @@ class PersistentStep:
         hmid, act = self.hmid[:rows], self.act[:rows]
         counters = t["counters"]
         counters.zero_()
+        trace = t.get("trace")
+        if trace is not None:
+            trace.fill_(-1)
         for i, w in enumerate(m.packed.layers):
             kc, vc, km, ks, vm, vs = m.cache.layers[i].tensors()
             t["kernel"](t["table"], t["starts"], i, counters, x, w.qkv.packed, w.qkv.scales, qkv, attn2,
                         w.o.packed, w.o.scales, hmid, w.gateup.packed, w.gateup.scales, act, w.down.packed,
                         w.down.scales, heads, positions, slots, kc, vc, km.view(torch.uint8), ks,
-                        vm.view(torch.uint8), vs, m.rope, attn, t["ws_o"], t["ws_ml"], c.rms_norm_eps, self.scale)
+                        vm.view(torch.uint8), vs, m.rope, attn, t["ws_o"], t["ws_ml"], c.rms_norm_eps, self.scale,
+                        trace)
         return x

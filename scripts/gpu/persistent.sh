@@ -28,6 +28,9 @@
 #   bench8g   the 8B step at (1, 1024) and (1, 8192): ring layer vs tile layer vs shipped step vs gpt-fast INT4 peer
 #   bench70g  the 70B step at (1, 1024): ring layer vs shipped step
 #   timelineg scripts/step_timeline.py: the 8B step at (1, 1024) on the ring layer, its kernels traced
+#   traceg    scripts/persistent_trace.py: inside the ring layer, the 8B step at (1, 1024) and (1, 8192): per task
+#             kind busy / wait / weight lead and each layer's phases (its traced registry kernel)
+#   bufsg     scripts/persistent_buffers.py ring: one ring layer's buffers against the shipped ops (if `ring` fails)
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
 #             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
 set -u
@@ -64,6 +67,9 @@ for part in "$@"; do
                --cache int4 --points 1x1024 --persistent ring --breakdown '' --json $OUT/persistent-ring-70b.json ;;
     timelineg) TAILN=6 step timelineg 180 python3 scripts/step_timeline.py --ring \
                --json $OUT/timeline-8b-1x1024-ring.json ;;
+    traceg)  TAILN=40 step traceg 180 bash -c "python3 scripts/persistent_trace.py --json $OUT/ring-trace-8b-1024.json \
+               && python3 scripts/persistent_trace.py --context 8192 --json $OUT/ring-trace-8b-8192.json" ;;
+    bufsg)   TAILN=30 step bufsg 180 python3 scripts/persistent_buffers.py ring ;;
     ncu)     source scripts/gpu/ncu_decode.sh
              ncu --clock-control none -k regex:'gemv_tile|persistent_layer' --metrics $M --csv \
                python3 scripts/bench_persistent_layer.py --once > $OUT/ncu_persistent.csv 2> $LOGS/ncu_persistent.err

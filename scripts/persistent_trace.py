@@ -1,0 +1,60 @@
+"""Where the time goes inside the persistent ring layer (issue 29 diagnostic, GPU): the 8B step (or --shape) at one
+row on the ring layer's traced kernel, a few graph replays, then the last step's task trace summarized
+(futx.engine.persistent_trace: per kind busy / wait / weight lead, each layer's phases).
+
+    python scripts/persistent_trace.py [--shape llama-3.1-8b] [--context 1024] [--cache int4] [--json FILE]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--cache", default="int4", choices=("int4", "e4m3"))
+    p.add_argument("--splits", type=int, default=None, help="split-KV count (default: the attention op's choice)")
+    p.add_argument("--replays", type=int, default=5)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("persistent_trace: needs a CUDA GPU")
+        return 2
+    from futx.engine import DecodeModel, random_packed
+    from futx.engine.graphs import GraphSteps
+    from futx.engine.persistent import PersistentStep
+    from futx.engine.persistent_trace import report, summarize
+    from scripts.bench_engine import config_for, decode_cache
+
+    cfg = config_for(a.shape, None)
+    cap = -(-a.context // 8) * 8
+    cache, kw = decode_cache(cfg, a.cache, 1, cap, "cuda")
+    cache.randomize(0)
+    m = DecodeModel(random_packed(cfg, "int4", seed=0), a.cache, max_batch=1, shared_cache=cache, capacity=cap, **kw)
+    m.persistent = PersistentStep(m, splits=a.splits, body="ring", trace=True)
+    g = GraphSteps(m, buckets=[1])
+    m.load_inputs([1], [a.context - 1], [0])
+    for _ in range(a.replays):
+        g.replay(1)
+    torch.cuda.synchronize()
+    t = m.persistent.tables(1)
+    s = summarize(t["table"], t["trace"])
+    print(f"{cfg.name} ring layer, 1 x {a.context}, {a.cache} cache, {t['splits']} splits "
+          f"({torch.cuda.get_device_name()}):")
+    print(report(s), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"shape": cfg.name, "context": a.context, "cache": a.cache,
+                                            "splits": t["splits"], "device": torch.cuda.get_device_name(),
+                                            "summary": s}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
