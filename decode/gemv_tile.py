@@ -223,14 +223,25 @@ class GemvTile:
         for row in cutlass.range(m, unroll=1):
             ss = Float32(0.0)
             for c in cutlass.range(c0 + lane, c1, WARP, unroll=1):
-                for word in ptx.lds_v4(xrow + row * row_stride + c * LANE_BYTES):
-                    lo, hi = ptx.bf16x2_to_f32(word)
-                    ss = ss + lo * lo + hi * hi
-            for off in (16, 8, 4, 2, 1):
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=off)
-            if lane == 0:
-                ptx.sts_f32(ss_out + (warp * TOKENS + row) * 4, ss)
+                ss = self._add_squares(ss, ptx.lds_v4(xrow + row * row_stride + c * LANE_BYTES))
+            self._store_warp_sum(ss, ss_out + (warp * TOKENS + row) * 4, lane)
         cute.arch.sync_warp()
+
+    @staticmethod
+    def _add_squares(ss, words) -> Float32:
+        """ss + the squares of the bf16 pairs in `words`."""
+        for word in words:
+            lo, hi = ptx.bf16x2_to_f32(word)
+            ss = ss + lo * lo + hi * hi
+        return ss
+
+    @cute.jit
+    def _store_warp_sum(self, v, addr, lane) -> None:
+        """The warp's sum of its lanes' v -> shared memory at addr (by lane 0)."""
+        for off in (16, 8, 4, 2, 1):
+            v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+        if lane == 0:
+            ptx.sts_f32(addr, v)
 
     @cute.jit
     def _epilogue_rows(self, tid, nb, red, ss, r, y, m, k, eps, n_valid=None):

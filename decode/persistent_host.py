@@ -4,6 +4,7 @@ indices and end marker, and the chain kernel's table and its torch reference, th
 
 from __future__ import annotations
 
+from decode.gemv_layout import TOKENS, X_ROW_PAD
 from decode.persistent_schedule import END, END_ROW, F  # noqa: F401  (END and F: the kernels' names for them)
 
 THREADS = 128                  # the chain kernel's block: one tile of columns per thread
@@ -62,36 +63,53 @@ RING_HEADER = 1024                  # the stages' full and empty mbarriers and t
 ALIGN = 1024
 
 
-def ring_regions(stages: int) -> dict:
+RING_ROW_RESERVE = 28672           # the widest one-row input every ring kernel leaves room for (the 70B's down input)
+
+
+def _per_warp(tokens: int) -> int:
+    return TOKENS if tokens > 1 else 1   # token columns a warp's partials hold
+
+
+def ring_regions(stages: int, tokens: int = 1) -> dict:
     """Byte offsets of the ring layer's shared memory, all static but the body's size: `bars` (full[stages],
-    empty[stages], 8 bytes each), `slot` (the task index word, then the stage counter word), `weights` [stages][8 units
-    of 1 KB], `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps' partials), `ss` [warps] f32 (sums of
-    squares), `body` (1024-aligned: the staged activation row of a projection task, or the attention bodies' scratch;
-    its size is the larger of the two, a launch-time value)."""
+    empty[stages], 8 bytes each), `slot` (unused words), `weights` [stages][8 units of 1 KB], `scales` [stages][8 x
+    32 B], `red` [warps][16] f32 (the warps' partials; multi-token [warps][16][TOKENS]), `ss` [warps] f32 (sums of
+    squares; multi-token [warps][TOKENS]), `body` (1024-aligned: the staged activation row(s) of a projection task, or
+    the attention bodies' scratch; its size is the larger of the two, a launch-time value: `ring_body_bytes`)."""
     if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 16 > RING_HEADER:
         raise ValueError(f"the ring takes 2..{RING_MAX_STAGES} stages, got {stages}")
+    per = _per_warp(tokens)
     w = RING_HEADER
     s = w + stages * RING_STAGE_UNITS * RING_UNIT_BYTES
     red = s + stages * RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES
-    ss = red + RING_CONSUMER_WARPS * 16 * 4
-    body = -(-(ss + RING_CONSUMER_WARPS * 4) // ALIGN) * ALIGN
+    ss = red + RING_CONSUMER_WARPS * 16 * per * 4
+    body = -(-(ss + RING_CONSUMER_WARPS * per * 4) // ALIGN) * ALIGN
     return {"bars": 0, "slot": 16 * stages, "weights": w, "scales": s, "red": red, "ss": ss, "body": body}
 
 
-def ring_body_bytes(attention_bytes: int, k_max: int) -> int:
-    """The body region: the attention bodies' scratch or the largest projection input row (bf16), whichever is
-    larger."""
-    return max(attention_bytes, 2 * k_max)
+def ring_body_bytes(attention_bytes: int, k_max: int, rows: int = 1, tokens: int = 1) -> int:
+    """The body region: the attention bodies' scratch or the largest projection input, whichever is larger: one bf16
+    row, or with the multi-token bodies `rows` rows X_ROW_PAD apart (decode/gemv_tile.py's staging)."""
+    x = 2 * k_max if tokens == 1 else rows * (2 * k_max + X_ROW_PAD)
+    return max(attention_bytes, x)
 
 
-def ring_stages(attention_bytes: int, k_max: int, smem: int) -> int:
-    """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside the body (0: not even 2)."""
-    body = ring_body_bytes(attention_bytes, k_max)
+def ring_stages(attention_bytes: int, k_max: int, smem: int, tokens: int = 1) -> int:
+    """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside a body for one row of width k_max (0: not
+    even 2)."""
+    body = ring_body_bytes(attention_bytes, k_max, 1, tokens)
     best = 0
     for stages in range(2, RING_MAX_STAGES + 1):
-        if ring_regions(stages)["body"] + body <= smem:
+        if ring_regions(stages, tokens)["body"] + body <= smem:
             best = stages
     return best
+
+
+def ring_kernel_stages(attention_bytes: int, tokens: int = 1) -> int:
+    """The stages a ring kernel is compiled with (decode/persistent_ring.py; the host's fit checks use the same)."""
+    from futx.hardware import SMEM_PER_CTA
+
+    return ring_stages(attention_bytes, RING_ROW_RESERVE, SMEM_PER_CTA, tokens)
 
 
 def ring_misfit(ks) -> "str | None":

@@ -45,11 +45,11 @@ from decode.attn_plan import AttnPlan
 from decode.dequant import LANE_BYTES
 from decode.gemv_tile import WARP, GemvTile
 from decode.persistent_layer import LayerCall
+from decode.gemv_layout import TOKENS, X_ROW_PAD
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_STAGE_K, RING_STAGE_UNITS, RING_THREADS,
-                                    RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan, ring_regions,
-                                    ring_stages)
+                                    RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan,
+                                    ring_kernel_stages, ring_regions)
 from decode.persistent_schedule import KINDS
-from futx.hardware import SMEM_PER_CTA
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
 PRODUCER_WARP = RING_CONSUMER_WARPS
@@ -82,34 +82,33 @@ class RingProjection(GemvTile):
     """A projection task on the consumer warps, reading its weights from the ring (the tile GEMV's unit arithmetic,
     its partials' sum, RMSNorm factor and epilogues)."""
 
-    def __init__(self, epilogue: str, norm: bool, stages: int):
-        super().__init__(epilogue, RING_CONSUMER_WARPS)
+    def __init__(self, epilogue: str, norm: bool, stages: int, tokens: int = 1):
+        super().__init__(epilogue, RING_CONSUMER_WARPS, tokens=tokens)
         self.norm = norm
         self.stages = stages
-        self.r = ring_regions(stages)
+        self.r = ring_regions(stages, tokens)
 
     @cute.jit
-    def _stage_row(self, x: cute.Tensor, xs, ss_out, n_st, warp, lane):
-        """This warp's units of the row (w, w + 8, ...: the ones it multiplies) -> shared memory, where only it reads
-        them; `norm`: their sum of squares -> ss_out[warp]."""
+    def _stage_row(self, x: cute.Tensor, xs, ss_out, n_st, warp, lane, row_stride):
+        """This warp's units of the row(s) (w, w + 8, ...: the ones it multiplies) -> shared memory (row r at
+        r * row_stride), where only it reads them; `norm`: their sum of squares per row -> ss_out[warp][row]."""
         x_base = x.iterator.toint()
-        for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
-            off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
-            ptx.cp_async_16(xs + off, x_base + Int64(off))
+        k = x.shape[1]
+        per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
+        for row in cutlass.range(x.shape[0], unroll=1):
+            for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
+                off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
+                ptx.cp_async_16(xs + row * row_stride + off, x_base + Int64(row) * (k * 2) + Int64(off))
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
         if cutlass.const_expr(self.norm):
-            ss = Float32(0.0)
-            for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
-                off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
-                for word in ptx.lds_v4(xs + off):
-                    lo, hi = ptx.bf16x2_to_f32(word)
-                    ss = ss + lo * lo + hi * hi
-            for sh in (16, 8, 4, 2, 1):
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=sh)
-            if lane == 0:
-                ptx.sts_f32(ss_out + warp * 4, ss)
+            for row in cutlass.range(x.shape[0], unroll=1):
+                ss = Float32(0.0)
+                for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
+                    off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
+                    ss = self._add_squares(ss, ptx.lds_v4(xs + row * row_stride + off))
+                self._store_warp_sum(ss, ss_out + (warp * per + row) * 4, lane)
 
     @cute.jit
     def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, staged):
@@ -121,20 +120,26 @@ class RingProjection(GemvTile):
         lane = tid % WARP
         g = lane // 4
         k = x.shape[1]
+        m = x.shape[0]
         n_st = k // RING_STAGE_K
         xs = base + self.r["body"]
+        row_stride = k * 2 + X_ROW_PAD   # multi-token: the rows X_ROW_PAD apart in the banks (ldmatrix rows)
         if not staged:
-            self._stage_row(x, xs, base + self.r["ss"], n_st, warp, lane)
+            self._stage_row(x, xs, base + self.r["ss"], n_st, warp, lane, row_stride)
 
-        # the residual of this thread's output column, requested now: its latency hides behind the stages
+        # one row: the residual of this thread's output column, requested now (its latency hides behind the stages)
         cols = 16 // self.epi.rows_per_output
         at = Int64(nb) * cols + tid
         res = Float32(0.0)
-        if cutlass.const_expr(self.epi.residual):
+        if cutlass.const_expr(self.epi.residual and self.tokens == 1):
             if tid < cols:
                 res = ptx.ldg_cg_bf16_to_f32(r.iterator.toint() + at * 2)
 
-        xs_lane = xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
+        if cutlass.const_expr(self.tokens > 1):
+            # B column j of every MMA is row j (columns past the last row repeat it and are never stored)
+            xs_lane = xs + cutlass.min(Int32(fmt.x_lane_row(lane)), m - 1) * row_stride + fmt.x_lane_col(lane)
+        else:
+            xs_lane = xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
         consts = fmt.consts()
         w_lane = base + self.r["weights"] + warp * RING_UNIT_BYTES + lane * LANE_BYTES
         s_warp = base + self.r["scales"] + warp * RING_UNIT_SCALE_BYTES
@@ -151,8 +156,17 @@ class RingProjection(GemvTile):
             b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
             (acc,) = stream.mma_unit(fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
 
-        # the warps' partials (every B column holds the row: lanes with t = 0 have them) -> the n-block's outputs
         red = base + self.r["red"]
+        if cutlass.const_expr(self.tokens > 1):
+            # the warps' partials: rows g and g + 8, token columns 2t and 2t + 1 -> red[warp][row][token]; then the
+            # tile GEMV's multi-token epilogue (threads take the (token, column) pairs, per-row norm factors)
+            t2 = (lane % 4) * 2
+            ptx.sts_f32x2(red + ((warp * 16 + g) * TOKENS + t2) * 4, acc[0], acc[1])
+            ptx.sts_f32x2(red + ((warp * 16 + g + 8) * TOKENS + t2) * 4, acc[2], acc[3])
+            loop.cta_sync(CONSUMERS)
+            self._epilogue_rows(tid, nb, red, base + self.r["ss"], r, y, m, k, eps)
+            return i0 + n_st
+        # the warps' partials (every B column holds the row: lanes with t = 0 have them) -> the n-block's outputs
         if lane % 4 == 0:
             ptx.sts_f32(red + (warp * 16 + g) * 4, acc[0])
             ptx.sts_f32(red + (warp * 16 + g + 8) * 4, acc[2])
@@ -171,19 +185,20 @@ class RingLayer(LayerCall):
     with a producer warp streaming the projections' weights; the arguments are decode/persistent_layer.py's
     PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many as fit beside the attention bodies' scratch)."""
 
-    def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False):
+    def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1):
         if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
                              "byte table and use the consumer warps")
         self.att = ConsumerAttention(plan)
         self.trace = trace
         # the ring beside the attention scratch, leaving room for the 8B's and the 70B's widest row (K = 28672)
-        self.stages = stages or ring_stages(plan.smem_bytes, 28672, SMEM_PER_CTA)
-        self.r = ring_regions(self.stages)
-        self.qkv = RingProjection("store", True, self.stages)
-        self.o = RingProjection("residual", False, self.stages)
-        self.gate_up = RingProjection("swiglu", True, self.stages)
-        self.down = RingProjection("residual", False, self.stages)
+        self.stages = stages or ring_kernel_stages(plan.smem_bytes, tokens)
+        self.tokens = tokens
+        self.r = ring_regions(self.stages, tokens)
+        self.qkv = RingProjection("store", True, self.stages, tokens)
+        self.o = RingProjection("residual", False, self.stages, tokens)
+        self.gate_up = RingProjection("swiglu", True, self.stages, tokens)
+        self.down = RingProjection("residual", False, self.stages, tokens)
 
     @cute.jit
     def _launch(self, table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
@@ -191,7 +206,10 @@ class RingLayer(LayerCall):
         if cutlass.const_expr((trace is not None) != self.trace):
             raise ValueError("a traced ring layer takes the trace buffer, an untraced one None")
         k_max = cutlass.max(cutlass.max(h.shape[1], attn.shape[1]), act.shape[1])
-        body = cutlass.max(Int32(self.att.p.smem_bytes), k_max * 2)
+        x_bytes = k_max * 2   # decode.persistent_host.ring_body_bytes
+        if cutlass.const_expr(self.tokens > 1):
+            x_bytes = h.shape[0] * (k_max * 2 + X_ROW_PAD)
+        body = cutlass.max(Int32(self.att.p.smem_bytes), x_bytes)
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
                     s_d, t, eps, scale_log2, trace).launch(
             grid=(table.shape[0], 1, 1), block=(RING_THREADS, 1, 1), smem=self.r["body"] + body, stream=stream,
@@ -314,17 +332,18 @@ class RingLayer(LayerCall):
                 pending = Int32(0)
 
 
-def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False):
+def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False, tokens: int = 1):
     """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
-    arguments) of the ring layer for one cache format and head dim; the arguments are the persistent layer's, with
-    `trace` the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None."""
+    arguments) of the ring layer for one cache format and head dim, one row (`tokens` = 1) or 1..8 (`tokens` = 8: the
+    multi-token MMA columns, rows as the shared memory fits); the arguments are the persistent layer's, with `trace`
+    the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from decode import persistent_layer
 
-    _, args = persistent_layer.compile_target(cache, head_dim, tokens=1)
+    _, args = persistent_layer.compile_target(cache, head_dim, tokens=tokens)
     if trace:
         c, r = cute.sym_int(), cute.sym_int()
         buf = make_fake_compact_tensor(Int64, (c, r, len(TRACE_FIELDS)), stride_order=(2, 1, 0), assumed_align=8)
         args = (*args[:-2], buf, args[-1])
-    return RingLayer(layer_plan(cache, head_dim), stages, trace), args
+    return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens), args

@@ -115,19 +115,21 @@ def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache, tokens)
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
-@pytest.mark.parametrize("cache,trace", [("int4", False), ("e4m3", False), ("int4", True)])
-def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace):
+@pytest.mark.parametrize("cache,trace,tokens", [("int4", False, 1), ("e4m3", False, 1), ("int4", True, 1),
+                                                ("int4", False, 8), ("e4m3", True, 8)])
+def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens):
     """decode/persistent_ring.py (registry decode.persistent.ring.*): 288 threads (8 consumer warps + the producer),
     the four projection bodies reading the ring (8 HMMA per unit each) beside decode attention's partial; the producer
     issues two bulk copies per stage on the stage's full mbarrier (arrive + expected bytes); the consumers' barriers
     are named (the producer never joins one: the only bar.sync 0 is the mbarrier setup's); PDL as the tile layer's
-    (one PREEXIT, one ACQBULK); no spills. The traced variant reads the global timer at the task's four stamps."""
+    (one PREEXIT, one ACQBULK); no spills. The traced variant reads the global timer at the task's four stamps; the
+    multi-token one (1..8 rows) has the same MMAs, B columns being rows."""
     pytest.importorskip("cutlass")
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
         from decode import persistent_ring as pr
-        fn, args = pr.compile_target(cache={cache!r}, trace={trace})
+        fn, args = pr.compile_target(cache={cache!r}, trace={trace}, tokens={tokens})
         cute.compile(fn, *args)
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass,ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))

@@ -1,7 +1,8 @@
 """The persistent decode layer's host side (issue 29): the task table of a model's whole step at 1..8 rows, its
 counters and scratch, and the layer launches (decode/persistent_layer.py, registry `decode.persistent.layer.*`:
-one row on the one-token bodies, 2..8 rows on the multi-token ones; or, `body="ring"`, one row on
-decode/persistent_ring.py, registry `decode.persistent.ring.*`: a producer warp streams the weights).
+one row on the one-token bodies, 2..8 rows on the multi-token ones; or, `body="ring"`,
+decode/persistent_ring.py, registry `decode.persistent.ring.*`: a producer warp streams the weights, rows as its
+shared memory fits: 4 of the 8B, 2 of the 70B).
 
 A table is built once per model and row count, on the first step of that many rows (decode.persistent_schedule,
 kernel form: fused row factors, every split-KV partial in the table, the split count chosen for the cache's capacity
@@ -42,23 +43,42 @@ def fitting_rows(config) -> int:
     return best
 
 
-def ring_misfit(config, cache: str) -> Optional[str]:
-    """Why the ring layer (decode/persistent_ring.py) cannot run this model shape with this cache (None: it can):
-    whole ring stages in every projection's K, and the widest input row or the attention scratch beside its ring."""
-    from decode.persistent_host import layer_plan, ring_body_bytes, ring_misfit as k_misfit, ring_regions
-    from decode.persistent_host import ring_stages
+def ring_need(config, cache: str, rows: int) -> int:
+    """Shared memory bytes the ring layer's kernel for `rows` rows takes on this model shape (its ring, its partials
+    and the larger of the attention scratch and the staged rows of the widest projection input)."""
+    from decode.persistent_host import layer_plan, ring_body_bytes, ring_kernel_stages, ring_regions
+
+    c = config
+    tokens = tokens_for(rows)
+    att = layer_plan(cache, c.head_dim).smem_bytes
+    k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
+    return ring_regions(ring_kernel_stages(att, tokens), tokens)["body"] + ring_body_bytes(att, k_max, rows, tokens)
+
+
+def ring_fitting_rows(config, cache: str) -> int:
+    """The most rows (<= MAX_ROWS) the ring layer fits for this model shape and cache (0: not even one)."""
+    from futx.hardware import SMEM_PER_CTA
+
+    return max([rows for rows in range(1, MAX_ROWS + 1) if ring_need(config, cache, rows) <= SMEM_PER_CTA],
+               default=0)
+
+
+def ring_misfit(config, cache: str, rows: int = 1) -> Optional[str]:
+    """Why the ring layer (decode/persistent_ring.py) cannot run `rows` rows of this model shape with this cache (None:
+    it can): whole ring stages in every projection's K, and the widest input's rows or the attention scratch beside
+    its ring."""
+    from decode.persistent_host import ring_misfit as k_misfit
     from futx.hardware import SMEM_PER_CTA
 
     c = config
-    ks = (c.hidden_size, c.q_size, c.intermediate_size)
-    why = k_misfit(ks)
+    why = k_misfit((c.hidden_size, c.q_size, c.intermediate_size))
     if why is not None:
         return why
-    att = layer_plan(cache, c.head_dim).smem_bytes
-    stages = ring_stages(att, 28672, SMEM_PER_CTA)   # what decode/persistent_ring.py compiles
-    need = ring_regions(stages)["body"] + ring_body_bytes(att, max(ks))
+    need = ring_need(c, cache, rows)
     if need > SMEM_PER_CTA:
-        return f"its ring and its widest row need {need} bytes of shared memory, more than {SMEM_PER_CTA}"
+        fit = ring_fitting_rows(c, cache)
+        return (f"the ring layer's {rows} rows need {need} bytes of shared memory, more than {SMEM_PER_CTA} (at most "
+                f"{fit} rows fit)")
     return None
 
 
@@ -83,7 +103,7 @@ def unsupported(model, rows: int = 1, body: str = "tiles") -> Optional[str]:
     if not 1 <= rows <= MAX_ROWS:
         return f"it takes 1..{MAX_ROWS} rows, not {rows}"
     if body == "ring":
-        return "the ring layer takes one row" if rows != 1 else ring_misfit(c, model.cache.fmt)
+        return ring_misfit(c, model.cache.fmt, rows)
     fit = fitting_rows(c)
     if rows > fit:
         return f"{rows} rows of this model's projection inputs do not fit shared memory (at most {fit})"
@@ -128,14 +148,15 @@ class PersistentStep:
                  max_rows: Optional[int] = None, body: str = "tiles", trace: bool = False):
         """ctas: CTAs of every launch (default one per SM); splits: the split-KV count of every row count (default
         the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
-        max_rows, at most what fits; the ring: 1); body: "tiles" (the tile GEMV bodies) or "ring" (a producer warp
-        streams the weights, one row); trace: the ring's traced kernel, each step's task timestamps kept in
+        max_rows, at most what fits); body: "tiles" (the tile GEMV bodies) or "ring" (a producer warp
+        streams the weights); trace: the ring's traced kernel, each step's task timestamps kept in
         `tables(1)["trace"]` (futx.engine.persistent_trace reads them)."""
         from futx.hardware import sm_count
 
         c, dev = model.config, model.device
         if max_rows is None:
-            max_rows = 1 if body == "ring" else max(1, min(model.max_rows, fitting_rows(c)))
+            fit = ring_fitting_rows(c, model.cache.fmt) if body == "ring" else fitting_rows(c)
+            max_rows = max(1, min(model.max_rows, fit))
         if trace and body != "ring":
             raise ValueError("only the ring layer keeps a task trace (body='ring')")
         why = unsupported(model, max_rows, body)   # every row count up to max_rows fits if it does
@@ -184,7 +205,7 @@ class PersistentStep:
                  counters=torch.zeros(len(sched.graph.counters), dtype=torch.int32, device=dev),
                  ws_o=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, c.head_dim, **f32),
                  ws_ml=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, 2, **f32),
-                 kernel=get_kernel(ring_key(fmt, c.head_dim, self.trace) if self.body == "ring"
+                 kernel=get_kernel(ring_key(fmt, c.head_dim, tokens_for(rows), self.trace) if self.body == "ring"
                                    else layer_key(fmt, c.head_dim, tokens_for(rows))))
         if self.trace:
             from decode.persistent_host import TRACE_FIELDS

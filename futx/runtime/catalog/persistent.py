@@ -32,8 +32,9 @@ def layer_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1) -> str:
     return f"decode.persistent.layer.{cache}.d{head_dim}" + ("" if tokens == 1 else f".m{tokens}")
 
 
-def ring_key(cache: str, head_dim: int = HEAD_DIM, trace: bool = False) -> str:
-    return f"decode.persistent.ring.{cache}.d{head_dim}" + (".trace" if trace else "")
+def ring_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1, trace: bool = False) -> str:
+    return (f"decode.persistent.ring.{cache}.d{head_dim}" + ("" if tokens == 1 else f".m{tokens}")
+            + (".trace" if trace else ""))
 
 
 SPECS = [
@@ -45,11 +46,12 @@ SPECS = [
     for cache in CACHES for tokens in TOKENS
 ]
 SPECS += [
-    KernelSpec(key=ring_key(cache, HEAD_DIM, trace), module="decode.persistent_ring",
-               params=(("cache", cache), ("head_dim", HEAD_DIM), ("trace", trace)), sources=RING_SOURCES,
-               expect_sass=("HMMA",),
-               doc=f"a decode layer (M = 1, INT4 weights streamed by a producer warp through a shared-memory ring, "
-                   f"{cache} cache mirror) as tasks of one persistent launch"
+    KernelSpec(key=ring_key(cache, HEAD_DIM, tokens, trace), module="decode.persistent_ring",
+               params=(("cache", cache), ("head_dim", HEAD_DIM), ("trace", trace), ("tokens", tokens)),
+               sources=RING_SOURCES, expect_sass=("HMMA",),
+               doc=f"a decode layer ({'M = 1' if tokens == 1 else '1 <= M <= 8 as shared memory fits'}, INT4 weights "
+                   f"streamed by a producer warp through a shared-memory ring, {cache} cache mirror) as tasks of one "
+                   "persistent launch"
                    + (", writing each task's timestamps (diagnostic: futx.engine.persistent_trace)" if trace else ""))
-    for cache in CACHES for trace in (False, True)
+    for cache in CACHES for tokens in TOKENS for trace in (False, True)
 ]
