@@ -63,19 +63,16 @@ RING_HEADER = 1024                  # the stages' full and empty mbarriers and t
 ALIGN = 1024
 
 
-RING_ROW_RESERVE = 28672           # the widest one-row input every ring kernel leaves room for (the 70B's down input)
-
-
 def _per_warp(tokens: int) -> int:
     return TOKENS if tokens > 1 else 1   # token columns a warp's partials hold
 
 
 def ring_regions(stages: int, tokens: int = 1) -> dict:
-    """Byte offsets of the ring layer's shared memory, all static but the body's size: `bars` (full[stages],
-    empty[stages], 8 bytes each), `slot` (unused words), `weights` [stages][8 units of 1 KB], `scales` [stages][8 x
-    32 B], `red` [warps][16] f32 (the warps' partials; multi-token [warps][16][TOKENS]), `ss` [warps] f32 (sums of
-    squares; multi-token [warps][TOKENS]), `body` (1024-aligned: the staged activation row(s) of a projection task, or
-    the attention bodies' scratch; its size is the larger of the two, a launch-time value: `ring_body_bytes`)."""
+    """Byte offsets of the ring layer's shared memory: `bars` (full[stages], empty[stages], 8 bytes each), `slot`
+    (unused words), `weights` [stages][8 units of 1 KB], `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps'
+    partials; multi-token [warps][16][TOKENS]), `ss` [warps] f32 (sums of squares; multi-token [warps][TOKENS]),
+    `body` (1024-aligned, the attention bodies' scratch: a projection task stages its input rows there, in chunks of
+    `ring_chunk_stages`)."""
     if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 16 > RING_HEADER:
         raise ValueError(f"the ring takes 2..{RING_MAX_STAGES} stages, got {stages}")
     per = _per_warp(tokens)
@@ -87,29 +84,31 @@ def ring_regions(stages: int, tokens: int = 1) -> dict:
     return {"bars": 0, "slot": 16 * stages, "weights": w, "scales": s, "red": red, "ss": ss, "body": body}
 
 
-def ring_body_bytes(attention_bytes: int, k_max: int, rows: int = 1, tokens: int = 1) -> int:
-    """The body region: the attention bodies' scratch or the largest projection input, whichever is larger: one bf16
-    row, or with the multi-token bodies `rows` rows X_ROW_PAD apart (decode/gemv_tile.py's staging)."""
-    x = 2 * k_max if tokens == 1 else rows * (2 * k_max + X_ROW_PAD)
-    return max(attention_bytes, x)
+def ring_chunk_stages(body_bytes, rows, tokens: int = 1):
+    """The stages of K (RING_STAGE_K each) of a projection's input whose `rows` rows fit `body_bytes` of shared memory
+    at once: a task stages its input a chunk of this many stages at a time (one chunk where the whole K fits; the 8B's
+    down input at 8 rows takes two). One row is contiguous, multi-token rows sit X_ROW_PAD apart (the tile GEMV's
+    staging). +, * and // only: the kernel evaluates it on its runtime row count."""
+    if tokens == 1:
+        return body_bytes // (RING_STAGE_K * 2)
+    return (body_bytes - rows * X_ROW_PAD) // (rows * (RING_STAGE_K * 2))
 
 
-def ring_stages(attention_bytes: int, k_max: int, smem: int, tokens: int = 1) -> int:
-    """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside a body for one row of width k_max (0: not
-    even 2)."""
-    body = ring_body_bytes(attention_bytes, k_max, 1, tokens)
+def ring_stages(body_bytes: int, smem: int, tokens: int = 1) -> int:
+    """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside a body of `body_bytes` (0: not even 2)."""
     best = 0
     for stages in range(2, RING_MAX_STAGES + 1):
-        if ring_regions(stages, tokens)["body"] + body <= smem:
+        if ring_regions(stages, tokens)["body"] + body_bytes <= smem:
             best = stages
     return best
 
 
 def ring_kernel_stages(attention_bytes: int, tokens: int = 1) -> int:
-    """The stages a ring kernel is compiled with (decode/persistent_ring.py; the host's fit checks use the same)."""
+    """The stages a ring kernel is compiled with (decode/persistent_ring.py; the host's checks use the same): as many
+    as fit beside the attention scratch, which is the body."""
     from futx.hardware import SMEM_PER_CTA
 
-    return ring_stages(attention_bytes, RING_ROW_RESERVE, SMEM_PER_CTA, tokens)
+    return ring_stages(attention_bytes, SMEM_PER_CTA, tokens)
 
 
 def ring_misfit(ks) -> "str | None":

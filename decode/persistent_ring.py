@@ -48,7 +48,7 @@ from decode.persistent_layer import LayerCall
 from decode.gemv_layout import TOKENS, X_ROW_PAD
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_STAGE_K, RING_STAGE_UNITS, RING_THREADS,
                                     RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan,
-                                    ring_kernel_stages, ring_regions)
+                                    ring_chunk_stages, ring_kernel_stages, ring_regions)
 from decode.persistent_schedule import KINDS
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
@@ -82,39 +82,46 @@ class RingProjection(GemvTile):
     """A projection task on the consumer warps, reading its weights from the ring (the tile GEMV's unit arithmetic,
     its partials' sum, RMSNorm factor and epilogues)."""
 
-    def __init__(self, epilogue: str, norm: bool, stages: int, tokens: int = 1):
+    def __init__(self, epilogue: str, norm: bool, stages: int, body_bytes: int, tokens: int = 1):
         super().__init__(epilogue, RING_CONSUMER_WARPS, tokens=tokens)
         self.norm = norm
-        self.stages = stages
+        self.stages, self.body_bytes = stages, body_bytes
         self.r = ring_regions(stages, tokens)
 
     @cute.jit
-    def _stage_row(self, x: cute.Tensor, xs, ss_out, n_st, warp, lane, row_stride):
-        """This warp's units of the row(s) (w, w + 8, ...: the ones it multiplies) -> shared memory (row r at
-        r * row_stride), where only it reads them; `norm`: their sum of squares per row -> ss_out[warp][row]."""
+    def _stage_chunk(self, x: cute.Tensor, xs, ss_out, st0, st1, warp, lane, row_stride, first):
+        """This warp's units of stages [st0, st1) of the row(s) (units w, w + 8, ...: the ones it multiplies) ->
+        shared memory (stage st0's at the body's start, row r at r * row_stride), where only it reads them; `norm`:
+        their sums of squares per row into ss_out[warp][row] (`first`: set, else added: a task's later chunks)."""
         x_base = x.iterator.toint()
         k = x.shape[1]
         per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
+        n = (st1 - st0) * CHUNKS
         for row in cutlass.range(x.shape[0], unroll=1):
-            for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
+            for c in cutlass.range(lane, n, WARP, unroll=1):
                 off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
-                ptx.cp_async_16(xs + row * row_stride + off, x_base + Int64(row) * (k * 2) + Int64(off))
+                src = x_base + Int64(row) * (k * 2) + Int64(st0) * (RING_STAGE_K * 2) + Int64(off)
+                ptx.cp_async_16(xs + row * row_stride + off, src)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
         if cutlass.const_expr(self.norm):
             for row in cutlass.range(x.shape[0], unroll=1):
                 ss = Float32(0.0)
-                for c in cutlass.range(lane, n_st * CHUNKS, WARP, unroll=1):
+                for c in cutlass.range(lane, n, WARP, unroll=1):
                     off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
                     ss = self._add_squares(ss, ptx.lds_v4(xs + row * row_stride + off))
+                if not first:
+                    if lane == 0:   # the earlier chunks' sum, which lane 0 stored
+                        ss = ss + ptx.lds_f32(ss_out + (warp * per + row) * 4)
                 self._store_warp_sum(ss, ss_out + (warp * per + row) * 4, lane)
 
     @cute.jit
     def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, staged):
         """n-block nb of y = x @ W^T (+ epilogue), once the task's wait has passed; its stages are the ring's i0,
-        i0 + 1, ...; returns the stage after its last. `staged`: the row (and its sums of squares) is still in shared
-        memory from the CTA's previous task, of the same kind (every task of a kind reads the same row): no copy."""
+        i0 + 1, ...; returns the stage after its last. The input rows are staged `ring_chunk_stages` stages at a time
+        (one chunk unless the rows are too wide for the body). `staged`: the CTA's previous task was of the same kind
+        (every task of a kind reads the same rows), so a one-chunk input (and its sums of squares) is still there."""
         fmt = self.fmt
         warp = tid // WARP
         lane = tid % WARP
@@ -123,10 +130,10 @@ class RingProjection(GemvTile):
         m = x.shape[0]
         n_st = k // RING_STAGE_K
         xs = base + self.r["body"]
-        row_stride = k * 2 + X_ROW_PAD   # multi-token: the rows X_ROW_PAD apart in the banks (ldmatrix rows)
-        if not staged:
-            self._stage_row(x, xs, base + self.r["ss"], n_st, warp, lane, row_stride)
-
+        chunk = ring_chunk_stages(Int32(self.body_bytes), m, self.tokens)
+        n_chunks = (n_st + chunk - 1) // chunk
+        # multi-token: the rows X_ROW_PAD apart in the banks (ldmatrix rows)
+        row_stride = cutlass.min(chunk, n_st) * (RING_STAGE_K * 2) + X_ROW_PAD
         # one row: the residual of this thread's output column, requested now (its latency hides behind the stages)
         cols = 16 // self.epi.rows_per_output
         at = Int64(nb) * cols + tid
@@ -144,17 +151,23 @@ class RingProjection(GemvTile):
         w_lane = base + self.r["weights"] + warp * RING_UNIT_BYTES + lane * LANE_BYTES
         s_warp = base + self.r["scales"] + warp * RING_UNIT_SCALE_BYTES
         acc = (Float32(0.0),) * 4
-        for st in cutlass.range(n_st, unroll=1):
-            i = i0 + st
-            slot = i % self.stages
-            cute.arch.mbarrier_wait(bars + slot, (i // self.stages) % 2)
-            cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
-            cute.arch.sync_warp()   # every lane's reads of the stage issued before the warp releases it
-            if lane == 0:
-                cute.arch.mbarrier_arrive(bars + self.stages + slot)
-            u = st * RING_STAGE_UNITS + warp
-            b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
-            (acc,) = stream.mma_unit(fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
+        for ch in cutlass.range(n_chunks, unroll=1):
+            st0 = ch * chunk
+            st1 = cutlass.min(n_st, st0 + chunk)
+            if (ch > 0) | (n_chunks > 1) | (not staged):   # the warp's own units: it alone reads them
+                self._stage_chunk(x, xs, base + self.r["ss"], st0, st1, warp, lane, row_stride, ch == 0)
+            for st in cutlass.range(st0, st1, unroll=1):
+                i = i0 + st
+                slot = i % self.stages
+                cute.arch.mbarrier_wait(bars + slot, (i // self.stages) % 2)
+                cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
+                cute.arch.sync_warp()   # every lane's reads of the stage issued before the warp releases it
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(bars + self.stages + slot)
+                u = (st - st0) * RING_STAGE_UNITS + warp   # the unit's place in the staged chunk
+                b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
+                (acc,) = stream.mma_unit(fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
+            cute.arch.sync_warp()   # the warp's reads of this chunk done before it stages the next over it
 
         red = base + self.r["red"]
         if cutlass.const_expr(self.tokens > 1):
@@ -191,28 +204,26 @@ class RingLayer(LayerCall):
                              "byte table and use the consumer warps")
         self.att = ConsumerAttention(plan)
         self.trace = trace
-        # the ring beside the attention scratch, leaving room for the 8B's and the 70B's widest row (K = 28672)
-        self.stages = stages or ring_kernel_stages(plan.smem_bytes, tokens)
+        # the ring beside the body: the attention scratch, where a projection stages its input in chunks
+        self.body = plan.smem_bytes
+        self.stages = stages or ring_kernel_stages(self.body, tokens)
         self.tokens = tokens
         self.r = ring_regions(self.stages, tokens)
-        self.qkv = RingProjection("store", True, self.stages, tokens)
-        self.o = RingProjection("residual", False, self.stages, tokens)
-        self.gate_up = RingProjection("swiglu", True, self.stages, tokens)
-        self.down = RingProjection("residual", False, self.stages, tokens)
+        if ring_chunk_stages(self.body, TOKENS if tokens > 1 else 1, tokens) < 1:
+            raise ValueError("the body cannot hold one stage of every row")
+        self.qkv = RingProjection("store", True, self.stages, self.body, tokens)
+        self.o = RingProjection("residual", False, self.stages, self.body, tokens)
+        self.gate_up = RingProjection("swiglu", True, self.stages, self.body, tokens)
+        self.down = RingProjection("residual", False, self.stages, self.body, tokens)
 
     @cute.jit
     def _launch(self, table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
                 s_d, t: AttnTensors, eps, scale_log2, trace, stream):
         if cutlass.const_expr((trace is not None) != self.trace):
             raise ValueError("a traced ring layer takes the trace buffer, an untraced one None")
-        k_max = cutlass.max(cutlass.max(h.shape[1], attn.shape[1]), act.shape[1])
-        x_bytes = k_max * 2   # decode.persistent_host.ring_body_bytes
-        if cutlass.const_expr(self.tokens > 1):
-            x_bytes = h.shape[0] * (k_max * 2 + X_ROW_PAD)
-        body = cutlass.max(Int32(self.att.p.smem_bytes), x_bytes)
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
                     s_d, t, eps, scale_log2, trace).launch(
-            grid=(table.shape[0], 1, 1), block=(RING_THREADS, 1, 1), smem=self.r["body"] + body, stream=stream,
+            grid=(table.shape[0], 1, 1), block=(RING_THREADS, 1, 1), smem=self.r["body"] + self.body, stream=stream,
             use_pdl=True)
 
     @cute.kernel

@@ -86,28 +86,30 @@ def test_bench_decode_takes_persistent_split_counts():
 
 
 def test_ring_layer_fits_the_served_shapes_and_says_why_not():
-    """decode/persistent_ring.py: whole ring stages (K a multiple of 1024) and the ring beside the attention
-    scratch or the staged rows, whichever is larger; a clear reason otherwise."""
-    from decode.persistent_host import (RING_STAGE_K, layer_plan, ring_body_bytes, ring_kernel_stages, ring_misfit,
+    """decode/persistent_ring.py: whole ring stages (K a multiple of 1024), the ring beside the attention scratch,
+    where a projection stages its input rows a chunk of whole stages at a time; a clear reason otherwise."""
+    from decode.persistent_host import (RING_STAGE_K, layer_plan, ring_chunk_stages, ring_kernel_stages, ring_misfit,
                                         ring_regions, ring_stages)
     from futx.hardware import SMEM_PER_CTA
 
     for cache, tokens, stages in (("int4", 1, 13), ("e4m3", 1, 14), ("int4", 8, 12), ("e4m3", 8, 13)):
         att = layer_plan(cache, 128).smem_bytes
-        assert ring_stages(att, 28672, SMEM_PER_CTA, tokens) == stages == ring_kernel_stages(att, tokens)
+        assert ring_stages(att, SMEM_PER_CTA, tokens) == stages == ring_kernel_stages(att, tokens)
         r = ring_regions(stages, tokens)
-        assert r["body"] % 1024 == 0 and r["body"] + ring_body_bytes(att, 28672, 1, tokens) <= SMEM_PER_CTA
-        assert ring_regions(stages + 1, tokens)["body"] + ring_body_bytes(att, 28672, 1, tokens) > SMEM_PER_CTA
+        assert r["body"] % 1024 == 0 and r["body"] + att <= SMEM_PER_CTA
+        assert ring_regions(stages + 1, tokens)["body"] + att > SMEM_PER_CTA
         assert r["weights"] >= r["slot"] + 8 and r["scales"] - r["weights"] == stages * 8 * 1024
         assert r["ss"] - r["red"] == 8 * 16 * 4 * (8 if tokens > 1 else 1)
-    # the multi-token bodies stage every row X_ROW_PAD apart: 4 rows of the 8B down input beside its ring, 2 of the 70B's
-    assert ring_body_bytes(0, 14336, 4, 8) == 4 * (2 * 14336 + 16)
-    assert [pers.ring_fitting_rows(preset(n), "int4") for n in ("llama-3.1-8b", "layer-70b")] == [4, 2]
+    # chunks: one row of the 70B's down input (28 stages) in one; 8 rows of the 8B's (14 stages) in two of 7
+    att = layer_plan("int4", 128).smem_bytes
+    assert ring_chunk_stages(att, 1) == att // 2048 >= 28
+    assert ring_chunk_stages(att, 8, 8) == 7 and 8 * (7 * 2048 + 16) <= att < 8 * (8 * 2048 + 16)
+    assert ring_chunk_stages(att, 4, 8) == 14
     assert ring_misfit((4096, 14336)) is None and "[2816]" in ring_misfit((1024, 2816))
     with pytest.raises(ValueError, match="2..16 stages"):
         ring_regions(1)
     for name in ("llama-3.1-8b", "layer-70b", "layer-1b"):
-        assert pers.ring_misfit(preset(name), "int4") is None, name
+        assert pers.ring_misfit(preset(name), "int4", 8) is None, name
     cfg = tiny_config(head_dim=128, num_attention_heads=8, num_key_value_heads=2, hidden_size=1024,
                       intermediate_size=2816, num_hidden_layers=1, vocab_size=256)
     m = DecodeModel(random_packed(cfg, "int4", device="cpu", seed=1), "int4", max_batch=2, capacity=64,
@@ -117,9 +119,7 @@ def test_ring_layer_fits_the_served_shapes_and_says_why_not():
     assert pers.unsupported(m, 1) is None   # the tile bodies take any K of whole groups
     m.config = cfg.replace(intermediate_size=3072)
     assert pers.unsupported(m, 1, "ring") is None and pers.unsupported(m, 8, "ring") is None
-    m.config = preset("llama-3.1-8b")
-    assert pers.unsupported(m, 4, "ring") is None
-    assert "(at most 4 rows fit)" in pers.unsupported(m, 5, "ring")
+    assert "1..8 rows" in pers.unsupported(m, 9, "ring")
     with pytest.raises(ValueError, match="body must be one of"):
         pers.unsupported(m, 1, "rings")
     with pytest.raises(ValueError, match="only the ring layer keeps a task trace"):

@@ -131,8 +131,8 @@ def test_persistent_counters_end_at_their_totals(packed, rows):
     assert t["counters"].cpu().tolist() == totals.tolist()
 
 
-# ---- the ring layer (decode/persistent_ring.py: a producer warp streams the weights; rows as they fit: 4 of the 8B) --
-@pytest.mark.parametrize("rows", [1, 3, 4])
+# ---- the ring layer (decode/persistent_ring.py: a producer warp streams the weights) --------------------------------
+@pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("cf", ["int4", "e4m3"])
 @pytest.mark.parametrize("start", [0, 62, 63, 1024, 8190])
 def test_ring_step_equals_the_shipped_step(ring_packed, cf, start, rows):
@@ -141,6 +141,19 @@ def test_ring_step_equals_the_shipped_step(ring_packed, cf, start, rows):
     models = _pair(ring_packed, cf, rows, emulated=rows > 1, body="ring")
     assert models[1].persistent.body == "ring"
     _check(*models, start=start, rows=rows)
+
+
+@pytest.mark.parametrize("start", [63, 8190])
+def test_ring_step_stages_wide_rows_in_chunks(start):
+    """8 rows of the 70B layer's inputs do not fit the body at once: QKV, O and gate/up (K = 8192) stage them in two
+    chunks, down (K = 28672) in four, the RMSNorm sums of squares carried across the chunks."""
+    from futx.config import preset
+    from decode.persistent_host import layer_plan, ring_chunk_stages
+
+    assert ring_chunk_stages(layer_plan("int4", 128).smem_bytes, 8, 8) == 7   # < 8 stages of K = 8192
+    cfg = preset("layer-70b").replace(num_hidden_layers=2, vocab_size=1024)
+    models = _pair(random_packed(cfg, "int4", device="cuda", seed=5), "int4", 8, emulated=True, body="ring")
+    _check(*models, start=start, rows=8)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

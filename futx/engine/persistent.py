@@ -1,8 +1,7 @@
 """The persistent decode layer's host side (issue 29): the task table of a model's whole step at 1..8 rows, its
 counters and scratch, and the layer launches (decode/persistent_layer.py, registry `decode.persistent.layer.*`:
 one row on the one-token bodies, 2..8 rows on the multi-token ones; or, `body="ring"`,
-decode/persistent_ring.py, registry `decode.persistent.ring.*`: a producer warp streams the weights, rows as its
-shared memory fits: 4 of the 8B, 2 of the 70B).
+decode/persistent_ring.py, registry `decode.persistent.ring.*`: a producer warp streams the weights; 1..8 rows).
 
 A table is built once per model and row count, on the first step of that many rows (decode.persistent_schedule,
 kernel form: fused row factors, every split-KV partial in the table, the split count chosen for the cache's capacity
@@ -43,43 +42,17 @@ def fitting_rows(config) -> int:
     return best
 
 
-def ring_need(config, cache: str, rows: int) -> int:
-    """Shared memory bytes the ring layer's kernel for `rows` rows takes on this model shape (its ring, its partials
-    and the larger of the attention scratch and the staged rows of the widest projection input)."""
-    from decode.persistent_host import layer_plan, ring_body_bytes, ring_kernel_stages, ring_regions
-
-    c = config
-    tokens = tokens_for(rows)
-    att = layer_plan(cache, c.head_dim).smem_bytes
-    k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
-    return ring_regions(ring_kernel_stages(att, tokens), tokens)["body"] + ring_body_bytes(att, k_max, rows, tokens)
-
-
-def ring_fitting_rows(config, cache: str) -> int:
-    """The most rows (<= MAX_ROWS) the ring layer fits for this model shape and cache (0: not even one)."""
-    from futx.hardware import SMEM_PER_CTA
-
-    return max([rows for rows in range(1, MAX_ROWS + 1) if ring_need(config, cache, rows) <= SMEM_PER_CTA],
-               default=0)
-
-
 def ring_misfit(config, cache: str, rows: int = 1) -> Optional[str]:
     """Why the ring layer (decode/persistent_ring.py) cannot run `rows` rows of this model shape with this cache (None:
-    it can): whole ring stages in every projection's K, and the widest input's rows or the attention scratch beside
-    its ring."""
-    from decode.persistent_host import ring_misfit as k_misfit
-    from futx.hardware import SMEM_PER_CTA
+    it can): every projection's K must be whole ring stages (a projection task stages its input rows in chunks of
+    whole stages, so any row count up to MAX_ROWS fits)."""
+    from decode.persistent_host import layer_plan, ring_chunk_stages, ring_misfit as k_misfit
 
     c = config
     why = k_misfit((c.hidden_size, c.q_size, c.intermediate_size))
-    if why is not None:
-        return why
-    need = ring_need(c, cache, rows)
-    if need > SMEM_PER_CTA:
-        fit = ring_fitting_rows(c, cache)
-        return (f"the ring layer's {rows} rows need {need} bytes of shared memory, more than {SMEM_PER_CTA} (at most "
-                f"{fit} rows fit)")
-    return None
+    if why is None and ring_chunk_stages(layer_plan(cache, c.head_dim).smem_bytes, rows, tokens_for(rows)) < 1:
+        why = f"one ring stage of {rows} rows does not fit the ring layer's shared memory"
+    return why
 
 
 def unsupported(model, rows: int = 1, body: str = "tiles") -> Optional[str]:
@@ -155,7 +128,7 @@ class PersistentStep:
 
         c, dev = model.config, model.device
         if max_rows is None:
-            fit = ring_fitting_rows(c, model.cache.fmt) if body == "ring" else fitting_rows(c)
+            fit = MAX_ROWS if body == "ring" else fitting_rows(c)
             max_rows = max(1, min(model.max_rows, fit))
         if trace and body != "ring":
             raise ValueError("only the ring layer keeps a task trace (body='ring')")

@@ -20,13 +20,13 @@
 #             tests/test_persistent_sanitizer_gpu.py (compute-sanitizer racecheck and synccheck on a small model)
 #   tiles     tests/test_decode_linear_gpu.py's tile GEMV tests (its bodies are the layer's projection tasks)
 #   bench8r   the 8B step at (1, 1024), (4, 1024) and (8, 1024) on the persistent layer (tile and ring bodies; the
-#             ring fits 4 rows of the 8B) vs the shipped step and the gpt-fast-style INT4 peer
+#             ring's 8 rows stage the down input in two chunks) vs the shipped step and the gpt-fast-style INT4 peer
 #   timeline8 scripts/step_timeline.py: the 8B step at (8, 1024) on the persistent layer, its kernels traced
 #   bench70r  the 70B step at (4, 1024) (8 rows of its down projection do not fit one CTA's shared memory)
 #   ring      the ring layer (decode/persistent_ring.py, a producer warp streams the weights): its step tests and
 #             compute-sanitizer racecheck / synccheck (tests/test_persistent_step_gpu.py -k ring, the sanitizer test)
 #   bench8g   the 8B step at (1, 1024) and (1, 8192): ring layer vs tile layer vs shipped step vs gpt-fast INT4 peer
-#   bench70g  the 70B step at (1, 1024) and (2, 1024): ring layer vs shipped step
+#   bench70g  the 70B step at (1, 1024) and (4, 1024): ring layer vs shipped step
 #   timelineg scripts/step_timeline.py: the 8B step at (1, 1024) on the ring layer, its kernels traced
 #   traceg    scripts/persistent_trace.py: inside the ring layer, the 8B step at (1, 1024) and (1, 8192): per task
 #             kind busy / wait / weight lead and each layer's phases (its traced registry kernel)
@@ -64,7 +64,7 @@ for part in "$@"; do
                --points 1x1024,1x8192 --persistent auto,ring --peers gptfast-int4 --breakdown '' \
                --json $OUT/persistent-ring-8b.json ;;
     bench70g) TAILN=12 step bench70g 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
-               --cache int4 --points 1x1024,2x1024 --persistent ring --breakdown '' --json $OUT/persistent-ring-70b.json ;;
+               --cache int4 --points 1x1024,4x1024 --persistent ring --breakdown '' --json $OUT/persistent-ring-70b.json ;;
     timelineg) TAILN=6 step timelineg 180 python3 scripts/step_timeline.py --ring \
                --json $OUT/timeline-8b-1x1024-ring.json ;;
     traceg)  TAILN=40 step traceg 180 bash -c "python3 scripts/persistent_trace.py --json $OUT/ring-trace-8b-1024.json \
