@@ -1,5 +1,5 @@
 """The persistent decode layer with its weights streamed apart from the math (issue 29): one launch per layer runs
-the layer's tasks (decode.persistent_schedule.task_table, one row) as decode/persistent_layer.py does, but a
+the layer's tasks (decode.persistent_schedule.task_table, 1..8 rows) as decode/persistent_layer.py does, but a
 producer warp copies every projection task's packed weights into a shared-memory ring ahead of the consumer warps,
 across task boundaries and without waiting on any counter.
 
@@ -17,10 +17,11 @@ CTA anatomy (288 threads, one CTA per SM):
                 mbarrier. Weights never depend on another task, so it never waits on a counter.
   warps 0-7     consumers: the task loop of decode/persistent_layer.py (counters, attention partials and combines
                 on decode/attention.py's bodies), meeting at a named barrier the producer never joins. A projection
-                task stages the activation row (warp w its units w, w + 8, ...: the ones it multiplies), then per
-                stage warp w takes unit w: its two 16-byte words and two scales from the stage, releases the stage
+                task stages the activation row(s) (warp w its units w, w + 8, ...: the ones it multiplies; rows wider
+                than the body a chunk of whole stages at a time), then per stage warp w takes unit w: its two 16-byte words and two scales from the stage, releases the stage
                 (one arrive per warp), expands and multiplies them as the tile GEMV does (decode/dequant.py,
-                decode/stream.py: the same MMAs per unit), the group scale folded per unit. The warps' partials meet
+                decode/stream.py: the same MMAs per unit; with several rows B column j is row j), the group scale
+                folded per unit. The warps' partials meet
                 in shared memory, the RMSNorm row factor (QKV, gate/up) scales the sums and the fused epilogue
                 (store, SwiGLU, residual) writes the n-block's outputs.
 
@@ -55,7 +56,7 @@ CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barri
 PRODUCER_WARP = RING_CONSUMER_WARPS
 STAGE_W = RING_STAGE_UNITS * RING_UNIT_BYTES          # a stage's weights
 STAGE_S = RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES    # its scales
-CHUNKS = 128 * 2 // LANE_BYTES                        # 16-byte chunks of a unit's activations (128 bf16)
+PIECES = 128 * 2 // LANE_BYTES                        # 16-byte pieces of a unit's activations (128 bf16)
 PROJ = {k: KINDS.index(k) for k in ("qkv", "o", "gate_up", "down")}
 ATTN = {k: KINDS.index(k) for k in ("attn_partial", "attn_combine")}
 F = loop.F
@@ -96,10 +97,10 @@ class RingProjection(GemvTile):
         x_base = x.iterator.toint()
         k = x.shape[1]
         per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
-        n = (st1 - st0) * CHUNKS
+        n = (st1 - st0) * PIECES
         for row in cutlass.range(x.shape[0], unroll=1):
             for c in cutlass.range(lane, n, WARP, unroll=1):
-                off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
+                off = ((c // PIECES) * RING_STAGE_UNITS + warp) * (PIECES * LANE_BYTES) + (c % PIECES) * LANE_BYTES
                 src = x_base + Int64(row) * (k * 2) + Int64(st0) * (RING_STAGE_K * 2) + Int64(off)
                 ptx.cp_async_16(xs + row * row_stride + off, src)
         cute.arch.cp_async_commit_group()
@@ -109,7 +110,7 @@ class RingProjection(GemvTile):
             for row in cutlass.range(x.shape[0], unroll=1):
                 ss = Float32(0.0)
                 for c in cutlass.range(lane, n, WARP, unroll=1):
-                    off = ((c // CHUNKS) * RING_STAGE_UNITS + warp) * (CHUNKS * LANE_BYTES) + (c % CHUNKS) * LANE_BYTES
+                    off = ((c // PIECES) * RING_STAGE_UNITS + warp) * (PIECES * LANE_BYTES) + (c % PIECES) * LANE_BYTES
                     ss = self._add_squares(ss, ptx.lds_v4(xs + row * row_stride + off))
                 if not first:
                     if lane == 0:   # the earlier chunks' sum, which lane 0 stored
@@ -154,7 +155,7 @@ class RingProjection(GemvTile):
         for ch in cutlass.range(n_chunks, unroll=1):
             st0 = ch * chunk
             st1 = cutlass.min(n_st, st0 + chunk)
-            if (ch > 0) | (n_chunks > 1) | (not staged):   # the warp's own units: it alone reads them
+            if (n_chunks > 1) | (not staged):   # the warp's own units: it alone reads them
                 self._stage_chunk(x, xs, base + self.r["ss"], st0, st1, warp, lane, row_stride, ch == 0)
             for st in cutlass.range(st0, st1, unroll=1):
                 i = i0 + st
@@ -194,9 +195,10 @@ class RingProjection(GemvTile):
 
 
 class RingLayer(LayerCall):
-    """A decode layer (one row, INT4 g128 weights, a contiguous INT4 or E4M3 cache mirror by `plan`) as one launch
-    with a producer warp streaming the projections' weights; the arguments are decode/persistent_layer.py's
-    PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many as fit beside the attention bodies' scratch)."""
+    """A decode layer (INT4 g128 weights, a contiguous INT4 or E4M3 cache mirror by `plan`) as one launch with a
+    producer warp streaming the projections' weights, for one row (`tokens` = 1) or 1..8 (`tokens` = TOKENS); the
+    arguments are decode/persistent_layer.py's PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many
+    as fit beside the attention bodies' scratch); `trace`: the task trace variant (futx.engine.persistent_trace)."""
 
     def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1):
         if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
