@@ -34,8 +34,11 @@ def test_the_step_routes_only_where_the_kernel_fits():
     m = DecodeModel(packed, "int4", max_batch=1, capacity=64, backend="emulated", device="cpu", persistent=None)
     assert m.persistent is None
     assert "kernel backend" in pers.unsupported(m)
-    with pytest.raises(ValueError, match="does not fit this model: it runs on the kernel backend only"):
-        DecodeModel(packed, "int4", max_batch=1, capacity=64, backend="emulated", device="cpu", persistent=True)
+    for how in (True, "ring"):
+        with pytest.raises(ValueError, match="does not fit this model: it runs on the kernel backend only"):
+            DecodeModel(packed, "int4", max_batch=1, capacity=64, backend="emulated", device="cpu", persistent=how)
+    with pytest.raises(ValueError, match="persistent must be None, False, True or 'ring'"):
+        DecodeModel(packed, "int4", max_batch=1, capacity=64, backend="emulated", device="cpu", persistent="rings")
     m.backend = "kernels"   # what the kernel backend would be told about other models
     assert pers.unsupported(m) is None
     m.cache.fmt = "bf16"

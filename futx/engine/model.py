@@ -27,7 +27,7 @@ is decoupled from the cache's slot count (`max_batch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Union, Sequence
 
 import torch
 
@@ -86,7 +86,7 @@ class DecodeModel:
                  backend: str = "kernels", device=None, glue: str = "fused",
                  shared_cache: Optional[EngineCache] = None, max_rows: Optional[int] = None,
                  keep_logits: bool = False, pages: Optional[int] = None, page_size: int = paging.DEFAULT_PAGE_SIZE,
-                 staging: int = 0, persistent: Optional[bool] = False):
+                 staging: int = 0, persistent: Union[None, bool, str] = False):
         """max_batch: cache slots (requests); max_rows: rows of one step (default max_batch; more for block
         steps: requests x (drafts + 1)); keep_logits: also keep each step's logits in buffers.logits.
         pages: a paged cache of that many pages of page_size positions (futx.paging; None: contiguous slots of
@@ -94,7 +94,8 @@ class DecodeModel:
         table (EngineCache.set_pages). staging: the INT4-only cache's staging pages (futx.paging; 0: every page
         keeps its main copy). persistent: steps of 1..8 rows run their layers on the persistent layer kernel
         (futx.engine.persistent, up to the rows its shared memory fits; True raises where it does not fit, None
-        uses it where it fits)."""
+        uses it where it fits; "ring": the ring layer, a producer warp streaming the weights, raising where it does
+        not fit)."""
         check_formats(packed.weights, cache)
         check_model(packed.config, packed.weights, packed.group_size)
         check_batch(max_batch)
@@ -129,11 +130,13 @@ class DecodeModel:
         self._attn_out = torch.zeros(max_rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16,
                                      device=self.device)
         self.persistent = None
+        if persistent not in (None, False, True, "ring"):
+            raise ValueError(f"persistent must be None, False, True or 'ring', got {persistent!r}")
         if persistent or persistent is None:
             from futx.engine import persistent as pers
 
             if persistent or pers.unsupported(self) is None:
-                self.persistent = pers.PersistentStep(self)
+                self.persistent = pers.PersistentStep(self, body="ring" if persistent == "ring" else "tiles")
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self, rows: int, width: int = 1) -> None:
