@@ -72,6 +72,12 @@ def _stamp(trace: Optional[cute.Tensor], cta, j, field: int, tid) -> None:
                         ptx.globaltimer())
 
 
+def _next_slot(slot, phase, stages: int):
+    """The ring stage after (slot, phase): the next slot, the phase flipped where the ring wraps."""
+    wrap = slot == stages - 1
+    return cutlass.select_(wrap, Int32(0), slot + 1), phase ^ cutlass.select_(wrap, Int32(1), Int32(0))
+
+
 class ConsumerAttention(DecodeAttention):
     """decode/attention.py's bodies on the consumer warps: their CTA barriers leave the producer warp out."""
 
@@ -152,19 +158,20 @@ class RingProjection(GemvTile):
         w_lane = base + self.r["weights"] + warp * RING_UNIT_BYTES + lane * LANE_BYTES
         s_warp = base + self.r["scales"] + warp * RING_UNIT_SCALE_BYTES
         acc = (Float32(0.0),) * 4
+        slot = i0 % self.stages          # the ring's stage i0 + st: slot and phase stepped along, not divided out
+        phase = (i0 // self.stages) % 2
         for ch in cutlass.range(n_chunks, unroll=1):
             st0 = ch * chunk
             st1 = cutlass.min(n_st, st0 + chunk)
             if (n_chunks > 1) | (not staged):   # the warp's own units: it alone reads them
                 self._stage_chunk(x, xs, base + self.r["ss"], st0, st1, warp, lane, row_stride, ch == 0)
             for st in cutlass.range(st0, st1, unroll=1):
-                i = i0 + st
-                slot = i % self.stages
-                cute.arch.mbarrier_wait(bars + slot, (i // self.stages) % 2)
+                cute.arch.mbarrier_wait(bars + slot, phase)
                 cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
                 cute.arch.sync_warp()   # every lane's reads of the stage issued before the warp releases it
                 if lane == 0:
                     cute.arch.mbarrier_arrive(bars + self.stages + slot)
+                slot, phase = _next_slot(slot, phase, self.stages)
                 u = (st - st0) * RING_STAGE_UNITS + warp   # the unit's place in the staged chunk
                 b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
                 (acc,) = stream.mma_unit(fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
@@ -261,7 +268,7 @@ class RingLayer(LayerCall):
                  base, bars, trace):
         """One lane: every projection task's stages of this CTA's list, in order, into the ring."""
         S = self.stages
-        i = Int32(0)
+        slot, phase = Int32(0), Int32(0)   # the ring's next stage
         for j in cutlass.range(starts[cta, layer], starts[cta, layer + 1], unroll=1):
             kind = table[cta, j, F["kind"]]
             is_qkv, is_o = kind == PROJ["qkv"], kind == PROJ["o"]
@@ -277,9 +284,8 @@ class RingLayer(LayerCall):
             w_src = w + nb * Int64(k * 8)      # an n-block's packed weights: 16 channels x K nibbles
             s_src = s + nb * Int64(k // 4)     # its scales: K / 128 groups x 16 float16
             for st in cutlass.range(n_st, unroll=1):
-                slot = i % S
                 full = bars + slot
-                cute.arch.mbarrier_wait(bars + S + slot, ((i // S) % 2) ^ 1)   # a fresh slot passes at once
+                cute.arch.mbarrier_wait(bars + S + slot, phase ^ 1)   # a fresh slot passes at once
                 cute.arch.mbarrier_arrive_and_expect_tx(full, STAGE_W + STAGE_S)
                 f = ptx.smem_addr(full)
                 ptx.cp_async_bulk_g2s(base + self.r["weights"] + slot * STAGE_W, w_src + Int64(st) * STAGE_W,
@@ -288,7 +294,7 @@ class RingLayer(LayerCall):
                                       STAGE_S, f)
                 if st == 0:   # the task's first stage is on its way
                     _stamp(trace, cta, j, TRACE["issued"], Int32(0))
-                i = i + 1
+                slot, phase = _next_slot(slot, phase, S)
 
     @cute.jit
     def _consume(self, table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps, scale_log2, base,
