@@ -5,7 +5,7 @@ indices and end marker, and the chain kernel's table and its torch reference, th
 from __future__ import annotations
 
 from decode.gemv_layout import TOKENS, X_ROW_PAD
-from decode.persistent_schedule import END, END_ROW, F  # noqa: F401  (END and F: the kernels' names for them)
+from decode.persistent_schedule import END, END_ROW, FIELDS, F  # noqa: F401  (END and F: the kernels' names)
 
 THREADS = 128                  # the chain kernel's block: one tile of columns per thread
 LAYER_WARPS = 8                # the layer kernel's block (decode/persistent_layer.py): every task body runs on it
@@ -68,12 +68,12 @@ def _per_warp(tokens: int) -> int:
 
 
 def ring_regions(stages: int, tokens: int = 1) -> dict:
-    """Byte offsets of the ring layer's shared memory: `bars` (full[stages], empty[stages], 8 bytes each), `slot`
-    (unused words), `weights` [stages][8 units of 1 KB], `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps'
+    """Byte offsets of the ring layer's shared memory: `bars` (full[stages], empty[stages], 8 bytes each), `rows`
+    (two task rows of the table, 16-byte aligned: the consumers' double buffer), `weights` [stages][8 units of 1 KB], `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps'
     partials; multi-token [warps][16][TOKENS]), `ss` [warps] f32 (sums of squares; multi-token [warps][TOKENS]),
     `body` (1024-aligned, the attention bodies' scratch: a projection task stages its input rows there, in chunks of
     `ring_chunk_stages`)."""
-    if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 16 > RING_HEADER:
+    if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 2 * 4 * len(FIELDS) > RING_HEADER:
         raise ValueError(f"the ring takes 2..{RING_MAX_STAGES} stages, got {stages}")
     per = _per_warp(tokens)
     w = RING_HEADER
@@ -81,7 +81,7 @@ def ring_regions(stages: int, tokens: int = 1) -> dict:
     red = s + stages * RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES
     ss = red + RING_CONSUMER_WARPS * 16 * per * 4
     body = -(-(ss + RING_CONSUMER_WARPS * per * 4) // ALIGN) * ALIGN
-    return {"bars": 0, "slot": 16 * stages, "weights": w, "scales": s, "red": red, "ss": ss, "body": body}
+    return {"bars": 0, "rows": 16 * stages, "weights": w, "scales": s, "red": red, "ss": ss, "body": body}
 
 
 def ring_chunk_stages(body_bytes, rows, tokens: int = 1):

@@ -50,7 +50,7 @@ from decode.gemv_layout import TOKENS, X_ROW_PAD
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_STAGE_K, RING_STAGE_UNITS, RING_THREADS,
                                     RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan,
                                     ring_chunk_stages, ring_kernel_stages, ring_regions)
-from decode.persistent_schedule import KINDS
+from decode.persistent_schedule import FIELDS, KINDS
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
 PRODUCER_WARP = RING_CONSUMER_WARPS
@@ -61,6 +61,8 @@ PROJ = {k: KINDS.index(k) for k in ("qkv", "o", "gate_up", "down")}
 ATTN = {k: KINDS.index(k) for k in ("attn_partial", "attn_combine")}
 F = loop.F
 TRACE = {n: i for i, n in enumerate(TRACE_FIELDS)}
+ROW_BYTES = len(FIELDS) * 4   # one task row of the table (48 bytes: three 16-byte copies)
+assert ROW_BYTES % 16 == 0
 
 
 @cute.jit
@@ -297,6 +299,15 @@ class RingLayer(LayerCall):
                 slot, phase = _next_slot(slot, phase, S)
 
     @cute.jit
+    def _copy_row(self, table: cute.Tensor, cta, j, rows_at, tidx) -> None:
+        """Threads 0..2: table row j of this CTA (48 bytes) -> the row buffer of j's parity, by cp.async (committed;
+        waited for before the barrier that ends the task)."""
+        if tidx < ROW_BYTES // 16:
+            src = table.iterator.toint() + Int64(cute.crd2idx((cta, j, 0), table.layout)) * 4 + tidx * 16
+            ptx.cp_async_16(rows_at + (j % 2) * ROW_BYTES + tidx * 16, src)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def _consume(self, table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps, scale_log2, base,
                  bars, trace):
         """The consumer warps' task loop (decode/persistent_layer.py's, at the consumers' barrier)."""
@@ -308,10 +319,20 @@ class RingLayer(LayerCall):
         staged = Int32(-1)   # the kind of the projection whose row the body holds (-1: none, or attention scratch)
         pending = Int32(0)   # tasks done whose signals are held (see below)
         end = starts[cta, layer + 1]
-        for j in cutlass.range(starts[cta, layer], end, unroll=1):
-            kind = table[cta, j, F["kind"]]
-            wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
-            a0, a1, a2 = table[cta, j, F["a0"]], table[cta, j, F["a1"]], table[cta, j, F["a2"]]
+        # the task rows in shared memory, double-buffered: row j + 1 is copied while task j runs, so reading a task's
+        # fields never waits for L2 (the acquire at a wait empties L1)
+        rows_at = base + self.r["rows"]
+        j0 = starts[cta, layer]
+        self._copy_row(table, cta, j0, rows_at, tidx)
+        cute.arch.cp_async_wait_group(0)
+        loop.cta_sync(CONSUMERS)
+        for j in cutlass.range(j0, end, unroll=1):
+            cur = rows_at + (j % 2) * ROW_BYTES
+            nxt_row = rows_at + ((j + 1) % 2) * ROW_BYTES
+            self._copy_row(table, cta, j + 1, rows_at, tidx)   # (row `end` exists: the next layer's, or END)
+            kind = ptx.lds_i32(cur + F["kind"] * 4)
+            wait0, target0 = ptx.lds_i32(cur + F["wait0"] * 4), ptx.lds_i32(cur + F["target0"] * 4)
+            a0, a1, a2 = (ptx.lds_i32(cur + F[f] * 4) for f in ("a0", "a1", "a2"))
             nb = a0 // 16
             _stamp(trace, cta, j, TRACE["start"], tidx)
             # a projection of the kind whose row is staged: the CTA's previous task, of the same kind, passed the
@@ -335,16 +356,19 @@ class RingLayer(LayerCall):
             # (row factors, fused into QKV and gate/up, are not in the kernel form's tables: they would only wait)
             is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
             staged = cutlass.select_(is_proj, kind, Int32(-1))
+            # this row's last reads before the barrier: after it, the next task's copy may overwrite this buffer
+            sig0, sig1 = ptx.lds_i32(cur + F["signal0"] * 4), ptx.lds_i32(cur + F["signal1"] * 4)
+            cute.arch.cp_async_wait_group(0)   # the next row landed (copied by this thread, if any)
             loop.cta_sync(CONSUMERS)   # the task's writes and shared-memory reads done by every consumer
             _stamp(trace, cta, j, TRACE["end"], tidx)
             # one release per run of tasks signalling the same counters: a waiter's target is all of a counter's
             # producers in the layer, so holding a task's count until the run's last task delays no waiter, and
-            # saves the release fences between them
-            sig0, sig1 = table[cta, j, F["signal0"]], table[cta, j, F["signal1"]]
+            # saves the release fences between them (the next row's buffer is rewritten only after the next
+            # task's barrier)
             pending = pending + 1
             more = j + 1 < end
-            nxt = cutlass.select_(more, j + 1, j)
-            same = more & (table[cta, nxt, F["signal0"]] == sig0) & (table[cta, nxt, F["signal1"]] == sig1)
+            same = (more & (ptx.lds_i32(nxt_row + F["signal0"] * 4) == sig0)
+                    & (ptx.lds_i32(nxt_row + F["signal1"] * 4) == sig1))
             if not same:
                 loop.signal(counters, sig0, tidx, pending)
                 loop.signal(counters, sig1, tidx, pending)

@@ -488,6 +488,12 @@ def lds32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def lds_i32(addr, *, loc=None, ip=None) -> Int32:
+    """A signed 32-bit word from shared memory (table fields, -1 meaning none)."""
+    return Int32(_asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", True, loc, ip))
+
+
+@dsl_user_op
 def lds64(addr, *, loc=None, ip=None):
     res = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_i32(addr, loc, ip)],
                "ld.shared.v2.b32 {$0,$1}, [$2];", "=r,=r,r", True, loc, ip)

@@ -101,7 +101,7 @@ def test_ring_layer_fits_the_served_shapes_and_says_why_not():
         r = ring_regions(stages, tokens)
         assert r["body"] % 1024 == 0 and r["body"] + att <= SMEM_PER_CTA
         assert ring_regions(stages + 1, tokens)["body"] + att > SMEM_PER_CTA
-        assert r["weights"] >= r["slot"] + 8 and r["scales"] - r["weights"] == stages * 8 * 1024
+        assert r["weights"] >= r["rows"] + 96 and r["rows"] % 16 == 0 and r["scales"] - r["weights"] == stages * 8 * 1024
         assert r["ss"] - r["red"] == 8 * 16 * 4 * (8 if tokens > 1 else 1)
     # chunks: one row of the 70B's down input (28 stages) in one; 8 rows of the 8B's (14 stages) in two of 7
     att = layer_plan("int4", 128).smem_bytes
