@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from decode.attn_plan import default_plan
-from decode.persistent_schedule import END, F, FIELDS, KINDS, Deadlock, Schedule, task_table
+from decode.persistent_schedule import END, F, FIELDS, KINDS, PROJECTIONS, Deadlock, Schedule, task_table
 from futx.quant.fold import rms_row_factor
 
 from .backends import apply_rope_f32, fused_norm
@@ -69,7 +69,7 @@ def task_name(row: Sequence[int]) -> str:
 
 
 def run_schedule(model, schedule: Schedule, tokens, positions, slots,
-                 order: Union[str, int] = "round-robin") -> TableRun:
+                 order: Union[str, int] = "round-robin", ring: bool = False) -> TableRun:
     """`run_task_table` of a schedule: its table and launch constants, checked against the model and inputs."""
     g = schedule.graph
     if g.config != model.config:
@@ -83,19 +83,23 @@ def run_schedule(model, schedule: Schedule, tokens, positions, slots,
         raise ValueError(f"the schedule was built for contexts {g.contexts}, the inputs have {contexts} "
                          "(context = position + 1)")
     return run_task_table(model, task_table(schedule), len(g.counters), tokens, positions, slots,
-                          tile_tokens=g.tile_tokens, order=order)
+                          tile_tokens=g.tile_tokens, order=order, ring=ring)
 
 
 def run_task_table(model, table: torch.Tensor, counters: int, tokens, positions, slots, *,
-                   tile_tokens: Optional[int] = None, order: Union[str, int] = "round-robin") -> TableRun:
+                   tile_tokens: Optional[int] = None, order: Union[str, int] = "round-robin",
+                   ring: bool = False) -> TableRun:
     """Run a task table (`persistent_schedule.task_table`: int32 [CTAs, tasks + 1, len(FIELDS)]) for one decode
     step of `model` (a DecodeModel with backend="emulated") on rows `tokens` at `positions` in cache `slots`;
     writes the new K/V rows into model.cache as the engine's step does (its other state is untouched).
     counters: words of the counter array (len(graph.counters)); tile_tokens: attention's tile (default: the
     decode attention plan of the model's cache format). No split count is needed: a partial's tokens follow
     from its row's context and the splits holding tiles (`split_tiles`). order: "round-robin" over the CTAs
-    whose next task can run, or an int seed of a random choice among them."""
-    return _Interpreter(model, table, counters, tokens, positions, slots, tile_tokens).run(order)
+    whose next task can run, or an int seed of a random choice among them. ring: the ring layer's protocol
+    (decode/persistent_ring.py): a CTA's projection task right after one of the same kind and layer does not wait,
+    and a CTA holds its signals over a run of tasks of one layer that signal the same counters, adding the run's
+    count after its last task."""
+    return _Interpreter(model, table, counters, tokens, positions, slots, tile_tokens).run(order, ring)
 
 
 def split_tiles(context: int, tile_tokens: int, active: int) -> int:
@@ -156,16 +160,25 @@ class _Interpreter:
         self._weights: dict = {}
 
     # ---- the loop: CTAs advance one task at a time ----------------------------------------------------------
-    def run(self, order) -> TableRun:
+    def run(self, order, ring: bool = False) -> TableRun:
         if order != "round-robin" and not isinstance(order, int):
             raise ValueError(f"order must be 'round-robin' or an int seed, got {order!r}")
         rng = random.Random(order) if isinstance(order, int) else None
         lists, count, pos, done, nxt = self.lists, [0] * self.counters, [0] * len(self.lists), [], 0
+        staged = [None] * len(lists)   # ring: (kind, layer) of the CTA's last task where a projection
+        held = [0] * len(lists)        # ring: tasks whose signals the CTA holds
+
+        def can_run(c):
+            row = lists[c][pos[c]]
+            if ring and staged[c] == (row[F["kind"]], row[F["layer"]]):
+                return True
+            return all(count[k] >= t for k, t in _waits(row))
+
         while True:
             live = [c for c in range(len(lists)) if pos[c] < len(lists[c])]
             if not live:
                 break
-            ready = [c for c in live if all(count[k] >= t for k, t in _waits(lists[c][pos[c]]))]
+            ready = [c for c in live if can_run(c)]
             if not ready:
                 self._deadlock(live, pos, count)
             if rng is None:   # the first ready CTA at or after the one after the last to run
@@ -175,9 +188,17 @@ class _Interpreter:
                 c = rng.choice(ready)
             row = lists[c][pos[c]]
             self.execute(row)
-            for k in row[F["signal0"]], row[F["signal1"]]:
-                if k >= 0:
-                    count[k] += 1
+            held[c] += 1
+            after = lists[c][pos[c] + 1] if pos[c] + 1 < len(lists[c]) else None
+            if ring:
+                staged[c] = (row[F["kind"]], row[F["layer"]]) if KINDS[row[F["kind"]]] in PROJECTIONS else None
+            hold = ring and after is not None and all(after[F[f]] == row[F[f]] for f in ("layer", "signal0",
+                                                                                           "signal1"))
+            if not hold:
+                for k in row[F["signal0"]], row[F["signal1"]]:
+                    if k >= 0:
+                        count[k] += held[c]
+                held[c] = 0
             done.append((c, pos[c]))
             pos[c] += 1
         self.store.check_complete()
