@@ -94,6 +94,19 @@ def ring_chunk_stages(body_bytes, rows, tokens: int = 1):
     return (body_bytes - rows * X_ROW_PAD) // (rows * (RING_STAGE_K * 2))
 
 
+RING_PIECE = 16                          # bytes a lane copies at once
+RING_UNIT_X_BYTES = 128 * 2              # one unit's activations of one row (128 bf16)
+RING_PIECES = RING_UNIT_X_BYTES // RING_PIECE
+
+
+def ring_piece_offset(c, warp):
+    """Where a warp's c-th 16-byte piece of a chunk's activations sits, in bytes from the chunk's start (in the row
+    as in shared memory): piece c % RING_PIECES of the warp's unit c // RING_PIECES of the chunk, which is unit
+    (c // RING_PIECES) * RING_STAGE_UNITS + warp, the unit the warp multiplies at the chunk's stage c // RING_PIECES.
+    +, * , // and % only: the kernel evaluates it on its values."""
+    return ((c // RING_PIECES) * RING_STAGE_UNITS + warp) * RING_UNIT_X_BYTES + (c % RING_PIECES) * RING_PIECE
+
+
 def ring_stages(body_bytes: int, smem: int, tokens: int = 1) -> int:
     """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside a body of `body_bytes` (0: not even 2)."""
     best = 0

@@ -48,15 +48,14 @@ from decode.gemv_tile import WARP, GemvTile
 from decode.persistent_layer import LayerCall
 from decode.gemv_layout import TOKENS, X_ROW_PAD
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_STAGE_K, RING_STAGE_UNITS, RING_THREADS,
-                                    RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan,
-                                    ring_chunk_stages, ring_kernel_stages, ring_regions)
+                                    RING_PIECES, RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan,
+                                    ring_chunk_stages, ring_kernel_stages, ring_piece_offset, ring_regions)
 from decode.persistent_schedule import FIELDS, KINDS
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
 PRODUCER_WARP = RING_CONSUMER_WARPS
 STAGE_W = RING_STAGE_UNITS * RING_UNIT_BYTES          # a stage's weights
 STAGE_S = RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES    # its scales
-PIECES = 128 * 2 // LANE_BYTES                        # 16-byte pieces of a unit's activations (128 bf16)
 PROJ = {k: KINDS.index(k) for k in ("qkv", "o", "gate_up", "down")}
 ATTN = {k: KINDS.index(k) for k in ("attn_partial", "attn_combine")}
 F = loop.F
@@ -105,10 +104,10 @@ class RingProjection(GemvTile):
         x_base = x.iterator.toint()
         k = x.shape[1]
         per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
-        n = (st1 - st0) * PIECES
+        n = (st1 - st0) * RING_PIECES
         for row in cutlass.range(x.shape[0], unroll=1):
             for c in cutlass.range(lane, n, WARP, unroll=1):
-                off = ((c // PIECES) * RING_STAGE_UNITS + warp) * (PIECES * LANE_BYTES) + (c % PIECES) * LANE_BYTES
+                off = ring_piece_offset(c, warp)
                 src = x_base + Int64(row) * (k * 2) + Int64(st0) * (RING_STAGE_K * 2) + Int64(off)
                 ptx.cp_async_16(xs + row * row_stride + off, src)
         cute.arch.cp_async_commit_group()
@@ -118,8 +117,7 @@ class RingProjection(GemvTile):
             for row in cutlass.range(x.shape[0], unroll=1):
                 ss = Float32(0.0)
                 for c in cutlass.range(lane, n, WARP, unroll=1):
-                    off = ((c // PIECES) * RING_STAGE_UNITS + warp) * (PIECES * LANE_BYTES) + (c % PIECES) * LANE_BYTES
-                    ss = self._add_squares(ss, ptx.lds_v4(xs + row * row_stride + off))
+                    ss = self._add_squares(ss, ptx.lds_v4(xs + row * row_stride + ring_piece_offset(c, warp)))
                 if not first:
                     if lane == 0:   # the earlier chunks' sum, which lane 0 stored
                         ss = ss + ptx.lds_f32(ss_out + (warp * per + row) * 4)
@@ -174,7 +172,7 @@ class RingProjection(GemvTile):
                 if lane == 0:
                     cute.arch.mbarrier_arrive(bars + self.stages + slot)
                 slot, phase = _next_slot(slot, phase, self.stages)
-                u = (st - st0) * RING_STAGE_UNITS + warp   # the unit's place in the staged chunk
+                u = (st - st0) * RING_STAGE_UNITS + warp   # the unit's place in the chunk (ring_piece_offset's)
                 b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
                 (acc,) = stream.mma_unit(fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
             cute.arch.sync_warp()   # the warp's reads of this chunk done before it stages the next over it

@@ -148,3 +148,39 @@ def test_ring_tables_wait_once_per_kind_and_layer(name, ctas):
     broken[c, j, F["wait1"]] = 0
     with pytest.raises(ValueError, match="two"):
         pers.check_ring_waits(broken)
+
+
+@pytest.mark.parametrize("k,rows,tokens", [(4096, 1, 1), (28672, 1, 1), (14336, 8, 8), (8192, 8, 8), (3072, 3, 8),
+                                           (28672, 8, 8), (1024, 5, 8)])
+def test_ring_staging_covers_each_unit_once_where_its_warp_reads_it(k, rows, tokens):
+    """decode/persistent_ring.py's activation staging (decode.persistent_host.ring_piece_offset, the kernel's own
+    formula): chunk by chunk, every lane's pieces of every row land where the warp's MMAs read its unit of that stage
+    ((stage - chunk start) x 8 + warp units in), each 16-byte piece of the input exactly once, inside the body, and
+    no warp's pieces where another warp reads."""
+    from decode.gemv_layout import X_ROW_PAD
+    from decode.persistent_host import (RING_PIECES, RING_STAGE_K, RING_STAGE_UNITS, RING_UNIT_X_BYTES, layer_plan,
+                                        ring_chunk_stages, ring_piece_offset)
+
+    body = layer_plan("int4", 128).smem_bytes
+    n_st = k // RING_STAGE_K
+    chunk = ring_chunk_stages(body, rows, tokens)
+    row_stride = min(chunk, n_st) * RING_STAGE_K * 2 + X_ROW_PAD
+    seen = set()
+    for st0 in range(0, n_st, chunk):
+        st1 = min(n_st, st0 + chunk)
+        owner = {}
+        for warp in range(RING_STAGE_UNITS):
+            for row in range(rows):
+                for c in range((st1 - st0) * RING_PIECES):   # every lane's c (lane, lane + 32, ...)
+                    off = ring_piece_offset(c, warp)
+                    smem = row * row_stride + off
+                    src = row * k * 2 + st0 * RING_STAGE_K * 2 + off
+                    assert 0 <= smem and smem + 16 <= body
+                    assert src not in seen and src + 16 <= (row + 1) * k * 2
+                    seen.add(src)
+                    assert owner.setdefault(smem, warp) == warp
+                    # the MMA side: the warp's unit of stage st sits (st - st0) * 8 + warp units into the chunk
+                    st = st0 + c // RING_PIECES
+                    u = (st - st0) * RING_STAGE_UNITS + warp
+                    assert u * RING_UNIT_X_BYTES <= off < (u + 1) * RING_UNIT_X_BYTES
+    assert len(seen) == rows * k * 2 // 16
