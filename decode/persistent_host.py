@@ -4,7 +4,7 @@ indices and end marker, and the chain kernel's table and its torch reference, th
 
 from __future__ import annotations
 
-from decode.gemv_layout import TOKENS, X_ROW_PAD
+from decode.gemv_layout import TOKENS, UNIT_BYTES, UNIT_SCALE_BYTES, X_ROW_PAD
 from decode.persistent_schedule import END, END_ROW, FIELDS, F  # noqa: F401  (END and F: the kernels' names)
 
 THREADS = 128                  # the chain kernel's block: one tile of columns per thread
@@ -54,12 +54,11 @@ def layer_plan(cache: str = "int4", head_dim: int = 128):
 # ---- the ring layer (decode/persistent_ring.py): a producer warp streams every projection task's weights --------
 RING_CONSUMER_WARPS = LAYER_WARPS   # they run every task body; the producer warp is one more
 RING_THREADS = 32 * (RING_CONSUMER_WARPS + 1)
-RING_UNIT_BYTES = 1024              # one INT4 g128 unit of a 16-channel n-block (decode.gemv_layout.UNIT_BYTES)
-RING_UNIT_SCALE_BYTES = 32          # its 16 float16 group scales
 RING_STAGE_UNITS = RING_CONSUMER_WARPS   # a stage holds one unit per consumer warp, consecutive in K
 RING_STAGE_K = RING_STAGE_UNITS * 128    # every projection's K must be a multiple of it (whole stages)
 RING_MAX_STAGES = 16
-RING_HEADER = 1024                  # the stages' full and empty mbarriers and the task loop's words
+RING_HEADER = 1024                  # the stages' full and empty mbarriers and the consumers' two task rows
+RING_ROW_BYTES = 4 * len(FIELDS)    # one task row of the table (48 bytes: three 16-byte copies)
 ALIGN = 1024
 
 
@@ -69,16 +68,17 @@ def _per_warp(tokens: int) -> int:
 
 def ring_regions(stages: int, tokens: int = 1) -> dict:
     """Byte offsets of the ring layer's shared memory: `bars` (full[stages], empty[stages], 8 bytes each), `rows`
-    (two task rows of the table, 16-byte aligned: the consumers' double buffer), `weights` [stages][8 units of 1 KB], `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps'
-    partials; multi-token [warps][16][TOKENS]), `ss` [warps] f32 (sums of squares; multi-token [warps][TOKENS]),
+    (two task rows of the table, 16-byte aligned: the consumers' double buffer), `weights` [stages][8 units of 1 KB],
+    `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps' partials; multi-token [warps][16][TOKENS]),
+    `ss` [warps] f32 (sums of squares; multi-token [warps][TOKENS]),
     `body` (1024-aligned, the attention bodies' scratch: a projection task stages its input rows there, in chunks of
     `ring_chunk_stages`)."""
-    if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 2 * 4 * len(FIELDS) > RING_HEADER:
+    if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 2 * RING_ROW_BYTES > RING_HEADER:
         raise ValueError(f"the ring takes 2..{RING_MAX_STAGES} stages, got {stages}")
     per = _per_warp(tokens)
     w = RING_HEADER
-    s = w + stages * RING_STAGE_UNITS * RING_UNIT_BYTES
-    red = s + stages * RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES
+    s = w + stages * RING_STAGE_UNITS * UNIT_BYTES
+    red = s + stages * RING_STAGE_UNITS * UNIT_SCALE_BYTES
     ss = red + RING_CONSUMER_WARPS * 16 * per * 4
     body = -(-(ss + RING_CONSUMER_WARPS * per * 4) // ALIGN) * ALIGN
     return {"bars": 0, "rows": 16 * stages, "weights": w, "scales": s, "red": red, "ss": ss, "body": body}
@@ -124,7 +124,7 @@ def ring_kernel_stages(attention_bytes: int, tokens: int = 1) -> int:
     return ring_stages(attention_bytes, SMEM_PER_CTA, tokens)
 
 
-def ring_misfit(ks) -> "str | None":
+def ring_k_misfit(ks) -> "str | None":
     """Why projections of these input widths K cannot run on the ring (None: they can): a stage is one unit per
     consumer warp, so K must be whole stages."""
     bad = sorted({k for k in ks if k % RING_STAGE_K})

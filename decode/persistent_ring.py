@@ -18,16 +18,16 @@ CTA anatomy (288 threads, one CTA per SM):
   warps 0-7     consumers: the task loop of decode/persistent_layer.py (counters, attention partials and combines
                 on decode/attention.py's bodies), meeting at a named barrier the producer never joins. A projection
                 task stages the activation row(s) (warp w its units w, w + 8, ...: the ones it multiplies; rows wider
-                than the body a chunk of whole stages at a time), then per stage warp w takes unit w: its two 16-byte words and two scales from the stage, releases the stage
-                (one arrive per warp), expands and multiplies them as the tile GEMV does (decode/dequant.py,
-                decode/stream.py: the same MMAs per unit; with several rows B column j is row j), the group scale
-                folded per unit. The warps' partials meet
-                in shared memory, the RMSNorm row factor (QKV, gate/up) scales the sums and the fused epilogue
-                (store, SwiGLU, residual) writes the n-block's outputs.
+                than the body a chunk of whole stages at a time), then per stage warp w takes unit w: its two
+                16-byte words and two scales from the stage, releases the stage (one arrive per warp), expands and
+                multiplies them as the tile GEMV does (decode/dequant.py, decode/stream.py: the same MMAs per unit;
+                with several rows B column j is row j), the group scale folded per unit. The warps' partials meet in
+                shared memory, the RMSNorm row factor (QKV, gate/up) scales the sums and the fused epilogue (store,
+                SwiGLU, residual) writes the n-block's outputs.
 
 Both sides count the ring's stages in the same order (the task list's projection stages), so stage i is slot
 i % stages in phase (i / stages) % 2 for both. Every projection's K must be a multiple of 1024 (whole stages:
-decode.persistent_host.ring_misfit). The outputs equal the tile GEMV's up to float32 summation order (a warp's units
+decode.persistent_host.ring_k_misfit). The outputs equal the tile GEMV's up to float32 summation order (a warp's units
 are strided, not a contiguous share).
 """
 
@@ -45,23 +45,19 @@ from decode.attention import AttnTensors, DecodeAttention
 from decode.attn_plan import AttnPlan
 from decode.dequant import LANE_BYTES
 from decode.gemv_tile import WARP, GemvTile
-from decode.persistent_layer import LayerCall
-from decode.gemv_layout import TOKENS, X_ROW_PAD
-from decode.persistent_host import (RING_CONSUMER_WARPS, RING_STAGE_K, RING_STAGE_UNITS, RING_THREADS,
-                                    RING_PIECES, RING_UNIT_BYTES, RING_UNIT_SCALE_BYTES, TRACE_FIELDS, layer_plan,
-                                    ring_chunk_stages, ring_kernel_stages, ring_piece_offset, ring_regions)
-from decode.persistent_schedule import FIELDS, KINDS
+from decode.gemv_layout import TOKENS, UNIT_BYTES, UNIT_SCALE_BYTES, X_ROW_PAD
+from decode.persistent_layer import ATTN, PROJ, LayerCall
+from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_ROW_BYTES, RING_STAGE_K, RING_STAGE_UNITS,
+                                    RING_THREADS, TRACE_FIELDS, layer_plan, ring_chunk_stages, ring_kernel_stages,
+                                    ring_piece_offset, ring_regions)
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
 PRODUCER_WARP = RING_CONSUMER_WARPS
-STAGE_W = RING_STAGE_UNITS * RING_UNIT_BYTES          # a stage's weights
-STAGE_S = RING_STAGE_UNITS * RING_UNIT_SCALE_BYTES    # its scales
-PROJ = {k: KINDS.index(k) for k in ("qkv", "o", "gate_up", "down")}
-ATTN = {k: KINDS.index(k) for k in ("attn_partial", "attn_combine")}
+STAGE_W = RING_STAGE_UNITS * UNIT_BYTES          # a stage's weights
+STAGE_S = RING_STAGE_UNITS * UNIT_SCALE_BYTES    # its scales
 F = loop.F
 TRACE = {n: i for i, n in enumerate(TRACE_FIELDS)}
-ROW_BYTES = len(FIELDS) * 4   # one task row of the table (48 bytes: three 16-byte copies)
-assert ROW_BYTES % 16 == 0
+assert RING_ROW_BYTES % 16 == 0   # copied as 16-byte pieces
 
 
 @cute.jit
@@ -155,8 +151,8 @@ class RingProjection(GemvTile):
         else:
             xs_lane = xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
         consts = fmt.consts()
-        w_lane = base + self.r["weights"] + warp * RING_UNIT_BYTES + lane * LANE_BYTES
-        s_warp = base + self.r["scales"] + warp * RING_UNIT_SCALE_BYTES
+        w_lane = base + self.r["weights"] + warp * UNIT_BYTES + lane * LANE_BYTES
+        s_warp = base + self.r["scales"] + warp * UNIT_SCALE_BYTES
         acc = (Float32(0.0),) * 4
         slot = i0 % self.stages          # the ring's stage i0 + st: slot and phase stepped along, not divided out
         phase = (i0 // self.stages) % 2
@@ -300,9 +296,9 @@ class RingLayer(LayerCall):
     def _copy_row(self, table: cute.Tensor, cta, j, rows_at, tidx) -> None:
         """Threads 0..2: table row j of this CTA (48 bytes) -> the row buffer of j's parity, by cp.async (committed;
         waited for before the barrier that ends the task)."""
-        if tidx < ROW_BYTES // 16:
+        if tidx < RING_ROW_BYTES // 16:
             src = table.iterator.toint() + Int64(cute.crd2idx((cta, j, 0), table.layout)) * 4 + tidx * 16
-            ptx.cp_async_16(rows_at + (j % 2) * ROW_BYTES + tidx * 16, src)
+            ptx.cp_async_16(rows_at + (j % 2) * RING_ROW_BYTES + tidx * 16, src)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -325,8 +321,8 @@ class RingLayer(LayerCall):
         cute.arch.cp_async_wait_group(0)
         loop.cta_sync(CONSUMERS)
         for j in cutlass.range(j0, end, unroll=1):
-            cur = rows_at + (j % 2) * ROW_BYTES
-            nxt_row = rows_at + ((j + 1) % 2) * ROW_BYTES
+            cur = rows_at + (j % 2) * RING_ROW_BYTES
+            nxt_row = rows_at + ((j + 1) % 2) * RING_ROW_BYTES
             self._copy_row(table, cta, j + 1, rows_at, tidx)   # (row `end` exists: the next layer's, or END)
             kind = ptx.lds_i32(cur + F["kind"] * 4)
             wait0, target0 = ptx.lds_i32(cur + F["wait0"] * 4), ptx.lds_i32(cur + F["target0"] * 4)

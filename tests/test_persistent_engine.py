@@ -91,7 +91,7 @@ def test_bench_decode_takes_persistent_split_counts():
 def test_ring_layer_fits_the_served_shapes_and_says_why_not():
     """decode/persistent_ring.py: whole ring stages (K a multiple of 1024), the ring beside the attention scratch,
     where a projection stages its input rows a chunk of whole stages at a time; a clear reason otherwise."""
-    from decode.persistent_host import (RING_STAGE_K, layer_plan, ring_chunk_stages, ring_kernel_stages, ring_misfit,
+    from decode.persistent_host import (RING_STAGE_K, layer_plan, ring_chunk_stages, ring_k_misfit, ring_kernel_stages,
                                         ring_regions, ring_stages)
     from futx.hardware import SMEM_PER_CTA
 
@@ -108,7 +108,7 @@ def test_ring_layer_fits_the_served_shapes_and_says_why_not():
     assert ring_chunk_stages(att, 1) == att // 2048 >= 28
     assert ring_chunk_stages(att, 8, 8) == 7 and 8 * (7 * 2048 + 16) <= att < 8 * (8 * 2048 + 16)
     assert ring_chunk_stages(att, 4, 8) == 14
-    assert ring_misfit((4096, 14336)) is None and "[2816]" in ring_misfit((1024, 2816))
+    assert ring_k_misfit((4096, 14336)) is None and "[2816]" in ring_k_misfit((1024, 2816))
     with pytest.raises(ValueError, match="2..16 stages"):
         ring_regions(1)
     for name in ("llama-3.1-8b", "layer-70b", "layer-1b"):

@@ -46,10 +46,10 @@ def ring_misfit(config, cache: str, rows: int = 1) -> Optional[str]:
     """Why the ring layer (decode/persistent_ring.py) cannot run `rows` rows of this model shape with this cache (None:
     it can): every projection's K must be whole ring stages (a projection task stages its input rows in chunks of
     whole stages, so any row count up to MAX_ROWS fits)."""
-    from decode.persistent_host import layer_plan, ring_chunk_stages, ring_misfit as k_misfit
+    from decode.persistent_host import layer_plan, ring_chunk_stages, ring_k_misfit
 
     c = config
-    why = k_misfit((c.hidden_size, c.q_size, c.intermediate_size))
+    why = ring_k_misfit((c.hidden_size, c.q_size, c.intermediate_size))
     if why is None and ring_chunk_stages(layer_plan(cache, c.head_dim).smem_bytes, rows, tokens_for(rows)) < 1:
         why = f"one ring stage of {rows} rows does not fit the ring layer's shared memory"
     return why
@@ -101,12 +101,12 @@ def check_ring_waits(table: torch.Tensor) -> None:
     wait (decode/persistent_ring.py): sound only if every task of a kind in a layer waits on one counter for one
     target, and none on a second counter. Raises ValueError naming the first kind where the table breaks that."""
     from decode.persistent_host import F
-    from decode.persistent_schedule import KINDS
+    from decode.persistent_schedule import KINDS, PROJECTIONS
 
     flat = table.reshape(-1, table.shape[-1])
     if (flat[:, F["wait1"]] >= 0).any():
         raise ValueError("the ring layer waits on one counter per task, the table has tasks with two")
-    for name in ("qkv", "o", "gate_up", "down"):
+    for name in PROJECTIONS:
         rows = flat[flat[:, F["kind"]] == KINDS.index(name)]
         keys = rows[:, [F["layer"], F["wait0"], F["target0"]]].unique(dim=0)
         if keys.shape[0] != keys[:, 0].unique().numel():

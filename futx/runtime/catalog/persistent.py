@@ -2,8 +2,8 @@
 and their combine as tasks of one launch per layer for one row, or 1..8 rows (".m8": the multi-token bodies), INT4
 weights, per cache format with a mirror (the INT4 mirror rotated, as the engine cache keeps it) and head dim 128; the
 model shape, the table, the layer count and the split count are runtime values. `decode.persistent.ring.*`
-(decode/persistent_ring.py): the same layer for one row with a producer warp streaming the weights through a
-shared-memory ring."""
+(decode/persistent_ring.py): the same layer, one row or 1..8 (".m8"), with a producer warp streaming the weights
+through a shared-memory ring (".trace": with each task's timestamps)."""
 
 from futx.runtime.catalog.decode_attention import SOURCES as ATTENTION_SOURCES
 from futx.runtime.catalog.decode_linear import _SOURCES as LINEAR_SOURCES
@@ -18,7 +18,7 @@ CACHES = ("int4", "e4m3")   # the cache mirrors the layer kernel reads (no BF16-
 HEAD_DIM = 128
 TOKENS = (1, 8)             # token columns of the projection bodies: one row, or 1..8 rows
 MAX_ROWS = TOKENS[-1]
-BODIES = ("tiles", "ring")  # the projection tasks' bodies: the tile GEMV's, or a producer warp's ring (one row)
+BODIES = ("tiles", "ring")  # the projection tasks' bodies: the tile GEMV's, or a producer warp's ring
 
 
 def tokens_for(rows: int) -> int:
