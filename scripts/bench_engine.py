@@ -87,6 +87,27 @@ def decode_cache(cfg, fmt: str, batch: int, capacity: int, device, main: str = "
     return cache, {"pages": batch * per, "page_size": size, "staging": per, "capacity": per * size}
 
 
+def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, context: int, persistent=False):
+    """One point's model ready to replay (the diagnostics' set-up): `shape`'s config with random `weights`, a
+    randomized contiguous cache, `batch` rows loaded at `context` tokens and their CUDA graphs. `persistent`:
+    DecodeModel's argument, or a function of the model giving its persistent step (set before the graphs).
+    Returns (config, model, graphs)."""
+    from futx.engine import DecodeModel, random_packed
+    from futx.engine.graphs import GraphSteps
+
+    cfg = config_for(shape, None)
+    cap = -(-context // 8) * 8
+    cache, kw = decode_cache(cfg, cache_fmt, batch, cap, "cuda")
+    cache.randomize(0)
+    m = DecodeModel(random_packed(cfg, weights, seed=0), cache_fmt, max_batch=batch, shared_cache=cache,
+                    capacity=cap, persistent=False if callable(persistent) else persistent, **kw)
+    if callable(persistent):
+        m.persistent = persistent(m)
+    g = GraphSteps(m, buckets=[batch])
+    m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+    return cfg, m, g
+
+
 class Timer:
     """Interleaved rounds of `reps` graph replays per candidate; median ms per replay."""
 

@@ -27,20 +27,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("persistent_trace: needs a CUDA GPU")
         return 2
-    from futx.engine import DecodeModel, random_packed
-    from futx.engine.graphs import GraphSteps
     from futx.engine.persistent import PersistentStep
     from futx.engine.persistent_trace import report, summarize
-    from scripts.bench_engine import config_for, decode_cache
+    from scripts.bench_engine import replaying_model
 
-    cfg = config_for(a.shape, None)
-    cap = -(-a.context // 8) * 8
-    cache, kw = decode_cache(cfg, a.cache, 1, cap, "cuda")
-    cache.randomize(0)
-    m = DecodeModel(random_packed(cfg, "int4", seed=0), a.cache, max_batch=1, shared_cache=cache, capacity=cap, **kw)
-    m.persistent = PersistentStep(m, splits=a.splits, body="ring", trace=True)
-    g = GraphSteps(m, buckets=[1])
-    m.load_inputs([1], [a.context - 1], [0])
+    cfg, m, g = replaying_model(a.shape, "int4", a.cache, 1, a.context,
+                                persistent=lambda m: PersistentStep(m, splits=a.splits, body="ring", trace=True))
     for _ in range(a.replays):
         g.replay(1)
     torch.cuda.synchronize()

@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--cache", default="int4")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--persistent", action="store_true", help="the step (1..8 rows) on the persistent layer kernel")
-    p.add_argument("--ring", action="store_true", help="the step (one row) on the persistent ring layer kernel "
+    p.add_argument("--ring", action="store_true", help="the step (1..8 rows) on the persistent ring layer kernel "
                    "(decode/persistent_ring.py)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -94,23 +94,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("step_timeline: needs a CUDA GPU")
         return 2
-    from futx.engine import DecodeModel, random_packed
-    from futx.engine.graphs import GraphSteps
-    from scripts.bench_engine import config_for, decode_cache
+    from scripts.bench_engine import replaying_model
 
-    cfg = config_for(a.shape, None)
-    packed = random_packed(cfg, a.weights, seed=0)
-    cap = -(-a.context // 8) * 8
-    cache, kw = decode_cache(cfg, a.cache, a.batch, cap, "cuda")
-    cache.randomize(0)
-    m = DecodeModel(packed, a.cache, max_batch=a.batch, shared_cache=cache, capacity=cap, persistent=a.persistent,
-                    **kw)
-    if a.ring:
-        from futx.engine.persistent import PersistentStep
-
-        m.persistent = PersistentStep(m, body="ring")
-    g = GraphSteps(m, buckets=[a.batch])
-    m.load_inputs(list(range(1, a.batch + 1)), [a.context - 1] * a.batch, list(range(a.batch)))
+    persistent = "ring" if a.ring else a.persistent
+    cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent)
     for _ in range(3):
         g.replay(a.batch)
     torch.cuda.synchronize()
@@ -132,9 +119,10 @@ def main() -> int:
         return 1
     best = sorted(steps, key=lambda s: s["span_us"])[len(steps) // 2]   # the median step
     out = {"device": torch.cuda.get_device_name(), "shape": cfg.name, "batch": a.batch, "context": a.context,
-           "weights": a.weights, "cache": a.cache, "persistent": "ring" if a.ring else a.persistent, "steps_traced": len(steps),
+           "weights": a.weights, "cache": a.cache, "persistent": persistent, "steps_traced": len(steps),
            "median_step": best, "spans_us": [s["span_us"] for s in steps]}
-    print(f"{cfg.name} ({a.weights}/{a.cache}) B={a.batch} ctx={a.context}{' persistent ring' if a.ring else ' persistent' if a.persistent else ''}: "
+    label = {"ring": " persistent ring", True: " persistent"}.get(persistent, "")
+    print(f"{cfg.name} ({a.weights}/{a.cache}) B={a.batch} ctx={a.context}{label}: "
           f"{best['kernels']} kernels, span {best['span_us']:.1f} us, kernels busy {best['busy_us']:.1f} us, "
           f"idle {best['idle_us']:.1f} us in {best['idle_gaps']} gaps (mean {best['mean_idle_gap_us']:.2f} us), "
           f"overlap {best['overlap_us']:.1f} us", flush=True)
