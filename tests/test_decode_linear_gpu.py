@@ -550,12 +550,17 @@ WS_M = (2, 8, 9, 16, 17, 31, 32, 33, 50, 63, 64)   # every token bucket, partly 
 def test_skinny_ws(n, k, epilogue, variant):
     """The warp-specialized kernel (grid and stream-K schedules) against float64 x @ dequant(W)^T at odd M in every
     token bucket, the split the rule picks, NaN-poisoned outputs."""
-    stored, w_ref = _weights("int4", n, k, 128, n + k)
-    for m in WS_M:
+    _ws_sweep("int4", n, k, epilogue, variant, WS_M, "skinny")
+
+
+def _ws_sweep(fmt, n, k, epilogue, variant, ms, label):
+    """The skinny kernel `variant` on fmt weights [n, k] at each M of `ms`, against float64 x @ dequant(W)^T."""
+    stored, w_ref = _weights(fmt, n, k, 128, n + k)
+    for m in ms:
         x, r = _inputs(m, k, n, m + n)
-        y = _run("int4", stored, x, 128, epilogue, r, kernel="skinny", variant=variant)
+        y = _run(fmt, stored, x, 128, epilogue, r, kernel="skinny", variant=variant)
         torch.cuda.synchronize()
-        _check(y, _reference(x, w_ref, epilogue, r), f"skinny {variant} M={m} {n}x{k} {epilogue}")
+        _check(y, _reference(x, w_ref, epilogue, r), f"{label} {variant} M={m} {n}x{k} {epilogue}")
 
 
 @pytest.mark.parametrize("variant", ["wsk", "wskt"])
@@ -629,12 +634,7 @@ def test_e4m3_ws(n, k, epilogue, variant):
     """The E4M3 warp-specialized kernel (grid and stream-K schedules, the split the rule picks) against float64
     x @ dequant(W)^T (every e4m3 bit pattern but NaN, per-channel scales) at odd M in every token bucket, NaN-poisoned
     outputs."""
-    stored, w_ref = _weights("e4m3", n, k, 128, n + k)
-    for m in E4M3_WS_M:
-        x, r = _inputs(m, k, n, m + n)
-        y = _run("e4m3", stored, x, 128, epilogue, r, kernel="skinny", variant=variant)
-        torch.cuda.synchronize()
-        _check(y, _reference(x, w_ref, epilogue, r), f"e4m3 {variant} M={m} {n}x{k} {epilogue}")
+    _ws_sweep("e4m3", n, k, epilogue, variant, E4M3_WS_M, "e4m3")
 
 
 # (M, variant, split); ws 65 at M = 17 only: its [split][N][64] workspace at M = 64 exceeds _run's
