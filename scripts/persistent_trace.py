@@ -1,6 +1,7 @@
 """Where the time goes inside the persistent ring layer (issue 29 diagnostic, GPU): the 8B step (or --shape) at one
 row on the ring layer's traced kernel, a few graph replays, then the last step's task trace summarized
-(futx.engine.persistent_trace: per kind busy / wait / weight lead, each layer's phases).
+(futx.engine.persistent_trace: per kind busy / wait / weight lead, each layer's phases) and a layer's achieved
+bandwidth (its weight and cache bytes over its median span).
 
     python scripts/persistent_trace.py [--shape llama-3.1-8b] [--context 1024] [--cache int4] [--json FILE]
 """
@@ -29,7 +30,7 @@ def main() -> int:
         return 2
     from futx.engine.persistent import PersistentStep
     from futx.engine.persistent_trace import report, summarize
-    from scripts.bench_engine import replaying_model
+    from scripts.bench_engine import HBM_BYTES_PER_S, replaying_model, step_bytes
 
     cfg, m, g = replaying_model(a.shape, "int4", a.cache, 1, a.context,
                                 persistent=lambda m: PersistentStep(m, splits=a.splits, body="ring", trace=True))
@@ -41,6 +42,13 @@ def main() -> int:
     print(f"{cfg.name} ring layer, 1 x {a.context}, {a.cache} cache, {t['splits']} splits "
           f"({torch.cuda.get_device_name()}):")
     print(report(s), flush=True)
+    # a layer's bytes (its weights and cache rows) over its median span: the layer's achieved bandwidth
+    layers = len(m.packed.layers)
+    layer_bytes = (step_bytes(m, 1, a.context) - cfg.vocab_size * cfg.hidden_size * 2) / layers
+    span = float(torch.tensor([lay["span_us"] for lay in s["layers"]]).median())
+    s["layer_bytes"], s["layer_tb_s"] = layer_bytes, layer_bytes / span / 1e6
+    print(f"a layer moves {layer_bytes / 1e6:.2f} MB: {s['layer_tb_s']:.2f} TB/s over the median span "
+          f"({100 * s['layer_tb_s'] * 1e12 / HBM_BYTES_PER_S:.0f}% of {HBM_BYTES_PER_S / 1e12:.2f})", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"shape": cfg.name, "context": a.context, "cache": a.cache,
                                             "splits": t["splits"], "device": torch.cuda.get_device_name(),
