@@ -94,6 +94,41 @@ def ring_chunk_stages(body_bytes, rows, tokens: int = 1):
     return (body_bytes - rows * X_ROW_PAD) // (rows * (RING_STAGE_K * 2))
 
 
+RING_STAGE_BYTES = RING_STAGE_UNITS * UNIT_BYTES               # a stage's packed weights (8 KB)
+RING_STAGE_SCALE_BYTES = RING_STAGE_UNITS * UNIT_SCALE_BYTES   # their group scales (256 B)
+RING_WORD_BYTES = 16                                           # a lane's word of one block: one 16-byte load
+
+
+def ring_weights_at(nb, k, st):
+    """Byte offset of n-block nb's stage st in a projection's packed INT4 weights ([N/16, K/64, 32, 4] int32: an
+    n-block is its K/64 blocks in K order, 16 channels x K nibbles = 8 K bytes; a stage is 16 blocks, 8 units)."""
+    return nb * (k * 8) + st * RING_STAGE_BYTES
+
+
+def ring_scales_at(nb, k, st):
+    """Byte offset of n-block nb's stage st in its float16 group scales ([N/16, K/128, 16]: K / 4 bytes per
+    n-block, a stage's 8 groups 256 bytes)."""
+    return nb * (k // 4) + st * RING_STAGE_SCALE_BYTES
+
+
+def ring_lane_at(warp, lane):
+    """Byte offset, in a stage's weights, of the lane's word of the first block of the warp's unit (the stage's unit
+    `warp`; the unit's second block is 32 words on: the tile GEMV's `_ring_read`)."""
+    return warp * UNIT_BYTES + lane * RING_WORD_BYTES
+
+
+def ring_unit_scales_at(warp):
+    """Byte offset, in a stage's scales, of the warp's unit's 16 channel scales."""
+    return warp * UNIT_SCALE_BYTES
+
+
+def ring_row_stride(chunk, n_st, mn=min):
+    """Bytes between staged rows of a projection's input in the body: a chunk's stages of one row (all of them where
+    the input is one chunk), then X_ROW_PAD so that the multi-token MMAs' 8 ldmatrix rows hit different banks; `mn`
+    is min on the values given (the kernel passes the DSL's)."""
+    return mn(chunk, n_st) * (RING_STAGE_K * 2) + X_ROW_PAD
+
+
 RING_PIECE = 16                          # bytes a lane copies at once
 RING_UNIT_X_BYTES = 128 * 2              # one unit's activations of one row (128 bf16)
 RING_PIECES = RING_UNIT_X_BYTES // RING_PIECE

@@ -43,18 +43,19 @@ from decode import persistent_loop as loop
 from decode import ptx, stream
 from decode.attention import AttnTensors, DecodeAttention
 from decode.attn_plan import AttnPlan
-from decode.dequant import LANE_BYTES
 from decode.gemv_tile import WARP, GemvTile
-from decode.gemv_layout import TOKENS, UNIT_BYTES, UNIT_SCALE_BYTES, X_ROW_PAD
+from decode.gemv_layout import TOKENS
 from decode.persistent_layer import ATTN, PROJ, LayerCall
-from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_ROW_BYTES, RING_STAGE_K, RING_STAGE_UNITS,
-                                    RING_THREADS, TRACE_FIELDS, layer_plan, ring_chunk_stages, ring_kernel_stages,
-                                    ring_piece_offset, ring_regions)
+from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_ROW_BYTES, RING_STAGE_BYTES,
+                                    RING_STAGE_K, RING_STAGE_SCALE_BYTES, RING_STAGE_UNITS, RING_THREADS,
+                                    TRACE_FIELDS, layer_plan, ring_chunk_stages, ring_kernel_stages, ring_lane_at,
+                                    ring_piece_offset, ring_regions, ring_row_stride, ring_scales_at,
+                                    ring_unit_scales_at, ring_weights_at)
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
 PRODUCER_WARP = RING_CONSUMER_WARPS
-STAGE_W = RING_STAGE_UNITS * UNIT_BYTES          # a stage's weights
-STAGE_S = RING_STAGE_UNITS * UNIT_SCALE_BYTES    # its scales
+STAGE_W = RING_STAGE_BYTES          # a stage's weights
+STAGE_S = RING_STAGE_SCALE_BYTES    # its scales
 F = loop.F
 TRACE = {n: i for i, n in enumerate(TRACE_FIELDS)}
 assert RING_ROW_BYTES % 16 == 0   # copied as 16-byte pieces
@@ -86,11 +87,21 @@ class RingProjection(GemvTile):
     """A projection task on the consumer warps, reading its weights from the ring (the tile GEMV's unit arithmetic,
     its partials' sum, RMSNorm factor and epilogues)."""
 
-    def __init__(self, epilogue: str, norm: bool, stages: int, body_bytes: int, tokens: int = 1):
+    def __init__(self, epilogue: str, norm: bool, stages: int, body_bytes: int, tokens: int = 1,
+                 lookahead: bool = False):
         super().__init__(epilogue, RING_CONSUMER_WARPS, tokens=tokens)
-        self.norm = norm
+        self.norm, self.lookahead = norm, lookahead
         self.stages, self.body_bytes = stages, body_bytes
         self.r = ring_regions(stages, tokens)
+
+    def _xs_lane(self, xs, lane, m, row_stride, mn=cutlass.min):
+        """The lane's ldmatrix row address of the first block of a chunk's staged rows (`mn`: min on the values
+        given; the CPU emulation passes numpy's)."""
+        fmt = self.fmt
+        if cutlass.const_expr(self.tokens > 1):
+            # B column j of every MMA is row j (columns past the last row repeat it and are never stored)
+            return xs + mn(fmt.x_lane_row(lane), m - 1) * row_stride + fmt.x_lane_col(lane)
+        return xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
 
     @cute.jit
     def _stage_chunk(self, x: cute.Tensor, xs, ss_out, st0, st1, warp, lane, row_stride, first):
@@ -119,6 +130,38 @@ class RingProjection(GemvTile):
                         ss = ss + ptx.lds_f32(ss_out + (warp * per + row) * 4)
                 self._store_warp_sum(ss, ss_out + (warp * per + row) * 4, lane)
 
+    def _stage_math(self, acc, cur, st_in_chunk, warp, xs_lane, consts):
+        """acc += the warp's unit of a stage (its registers `cur`) times its activations: the unit is
+        st_in_chunk x 8 + warp units into the staged chunk (ring_piece_offset's place)."""
+        u = st_in_chunk * RING_STAGE_UNITS + warp
+        b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
+        (acc,) = stream.mma_unit(self.fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
+        return acc
+
+    @cute.jit
+    def _stages_ahead(self, acc, st0, st1, slot, phase, bars, w_lane, s_warp, xs_lane, warp, lane, consts):
+        """Stages [st0, st1) of a chunk one stage ahead (`lookahead`): the next stage's words are read before this
+        one's math, so their wait and shared-load latency hide behind it. A stage is released after the next one is
+        read (past the chunk's last stage the read repeats the current one, which is still held), so no lane reads a
+        slot the producer may be refilling. Returns (acc, slot, phase) after the chunk."""
+        g = lane // 4
+        cute.arch.mbarrier_wait(bars + slot, phase)
+        cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
+        for st in cutlass.range(st0, st1, unroll=2):   # two stages per trip: `cur = nxt` without moves
+            more = st + 1 < st1
+            nslot, nphase = _next_slot(slot, phase, self.stages)
+            if more:
+                cute.arch.mbarrier_wait(bars + nslot, nphase)
+            rslot = cutlass.select_(more, nslot, slot)
+            nxt = self._ring_read(w_lane + rslot * STAGE_W, s_warp + rslot * STAGE_S, g)
+            cute.arch.sync_warp()   # every lane's reads of this stage (and the next) issued before the release
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bars + self.stages + slot)
+            slot, phase = nslot, nphase
+            acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
+            cur = nxt
+        return acc, slot, phase
+
     @cute.jit
     def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, staged):
         """n-block nb of y = x @ W^T (+ epilogue), once the task's wait has passed; its stages are the ring's i0,
@@ -135,8 +178,7 @@ class RingProjection(GemvTile):
         xs = base + self.r["body"]
         chunk = ring_chunk_stages(Int32(self.body_bytes), m, self.tokens)
         n_chunks = (n_st + chunk - 1) // chunk
-        # multi-token: the rows X_ROW_PAD apart in the banks (ldmatrix rows)
-        row_stride = cutlass.min(chunk, n_st) * (RING_STAGE_K * 2) + X_ROW_PAD
+        row_stride = ring_row_stride(chunk, n_st, cutlass.min)
         # one row: the residual of this thread's output column, requested now (its latency hides behind the stages)
         cols = 16 // self.epi.rows_per_output
         at = Int64(nb) * cols + tid
@@ -145,14 +187,10 @@ class RingProjection(GemvTile):
             if tid < cols:
                 res = ptx.ldg_cg_bf16_to_f32(r.iterator.toint() + at * 2)
 
-        if cutlass.const_expr(self.tokens > 1):
-            # B column j of every MMA is row j (columns past the last row repeat it and are never stored)
-            xs_lane = xs + cutlass.min(Int32(fmt.x_lane_row(lane)), m - 1) * row_stride + fmt.x_lane_col(lane)
-        else:
-            xs_lane = xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
+        xs_lane = self._xs_lane(xs, lane, m, row_stride)
         consts = fmt.consts()
-        w_lane = base + self.r["weights"] + warp * UNIT_BYTES + lane * LANE_BYTES
-        s_warp = base + self.r["scales"] + warp * UNIT_SCALE_BYTES
+        w_lane = base + self.r["weights"] + ring_lane_at(warp, lane)
+        s_warp = base + self.r["scales"] + ring_unit_scales_at(warp)
         acc = (Float32(0.0),) * 4
         slot = i0 % self.stages          # the ring's stage i0 + st: slot and phase stepped along, not divided out
         phase = (i0 // self.stages) % 2
@@ -161,16 +199,18 @@ class RingProjection(GemvTile):
             st1 = cutlass.min(n_st, st0 + chunk)
             if (n_chunks > 1) | (not staged):   # the warp's own units: it alone reads them
                 self._stage_chunk(x, xs, base + self.r["ss"], st0, st1, warp, lane, row_stride, ch == 0)
-            for st in cutlass.range(st0, st1, unroll=1):
-                cute.arch.mbarrier_wait(bars + slot, phase)
-                cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
-                cute.arch.sync_warp()   # every lane's reads of the stage issued before the warp releases it
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(bars + self.stages + slot)
-                slot, phase = _next_slot(slot, phase, self.stages)
-                u = (st - st0) * RING_STAGE_UNITS + warp   # the unit's place in the chunk (ring_piece_offset's)
-                b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
-                (acc,) = stream.mma_unit(fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
+            if cutlass.const_expr(self.lookahead):
+                acc, slot, phase = self._stages_ahead(acc, st0, st1, slot, phase, bars, w_lane, s_warp, xs_lane,
+                                                      warp, lane, consts)
+            else:
+                for st in cutlass.range(st0, st1, unroll=1):
+                    cute.arch.mbarrier_wait(bars + slot, phase)
+                    cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
+                    cute.arch.sync_warp()   # every lane's reads of the stage issued before the warp releases it
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(bars + self.stages + slot)
+                    slot, phase = _next_slot(slot, phase, self.stages)
+                    acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
             cute.arch.sync_warp()   # the warp's reads of this chunk done before it stages the next over it
 
         red = base + self.r["red"]
@@ -201,9 +241,10 @@ class RingLayer(LayerCall):
     """A decode layer (INT4 g128 weights, a contiguous INT4 or E4M3 cache mirror by `plan`) as one launch with a
     producer warp streaming the projections' weights, for one row (`tokens` = 1) or 1..8 (`tokens` = TOKENS); the
     arguments are decode/persistent_layer.py's PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many
-    as fit beside the attention bodies' scratch); `trace`: the task trace variant (futx.engine.persistent_trace)."""
+    as fit beside the attention bodies' scratch); `trace`: the task trace variant (futx.engine.persistent_trace);
+    `lookahead` (tuning space): the consumers read each stage one stage ahead of its math."""
 
-    def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1):
+    def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False):
         if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
                              "byte table and use the consumer warps")
@@ -216,10 +257,11 @@ class RingLayer(LayerCall):
         self.r = ring_regions(self.stages, tokens)
         if ring_chunk_stages(self.body, TOKENS if tokens > 1 else 1, tokens) < 1:
             raise ValueError("the body cannot hold one stage of every row")
-        self.qkv = RingProjection("store", True, self.stages, self.body, tokens)
-        self.o = RingProjection("residual", False, self.stages, self.body, tokens)
-        self.gate_up = RingProjection("swiglu", True, self.stages, self.body, tokens)
-        self.down = RingProjection("residual", False, self.stages, self.body, tokens)
+        proj = dict(stages=self.stages, body_bytes=self.body, tokens=tokens, lookahead=lookahead)
+        self.qkv = RingProjection("store", True, **proj)
+        self.o = RingProjection("residual", False, **proj)
+        self.gate_up = RingProjection("swiglu", True, **proj)
+        self.down = RingProjection("residual", False, **proj)
 
     @cute.jit
     def _launch(self, table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
@@ -277,17 +319,16 @@ class RingLayer(LayerCall):
                                 cutlass.select_(is_gu, s_gu.iterator.toint(), s_d.iterator.toint())))
             n_st = cutlass.select_(is_qkv | is_o | is_gu | is_d, k // RING_STAGE_K, 0)
             nb = Int64(table[cta, j, F["a0"]] // 16)
-            w_src = w + nb * Int64(k * 8)      # an n-block's packed weights: 16 channels x K nibbles
-            s_src = s + nb * Int64(k // 4)     # its scales: K / 128 groups x 16 float16
+            k64 = Int64(k)
             for st in cutlass.range(n_st, unroll=1):
                 full = bars + slot
                 cute.arch.mbarrier_wait(bars + S + slot, phase ^ 1)   # a fresh slot passes at once
                 cute.arch.mbarrier_arrive_and_expect_tx(full, STAGE_W + STAGE_S)
                 f = ptx.smem_addr(full)
-                ptx.cp_async_bulk_g2s(base + self.r["weights"] + slot * STAGE_W, w_src + Int64(st) * STAGE_W,
-                                      STAGE_W, f)
-                ptx.cp_async_bulk_g2s(base + self.r["scales"] + slot * STAGE_S, s_src + Int64(st) * STAGE_S,
-                                      STAGE_S, f)
+                ptx.cp_async_bulk_g2s(base + self.r["weights"] + slot * STAGE_W,
+                                      w + ring_weights_at(nb, k64, Int64(st)), STAGE_W, f)
+                ptx.cp_async_bulk_g2s(base + self.r["scales"] + slot * STAGE_S,
+                                      s + ring_scales_at(nb, k64, Int64(st)), STAGE_S, f)
                 if st == 0:   # the task's first stage is on its way
                     _stamp(trace, cta, j, TRACE["issued"], Int32(0))
                 slot, phase = _next_slot(slot, phase, S)
@@ -369,11 +410,13 @@ class RingLayer(LayerCall):
                 pending = Int32(0)
 
 
-def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False, tokens: int = 1):
+def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False, tokens: int = 1,
+                   lookahead: bool = False):
     """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
     arguments) of the ring layer for one cache format and head dim, one row (`tokens` = 1) or 1..8 (`tokens` = 8: the
     multi-token MMA columns, rows as the shared memory fits); the arguments are the persistent layer's, with `trace`
-    the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None."""
+    the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None; `stages` and `lookahead`: the tuning
+    space's variants (scripts/tuning_space.py)."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from decode import persistent_layer
@@ -383,4 +426,4 @@ def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, tr
         c, r = cute.sym_int(), cute.sym_int()
         buf = make_fake_compact_tensor(Int64, (c, r, len(TRACE_FIELDS)), stride_order=(2, 1, 0), assumed_align=8)
         args = (*args[:-2], buf, args[-1])
-    return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens), args
+    return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens, lookahead), args

@@ -27,6 +27,8 @@ measurable, but are not shipped and not built by the default `futx build`:
     decode.persistent.chain                   the persistent kernel's task loop on trivial tasks (issue 29)
     decode.persistent.projections.m1[.c2]     a layer's four projections as tasks of one persistent launch, 1 or 2
                                               CTAs per SM (issue 29)
+    decode.persistent.ring.int4.d128[.m8].{la,s4,s8}   the ring layer with its consumers one stage ahead / a ring
+                                              of 4 or 8 stages (catalog persistent.RING_TUNING; issue 29)
 
 Use from Python (benchmarks, GPU tests), before naming a key:
 
@@ -110,7 +112,7 @@ def prefill_specs() -> list[KernelSpec]:
 
 def persistent_specs() -> list[KernelSpec]:
     """The persistent kernel's task loop on trivial tasks (decode/persistent_loop.py): the GPU test of its counters
-    and the measurement of a handoff (issue 29)."""
+    and the measurement of a handoff; the projections alone on the tile bodies; the ring layer's variants (issue 29)."""
     return [KernelSpec(key="decode.persistent.chain", module="decode.persistent_loop", factory="chain_target",
                        sources=("decode/persistent_loop.py", "decode/persistent_host.py", "decode/persistent_schedule.py",
                                 "decode/ptx.py"),
@@ -121,7 +123,9 @@ def persistent_specs() -> list[KernelSpec]:
                          expect_sass=("HMMA",),
                          doc=f"a decode layer's four INT4 projections (M = 1) as tasks of one persistent launch, the "
                              f"tile GEMV's bodies ordered by counters (attention not in it yet), {c} CTA(s) per SM")
-              for c in (1, 2))]
+              for c in (1, 2)),
+            *(persistent_catalog.ring_spec("int4", tokens, False, v)
+              for tokens in persistent_catalog.TOKENS for v in persistent_catalog.RING_TUNING)]
 
 
 def specs(patterns: str | None = None) -> list[KernelSpec]:

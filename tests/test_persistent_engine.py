@@ -127,6 +127,9 @@ def test_ring_layer_fits_the_served_shapes_and_says_why_not():
         pers.unsupported(m, 1, "rings")
     with pytest.raises(ValueError, match="only the ring layer keeps a task trace"):
         pers.PersistentStep(m, trace=True)
+    for bad in (dict(variant="la"), dict(body="ring", variant="s99"), dict(body="ring", trace=True, variant="la")):
+        with pytest.raises(ValueError, match="tuning variants are"):
+            pers.PersistentStep(m, **bad)
 
 
 @pytest.mark.parametrize("name,ctas", [("llama-3.1-8b", 132), ("llama-3.1-8b", 7), ("layer-70b", 132),

@@ -47,8 +47,9 @@ def ring_packed(request):
     return random_packed(cfg, "int4", device="cuda", seed=5)
 
 
-def _pair(packed, cf, rows=1, emulated=False, body="tiles"):
-    """(shipped, persistent[, emulated]) models over equal random caches (`body`: the persistent layer's)."""
+def _pair(packed, cf, rows=1, emulated=False, body="tiles", variant=""):
+    """(shipped, persistent[, emulated]) models over equal random caches (`body`, `variant`: the persistent
+    layer's)."""
     from futx.engine.persistent import PersistentStep
 
     models = []
@@ -58,7 +59,7 @@ def _pair(packed, cf, rows=1, emulated=False, body="tiles"):
         m.cache.randomize(11)
         models.append(m)
     if body == "ring":
-        models[1].persistent = PersistentStep(models[1], body="ring")
+        models[1].persistent = PersistentStep(models[1], body="ring", variant=variant)
     p = models[1].persistent
     t = p.tables(rows)
     for buf in (p.qkv, p.attn, p.hmid, p.act, t["ws_o"], t["ws_ml"]):
@@ -176,3 +177,18 @@ def test_ring_counters_end_at_their_totals(ring_packed):
     totals = torch.bincount(signals[signals >= 0].long().cpu(), minlength=t["counters"].numel())
     assert t["counters"].cpu().tolist() == totals.tolist()
 
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("variant", ["la", "s4", "s8"])
+def test_ring_variants_equal_the_routed_ring_bit_for_bit(ring_packed, variant, rows):
+    """The ring's tuning space (futx.runtime.catalog.persistent.RING_TUNING: consumers one stage ahead, shallower
+    rings) changes when the weights arrive, not what is summed in which order: the steps equal the routed ring's."""
+    from tuning import tuning_space
+
+    tuning_space().register()
+    _, routed = _pair(ring_packed, "int4", rows, body="ring")
+    _, tuned = _pair(ring_packed, "int4", rows, body="ring", variant=variant)
+    assert tuned.persistent.variant == variant
+    want, got = _run(routed, 1000, rows), _run(tuned, 1000, rows)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

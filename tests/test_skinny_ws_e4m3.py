@@ -20,7 +20,7 @@ pytest.importorskip("cutlass")
 from decode import dequant, plan  # noqa: E402
 from decode import skinny_ws_e4m3 as e4  # noqa: E402
 from futx.quant import layouts  # noqa: E402
-from test_decode_linear_fragments import NpOps, _bf16_to_f64, _halves  # noqa: E402
+from lane_emulator import NpOps, bf16_to_f64, halves  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LANES = np.arange(32)
@@ -104,9 +104,9 @@ def test_lane_words_give_the_standard_a_fragment(seed):
             for reg, (dr, dk) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):
                 row = cw * 16 + g + dr
                 k = layouts.MMA_K * j + 2 * t + dk
-                lo, hi = _halves(regs[reg])
-                np.testing.assert_array_equal(_bf16_to_f64(lo), _e4m3_value(w[row, k]), f"warp {cw} step {j} a{reg}")
-                np.testing.assert_array_equal(_bf16_to_f64(hi), _e4m3_value(w[row, k + 1]),
+                lo, hi = halves(regs[reg])
+                np.testing.assert_array_equal(bf16_to_f64(lo), _e4m3_value(w[row, k]), f"warp {cw} step {j} a{reg}")
+                np.testing.assert_array_equal(bf16_to_f64(hi), _e4m3_value(w[row, k + 1]),
                                               f"warp {cw} step {j} a{reg} high half")
 
 

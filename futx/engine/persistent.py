@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from futx.runtime.catalog.persistent import (BODIES, CACHES as FORMATS, HEAD_DIM, MAX_ROWS, layer_key, ring_key,
-                                             tokens_for)
+from futx.runtime.catalog.persistent import (BODIES, CACHES as FORMATS, HEAD_DIM, MAX_ROWS, RING_TUNING, layer_key,
+                                             ring_key, tokens_for)
 
 
 def fitting_rows(config) -> int:
@@ -118,12 +118,13 @@ class PersistentStep:
     bodies take the same table and arguments)."""
 
     def __init__(self, model, ctas: Optional[int] = None, splits: Optional[int] = None,
-                 max_rows: Optional[int] = None, body: str = "tiles", trace: bool = False):
+                 max_rows: Optional[int] = None, body: str = "tiles", trace: bool = False, variant: str = ""):
         """ctas: CTAs of every launch (default one per SM); splits: the split-KV count of every row count (default
         the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
         max_rows, at most what fits); body: "tiles" (the tile GEMV bodies) or "ring" (a producer warp
         streams the weights); trace: the ring's traced kernel, each step's task timestamps kept in
-        `tables(1)["trace"]` (futx.engine.persistent_trace reads them)."""
+        `tables(1)["trace"]` (futx.engine.persistent_trace reads them); variant: a ring tuning-space kernel
+        (futx.runtime.catalog.persistent.RING_TUNING; scripts/tuning_space.py registers them)."""
         from futx.hardware import sm_count
 
         c, dev = model.config, model.device
@@ -132,6 +133,9 @@ class PersistentStep:
             max_rows = max(1, min(model.max_rows, fit))
         if trace and body != "ring":
             raise ValueError("only the ring layer keeps a task trace (body='ring')")
+        if variant and (body != "ring" or trace or variant not in RING_TUNING or model.cache.fmt != "int4"):
+            raise ValueError(f"variant {variant!r}: the untraced ring layer's tuning variants are "
+                             f"{sorted(RING_TUNING)} (body='ring', trace=False, an INT4 cache)")
         why = unsupported(model, max_rows, body)   # every row count up to max_rows fits if it does
         if why is not None:
             raise ValueError(f"the persistent decode layer does not fit this model: {why}")
@@ -140,7 +144,7 @@ class PersistentStep:
         self.ctas = ctas or sms   # one CTA per SM (the layer kernel's registers), all co-resident
         if not 1 <= self.ctas <= sms:
             raise ValueError(f"ctas must be 1..{sms} (co-resident, one per SM), got {self.ctas}")
-        self.max_rows, self.fixed_splits, self.body, self.trace = max_rows, splits, body, trace
+        self.max_rows, self.fixed_splits, self.body, self.trace, self.variant = max_rows, splits, body, trace, variant
         self._tables: dict = {}   # rows -> its splits, table, starts, counters, split workspace and kernel
         bf = dict(dtype=torch.bfloat16, device=dev)
         self.qkv = torch.empty(max_rows, c.qkv_size, **bf)
@@ -178,7 +182,8 @@ class PersistentStep:
                  counters=torch.zeros(len(sched.graph.counters), dtype=torch.int32, device=dev),
                  ws_o=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, c.head_dim, **f32),
                  ws_ml=torch.empty(rows, c.num_key_value_heads, splits, MAX_GROUP, 2, **f32),
-                 kernel=get_kernel(ring_key(fmt, c.head_dim, tokens_for(rows), self.trace) if self.body == "ring"
+                 kernel=get_kernel(ring_key(fmt, c.head_dim, tokens_for(rows), self.trace, self.variant)
+                                   if self.body == "ring"
                                    else layer_key(fmt, c.head_dim, tokens_for(rows))))
         if self.trace:
             from decode.persistent_host import TRACE_FIELDS

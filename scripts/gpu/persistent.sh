@@ -24,14 +24,19 @@
 #             ring's 8 rows stage the down input in two chunks) vs the shipped step and the gpt-fast-style INT4 peer
 #   timeline8 scripts/step_timeline.py: the 8B step at (8, 1024) on the persistent layer, its kernels traced
 #   bench70r  the 70B step at (4, 1024) (8 rows of its down projection do not fit one CTA's shared memory)
-#   ring      the ring layer (decode/persistent_ring.py, a producer warp streams the weights): its step tests and
-#             compute-sanitizer racecheck / synccheck (tests/test_persistent_step_gpu.py -k ring, the sanitizer test)
+#   ring      the ring layer (decode/persistent_ring.py, a producer warp streams the weights): its step tests, its
+#             tuning variants bit for bit against it (tuning space staged, as for ringvar) and compute-sanitizer
+#             racecheck / synccheck (tests/test_persistent_step_gpu.py -k ring, the sanitizer test)
 #   bench8g   the 8B step at (1, 1024) and (1, 8192): ring layer vs tile layer vs shipped step vs gpt-fast INT4 peer
 #   bench70g  the 70B step at (1, 1024) and (4, 1024): ring layer vs shipped step
 #   timelineg scripts/step_timeline.py: the 8B step at (1, 1024) on the ring layer, its kernels traced
 #   traceg    scripts/persistent_trace.py: inside the ring layer, the 8B step at (1, 1024) and (1, 8192): per task
 #             kind busy / wait / weight lead and each layer's phases (its traced registry kernel)
 #   bufsg     scripts/persistent_buffers.py ring: one ring layer's buffers against the shipped ops (if `ring` fails)
+#   ringvar   scripts/bench_ring_variants.py: the 8B step at (1, 1024) and (8, 1024) on the routed ring layer vs its
+#             tuning space (consumers one stage ahead, rings of 4 / 8 stages) vs the shipped step, one process
+#             (needs the tuning space staged: python scripts/tuning_space.py build --out .gpu/aot
+#             --only 'decode.persistent.ring.*' --no-runtime, then stage.sh)
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
 #             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
 set -u
@@ -71,6 +76,8 @@ for part in "$@"; do
     traceg)  TAILN=40 step traceg 180 bash -c "python3 scripts/persistent_trace.py --json $OUT/ring-trace-8b-1024.json \
                && python3 scripts/persistent_trace.py --context 8192 --json $OUT/ring-trace-8b-8192.json" ;;
     bufsg)   TAILN=30 step bufsg 180 python3 scripts/persistent_buffers.py ring ;;
+    ringvar) TAILN=24 step ringvar 300 python3 scripts/bench_ring_variants.py --points 1x1024,8x1024 \
+               --json $OUT/ring-variants-8b.json ;;
     ncu)     source scripts/gpu/ncu_decode.sh
              ncu --clock-control none -k regex:'gemv_tile|persistent_layer' --metrics $M --csv \
                python3 scripts/bench_persistent_layer.py --once > $OUT/ncu_persistent.csv 2> $LOGS/ncu_persistent.err

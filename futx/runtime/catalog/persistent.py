@@ -32,9 +32,28 @@ def layer_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1) -> str:
     return f"decode.persistent.layer.{cache}.d{head_dim}" + ("" if tokens == 1 else f".m{tokens}")
 
 
-def ring_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1, trace: bool = False) -> str:
+def ring_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1, trace: bool = False, variant: str = "") -> str:
     return (f"decode.persistent.ring.{cache}.d{head_dim}" + ("" if tokens == 1 else f".m{tokens}")
-            + (".trace" if trace else ""))
+            + (".trace" if trace else "") + (f".{variant}" if variant else ""))
+
+
+# the ring layer's tuning space (scripts/tuning_space.py; PersistentStep(body="ring", variant=...)): the consumers
+# reading each stage one ahead of its math, and shallower rings (the routed kernel takes as many stages as fit)
+RING_TUNING = {"la": (("lookahead", True),), "s4": (("stages", 4),), "s8": (("stages", 8),)}
+
+
+def ring_spec(cache: str, tokens: int = 1, trace: bool = False, variant: str = "") -> KernelSpec:
+    """The ring layer's kernel for one cache format, row kind and variant ("": the routed one, else RING_TUNING's)."""
+    return KernelSpec(
+        key=ring_key(cache, HEAD_DIM, tokens, trace, variant), module="decode.persistent_ring",
+        params=(("cache", cache), ("head_dim", HEAD_DIM), ("trace", trace), ("tokens", tokens),
+                *RING_TUNING.get(variant, ())),
+        sources=RING_SOURCES, expect_sass=("HMMA",),
+        doc=f"a decode layer ({'M = 1' if tokens == 1 else '1 <= M <= 8 as shared memory fits'}, INT4 weights "
+            f"streamed by a producer warp through a shared-memory ring, {cache} cache mirror) as tasks of one "
+            "persistent launch"
+            + (", writing each task's timestamps (diagnostic: futx.engine.persistent_trace)" if trace else "")
+            + (f"; tuning variant {variant}: {dict(RING_TUNING[variant])}" if variant else ""))
 
 
 SPECS = [
@@ -45,13 +64,4 @@ SPECS = [
                    "mirror) as tasks of one persistent launch")
     for cache in CACHES for tokens in TOKENS
 ]
-SPECS += [
-    KernelSpec(key=ring_key(cache, HEAD_DIM, tokens, trace), module="decode.persistent_ring",
-               params=(("cache", cache), ("head_dim", HEAD_DIM), ("trace", trace), ("tokens", tokens)),
-               sources=RING_SOURCES, expect_sass=("HMMA",),
-               doc=f"a decode layer ({'M = 1' if tokens == 1 else '1 <= M <= 8 as shared memory fits'}, INT4 weights "
-                   f"streamed by a producer warp through a shared-memory ring, {cache} cache mirror) as tasks of one "
-                   "persistent launch"
-                   + (", writing each task's timestamps (diagnostic: futx.engine.persistent_trace)" if trace else ""))
-    for cache in CACHES for tokens in TOKENS for trace in (False, True)
-]
+SPECS += [ring_spec(cache, tokens, trace) for cache in CACHES for tokens in TOKENS for trace in (False, True)]
