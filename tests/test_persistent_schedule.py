@@ -59,7 +59,10 @@ def test_graph_counters_and_simulated_lists(name, m):
         s = ps.assign(g, CTAS[(i + m) % len(CTAS)])
         r = ps.check(s)   # simulates: raises on deadlock or a read before its writer ends
         assert r.makespan >= ps.floor_s(g) * (1 - 1e-9), "faster than the bytes allow"
-        assert all(a < b for lst in s.lists for a, b in zip(lst, lst[1:]))
+        order = [ps.list_order(g.tasks[i]) for lst in s.lists for i in lst]
+        assert all(g.tasks[i].id == i for i in range(len(g.tasks)))
+        assert all(ps.list_order(g.tasks[a]) < ps.list_order(g.tasks[b]) for lst in s.lists for a, b in zip(lst, lst[1:]))
+        assert len(order) == len(g.tasks)
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -113,7 +116,7 @@ def test_a_consumer_before_its_producer_on_one_cta_is_a_deadlock():
     bad = ps.Schedule(s.graph, [[qkv] + [i for i in lst if i != qkv]])
     with pytest.raises(ps.Deadlock, match=r"CTA 0 runs L0 qkv\[0:16\].*needs L0 row_factor, queued behind L0 qkv"):
         ps.simulate(bad)
-    with pytest.raises(AssertionError, match="against the topological order"):
+    with pytest.raises(AssertionError, match="against the lists. topological order"):
         ps.verify(bad)
 
 
