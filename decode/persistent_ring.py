@@ -19,8 +19,8 @@ CTA anatomy (288 threads, one CTA per SM):
                 on decode/attention.py's bodies), meeting at a named barrier the producer never joins. A projection
                 task stages the activation row(s) (warp w its units w, w + 8, ...: the ones it multiplies; rows wider
                 than the body a chunk of whole stages at a time), then per stage warp w takes unit w: its two
-                16-byte words and two scales from the stage, releases the stage (one arrive per warp), expands and
-                multiplies them as the tile GEMV does (decode/dequant.py, decode/stream.py: the same MMAs per unit;
+                16-byte words and two scales from the stage, releases the stage (every thread arrives once its own
+                reads are issued: each releases only what it read), expands and multiplies them as the tile GEMV does (decode/dequant.py, decode/stream.py: the same MMAs per unit;
                 with several rows B column j is row j), the group scale folded per unit. The warps' partials meet in
                 shared memory, the RMSNorm row factor (QKV, gate/up) scales the sums and the fused epilogue (store,
                 SwiGLU, residual) writes the n-block's outputs.
@@ -154,9 +154,7 @@ class RingProjection(GemvTile):
                 cute.arch.mbarrier_wait(bars + nslot, nphase)
             rslot = cutlass.select_(more, nslot, slot)
             nxt = self._ring_read(w_lane + rslot * STAGE_W, s_warp + rslot * STAGE_S, g)
-            cute.arch.sync_warp()   # every lane's reads of this stage (and the next) issued before the release
-            if lane == 0:
-                cute.arch.mbarrier_arrive(bars + self.stages + slot)
+            cute.arch.mbarrier_arrive(bars + self.stages + slot)   # this thread's reads of it (and the next) issued
             slot, phase = nslot, nphase
             acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
             cur = nxt
@@ -206,9 +204,7 @@ class RingProjection(GemvTile):
                 for st in cutlass.range(st0, st1, unroll=1):
                     cute.arch.mbarrier_wait(bars + slot, phase)
                     cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
-                    cute.arch.sync_warp()   # every lane's reads of the stage issued before the warp releases it
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(bars + self.stages + slot)
+                    cute.arch.mbarrier_arrive(bars + self.stages + slot)   # this thread's reads of it issued
                     slot, phase = _next_slot(slot, phase, self.stages)
                     acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
             cute.arch.sync_warp()   # the warp's reads of this chunk done before it stages the next over it
@@ -290,7 +286,7 @@ class RingLayer(LayerCall):
         if tidx == 0:
             for s in cutlass.range_constexpr(S):
                 cute.arch.mbarrier_init(bars + s, 1)                          # full: the producer's arrive + bytes
-                cute.arch.mbarrier_init(bars + S + s, RING_CONSUMER_WARPS)    # empty: one arrive per consumer warp
+                cute.arch.mbarrier_init(bars + S + s, CONSUMERS)    # empty: one arrive per consumer thread
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()   # the only barrier of all 288 threads: the mbarriers are ready
         if warp == PRODUCER_WARP:

@@ -1,7 +1,8 @@
 """CPU model of the ring layer's mbarrier protocol (decode/persistent_ring.py): one producer lane filling `stages`
 slots in order (wait for the slot's *empty* barrier at parity phase ^ 1, arrive on its *full* barrier with the
 stage's bytes expected, a bulk copy landing later and completing them), eight consumer warps taking every stage of
-their tasks (wait *full* at parity phase, read, one arrive on *empty*), in chunks, with a CTA barrier after each
+their tasks (wait *full* at parity phase, read, arrive on *empty*: one arrival per warp here, where the kernel has
+each of the warp's threads arrive for its own reads), in chunks, with a CTA barrier after each
 task, in the routed order or `lookahead` (the next stage read before this one's release; past a chunk's last stage
 the current one re-read). PTX's semantics: a barrier completes a phase when its pending arrivals and transaction
 bytes reach zero; a wait on parity P passes once the phase of parity P has completed (on a fresh barrier, P = 1
