@@ -244,17 +244,18 @@ class GemvTile:
             ptx.sts_f32(addr, v)
 
     @cute.jit
-    def _epilogue_rows(self, tid, nb, red, ss, r, y, m, k, eps, n_valid=None):
+    def _epilogue_rows(self, tid, nb, red, ss, r, y, m, k, eps, n_valid=None, threads: cutlass.Constexpr = 0):
         """Multi-token: threads take the tile's (token, output column) pairs in turn; each sums its rows over the
         warps in warp order (`norm`: times the token's RMSNorm row factor) and finishes the output. `n_valid`:
-        n-blocks per CTA, the (n-block, token, column) triples of n-blocks nb .. nb + n_valid - 1."""
+        n-blocks per CTA, the (n-block, token, column) triples of n-blocks nb .. nb + n_valid - 1. `threads`: how
+        many take part (0: the CTA's warps; the ring layer's epilogue warp: one warp)."""
         cols = BLOCK_N // self.epi.rows_per_output
         width = y.shape[1]
         y_base = y.iterator.toint()
         count = cols * m
         if cutlass.const_expr(n_valid is not None):
             count = n_valid * (cols * m)
-        for i in cutlass.range(tid, count, WARP * self.warps, unroll=1):
+        for i in cutlass.range(tid, count, threads or WARP * self.warps, unroll=1):
             red_j, nb_j, ij = red, nb, i
             if cutlass.const_expr(n_valid is not None):
                 j = i // (cols * m)

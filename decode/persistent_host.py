@@ -54,6 +54,13 @@ def layer_plan(cache: str = "int4", head_dim: int = 128):
 # ---- the ring layer (decode/persistent_ring.py): a producer warp streams every projection task's weights --------
 RING_CONSUMER_WARPS = LAYER_WARPS   # they run every task body; the producer warp is one more
 RING_THREADS = 32 * (RING_CONSUMER_WARPS + 1)
+RING_RED_BUFS = 4                   # the epilogue-warp variant's partial buffers (tasks handed on, not yet finished)
+
+
+def ring_threads(epilogue_warp: bool = False) -> int:
+    """The ring layer's block: the consumer warps, the producer warp and (the tuning space's `epilogue_warp`) a warp
+    that finishes the projection tasks from their partials."""
+    return 32 * (RING_CONSUMER_WARPS + 1 + int(epilogue_warp))
 RING_STAGE_UNITS = RING_CONSUMER_WARPS   # a stage holds one unit per consumer warp, consecutive in K
 RING_STAGE_K = RING_STAGE_UNITS * 128    # every projection's K must be a multiple of it (whole stages)
 RING_MAX_STAGES = 16
@@ -66,22 +73,31 @@ def _per_warp(tokens: int) -> int:
     return TOKENS if tokens > 1 else 1   # token columns a warp's partials hold
 
 
-def ring_regions(stages: int, tokens: int = 1) -> dict:
+def ring_regions(stages: int, tokens: int = 1, red_bufs: int = 1) -> dict:
     """Byte offsets of the ring layer's shared memory: `bars` (full[stages], empty[stages], 8 bytes each), `rows`
     (two task rows of the table, 16-byte aligned: the consumers' double buffer), `weights` [stages][8 units of 1 KB],
     `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps' partials; multi-token [warps][16][TOKENS]),
     `ss` [warps] f32 (sums of squares; multi-token [warps][TOKENS]),
     `body` (1024-aligned, the attention bodies' scratch: a projection task stages its input rows there, in chunks of
-    `ring_chunk_stages`)."""
-    if not 2 <= stages <= RING_MAX_STAGES or 16 * stages + 2 * RING_ROW_BYTES > RING_HEADER:
+    `ring_chunk_stages`). `red_bufs` > 1 (the epilogue-warp variant): that many partial buffers `red`, each with its
+    task's sums of squares in `red_ss` [red_bufs][warps][per], and their full and empty mbarriers at `red_bars`."""
+    red_bars = 16 * stages + 2 * RING_ROW_BYTES
+    if not 2 <= stages <= RING_MAX_STAGES or red_bars + 16 * red_bufs > RING_HEADER:
         raise ValueError(f"the ring takes 2..{RING_MAX_STAGES} stages, got {stages}")
     per = _per_warp(tokens)
     w = RING_HEADER
     s = w + stages * RING_STAGE_UNITS * UNIT_BYTES
     red = s + stages * RING_STAGE_UNITS * UNIT_SCALE_BYTES
-    ss = red + RING_CONSUMER_WARPS * 16 * per * 4
-    body = -(-(ss + RING_CONSUMER_WARPS * per * 4) // ALIGN) * ALIGN
-    return {"bars": 0, "rows": 16 * stages, "weights": w, "scales": s, "red": red, "ss": ss, "body": body}
+    ss = red + red_bufs * ring_red_bytes(tokens)
+    red_ss = ss + RING_CONSUMER_WARPS * per * 4
+    body = -(-(red_ss + (red_bufs * RING_CONSUMER_WARPS * per * 4 if red_bufs > 1 else 0)) // ALIGN) * ALIGN
+    return {"bars": 0, "rows": 16 * stages, "red_bars": red_bars, "weights": w, "scales": s, "red": red, "ss": ss,
+            "red_ss": red_ss, "body": body}
+
+
+def ring_red_bytes(tokens: int = 1) -> int:
+    """One task's partials: [warps][16 channels][token columns] float32."""
+    return RING_CONSUMER_WARPS * 16 * _per_warp(tokens) * 4
 
 
 def ring_chunk_stages(body_bytes, rows, tokens: int = 1):
@@ -142,21 +158,21 @@ def ring_piece_offset(c, warp):
     return ((c // RING_PIECES) * RING_STAGE_UNITS + warp) * RING_UNIT_X_BYTES + (c % RING_PIECES) * RING_PIECE
 
 
-def ring_stages(body_bytes: int, smem: int, tokens: int = 1) -> int:
+def ring_stages(body_bytes: int, smem: int, tokens: int = 1, red_bufs: int = 1) -> int:
     """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside a body of `body_bytes` (0: not even 2)."""
     best = 0
     for stages in range(2, RING_MAX_STAGES + 1):
-        if ring_regions(stages, tokens)["body"] + body_bytes <= smem:
+        if ring_regions(stages, tokens, red_bufs)["body"] + body_bytes <= smem:
             best = stages
     return best
 
 
-def ring_kernel_stages(attention_bytes: int, tokens: int = 1) -> int:
+def ring_kernel_stages(attention_bytes: int, tokens: int = 1, red_bufs: int = 1) -> int:
     """The stages a ring kernel is compiled with (decode/persistent_ring.py; the host's checks use the same): as many
     as fit beside the attention scratch, which is the body."""
     from futx.hardware import SMEM_PER_CTA
 
-    return ring_stages(attention_bytes, SMEM_PER_CTA, tokens)
+    return ring_stages(attention_bytes, SMEM_PER_CTA, tokens, red_bufs)
 
 
 def ring_k_misfit(ks) -> "str | None":

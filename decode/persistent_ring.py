@@ -46,14 +46,15 @@ from decode.attn_plan import AttnPlan
 from decode.gemv_tile import WARP, GemvTile
 from decode.gemv_layout import TOKENS
 from decode.persistent_layer import ATTN, PROJ, LayerCall
-from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_ROW_BYTES, RING_STAGE_BYTES,
-                                    RING_STAGE_K, RING_STAGE_SCALE_BYTES, RING_STAGE_UNITS, RING_THREADS,
+from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_RED_BUFS, RING_ROW_BYTES,
+                                    RING_STAGE_BYTES, RING_STAGE_K, RING_STAGE_SCALE_BYTES, RING_STAGE_UNITS,
                                     TRACE_FIELDS, layer_plan, ring_chunk_stages, ring_kernel_stages, ring_lane_at,
-                                    ring_piece_offset, ring_regions, ring_row_stride, ring_scales_at,
-                                    ring_unit_scales_at, ring_weights_at)
+                                    ring_piece_offset, ring_red_bytes, ring_regions, ring_row_stride, ring_scales_at,
+                                    ring_threads, ring_unit_scales_at, ring_weights_at)
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
 PRODUCER_WARP = RING_CONSUMER_WARPS
+EPILOGUE_WARP = RING_CONSUMER_WARPS + 1   # the epilogue-warp variant's
 STAGE_W = RING_STAGE_BYTES          # a stage's weights
 STAGE_S = RING_STAGE_SCALE_BYTES    # its scales
 F = loop.F
@@ -88,11 +89,12 @@ class RingProjection(GemvTile):
     its partials' sum, RMSNorm factor and epilogues)."""
 
     def __init__(self, epilogue: str, norm: bool, stages: int, body_bytes: int, tokens: int = 1,
-                 lookahead: bool = False):
+                 lookahead: bool = False, red_bufs: int = 1):
         super().__init__(epilogue, RING_CONSUMER_WARPS, tokens=tokens)
         self.norm, self.lookahead = norm, lookahead
         self.stages, self.body_bytes = stages, body_bytes
-        self.r = ring_regions(stages, tokens)
+        self.red_bufs = red_bufs   # > 1: the partials go to the epilogue warp through that many buffers
+        self.r = ring_regions(stages, tokens, red_bufs)
 
     def _xs_lane(self, xs, lane, m, row_stride, mn=cutlass.min):
         """The lane's ldmatrix row address of the first block of a chunk's staged rows (`mn`: min on the values
@@ -161,11 +163,13 @@ class RingProjection(GemvTile):
         return acc, slot, phase
 
     @cute.jit
-    def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, staged):
+    def task(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, i0, tid, staged, seq=None):
         """n-block nb of y = x @ W^T (+ epilogue), once the task's wait has passed; its stages are the ring's i0,
         i0 + 1, ...; returns the stage after its last. The input rows are staged `ring_chunk_stages` stages at a time
         (one chunk unless the rows are too wide for the body). `staged`: the CTA's previous task was of the same kind
-        (every task of a kind reads the same rows), so a one-chunk input (and its sums of squares) is still there."""
+        (every task of a kind reads the same rows), so a one-chunk input (and its sums of squares) is still there.
+        With the epilogue warp (`red_bufs` > 1) the partials go to it as the CTA's seq-th projection task, and this
+        returns (the stage after the last, seq + 1)."""
         fmt = self.fmt
         warp = tid // WARP
         lane = tid % WARP
@@ -181,7 +185,7 @@ class RingProjection(GemvTile):
         cols = 16 // self.epi.rows_per_output
         at = Int64(nb) * cols + tid
         res = Float32(0.0)
-        if cutlass.const_expr(self.epi.residual and self.tokens == 1):
+        if cutlass.const_expr(self.epi.residual and self.tokens == 1 and self.red_bufs == 1):
             if tid < cols:
                 res = ptx.ldg_cg_bf16_to_f32(r.iterator.toint() + at * 2)
 
@@ -209,6 +213,9 @@ class RingProjection(GemvTile):
                     acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
             cute.arch.sync_warp()   # the warp's reads of this chunk done before it stages the next over it
 
+        if cutlass.const_expr(self.red_bufs > 1):
+            self._hand_off(acc, base, bars, seq, warp, lane)
+            return i0 + n_st, seq + 1
         red = base + self.r["red"]
         if cutlass.const_expr(self.tokens > 1):
             # the warps' partials: rows g and g + 8, token columns 2t and 2t + 1 -> red[warp][row][token]; then the
@@ -233,14 +240,67 @@ class RingProjection(GemvTile):
         return i0 + n_st
 
 
+    def _red_at(self, base, bars, seq):
+        """The partial buffer of the CTA's seq-th projection task: (its partials, its sums of squares, its full
+        mbarrier, its empty mbarrier, the phase of this use)."""
+        b = seq % self.red_bufs
+        per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
+        rb = bars + self.r["red_bars"] // 8
+        return (base + self.r["red"] + b * ring_red_bytes(self.tokens),
+                base + self.r["red_ss"] + b * (RING_CONSUMER_WARPS * per * 4),
+                rb + b, rb + self.red_bufs + b, (seq // self.red_bufs) % 2)
+
+    @cute.jit
+    def _hand_off(self, acc, base, bars, seq, warp, lane) -> None:
+        """The warp's partials (and, `norm`, its sums of squares of the staged rows) -> the task's buffer, once the
+        epilogue warp has finished that buffer's previous task; then every thread arrives for its own writes."""
+        red, red_ss, full, empty, phase = self._red_at(base, bars, seq)
+        g = lane // 4
+        cute.arch.mbarrier_wait(empty, phase ^ 1)
+        if cutlass.const_expr(self.tokens > 1):
+            t2 = (lane % 4) * 2
+            ptx.sts_f32x2(red + ((warp * 16 + g) * TOKENS + t2) * 4, acc[0], acc[1])
+            ptx.sts_f32x2(red + ((warp * 16 + g + 8) * TOKENS + t2) * 4, acc[2], acc[3])
+        else:
+            if lane % 4 == 0:
+                ptx.sts_f32(red + (warp * 16 + g) * 4, acc[0])
+                ptx.sts_f32(red + (warp * 16 + g + 8) * 4, acc[2])
+        if cutlass.const_expr(self.norm):
+            per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
+            if lane < per:   # lane 0 stored them at staging; the chunk loop's warp sync ordered that
+                at = (warp * per + lane) * 4
+                ptx.sts_f32(red_ss + at, ptx.lds_f32(base + self.r["ss"] + at))
+        cute.arch.mbarrier_arrive(full)
+
+    @cute.jit
+    def finish(self, x: cute.Tensor, r, y: cute.Tensor, eps, nb, base, bars, seq, lane) -> None:
+        """The epilogue warp: n-block nb's outputs from the CTA's seq-th projection task's partials (once all 256
+        consumer threads have handed them on), then the buffer released."""
+        red, red_ss, full, empty, phase = self._red_at(base, bars, seq)
+        k = x.shape[1]
+        cute.arch.mbarrier_wait(full, phase)
+        if cutlass.const_expr(self.tokens > 1):
+            self._epilogue_rows(lane, nb, red, red_ss, r, y, x.shape[0], k, eps, threads=WARP)
+        else:
+            cols = 16 // self.epi.rows_per_output
+            if lane < cols:
+                sums = tuple(self._row_sum(red, row) for row in self.epi.rows(lane))
+                factor = self._norm_factor(red_ss, k, eps) if cutlass.const_expr(self.norm) else None
+                self._finish(sums, Int64(nb) * cols + lane, r, y.iterator.toint(), factor)
+        cute.arch.mbarrier_arrive(empty)   # this thread's reads of the buffer done
+
+
 class RingLayer(LayerCall):
     """A decode layer (INT4 g128 weights, a contiguous INT4 or E4M3 cache mirror by `plan`) as one launch with a
     producer warp streaming the projections' weights, for one row (`tokens` = 1) or 1..8 (`tokens` = TOKENS); the
     arguments are decode/persistent_layer.py's PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many
     as fit beside the attention bodies' scratch); `trace`: the task trace variant (futx.engine.persistent_trace);
-    `lookahead` (tuning space): the consumers read each stage one stage ahead of its math."""
+    `lookahead` (tuning space): the consumers read each stage one stage ahead of its math; `epilogue_warp` (tuning
+    space): a tenth warp finishes every projection task from the partials the consumers hand it (through
+    RING_RED_BUFS buffers), so the consumers' projection tasks end without a CTA barrier."""
 
-    def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False):
+    def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False,
+                 epilogue_warp: bool = False):
         if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
                              "byte table and use the consumer warps")
@@ -248,12 +308,14 @@ class RingLayer(LayerCall):
         self.trace = trace
         # the ring beside the body: the attention scratch, where a projection stages its input in chunks
         self.body = plan.smem_bytes
-        self.stages = stages or ring_kernel_stages(self.body, tokens)
-        self.tokens = tokens
-        self.r = ring_regions(self.stages, tokens)
+        self.red_bufs = RING_RED_BUFS if epilogue_warp else 1
+        self.stages = stages or ring_kernel_stages(self.body, tokens, self.red_bufs)
+        self.tokens, self.epilogue_warp = tokens, epilogue_warp
+        self.r = ring_regions(self.stages, tokens, self.red_bufs)
         if ring_chunk_stages(self.body, TOKENS if tokens > 1 else 1, tokens) < 1:
             raise ValueError("the body cannot hold one stage of every row")
-        proj = dict(stages=self.stages, body_bytes=self.body, tokens=tokens, lookahead=lookahead)
+        proj = dict(stages=self.stages, body_bytes=self.body, tokens=tokens, lookahead=lookahead,
+                    red_bufs=self.red_bufs)
         self.qkv = RingProjection("store", True, **proj)
         self.o = RingProjection("residual", False, **proj)
         self.gate_up = RingProjection("swiglu", True, **proj)
@@ -266,8 +328,8 @@ class RingLayer(LayerCall):
             raise ValueError("a traced ring layer takes the trace buffer, an untraced one None")
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
                     s_d, t, eps, scale_log2, trace).launch(
-            grid=(table.shape[0], 1, 1), block=(RING_THREADS, 1, 1), smem=self.r["body"] + self.body, stream=stream,
-            use_pdl=True)
+            grid=(table.shape[0], 1, 1), block=(ring_threads(self.epilogue_warp), 1, 1),
+            smem=self.r["body"] + self.body, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, table: cute.Tensor, starts: cute.Tensor, layer: Int32, counters: cute.Tensor, h: cute.Tensor,
@@ -287,15 +349,28 @@ class RingLayer(LayerCall):
             for s in cutlass.range_constexpr(S):
                 cute.arch.mbarrier_init(bars + s, 1)                          # full: the producer's arrive + bytes
                 cute.arch.mbarrier_init(bars + S + s, CONSUMERS)    # empty: one arrive per consumer thread
+            if cutlass.const_expr(self.epilogue_warp):
+                rb = bars + self.r["red_bars"] // 8
+                for s in cutlass.range_constexpr(self.red_bufs):
+                    cute.arch.mbarrier_init(rb + s, CONSUMERS)                     # full: every consumer thread
+                    cute.arch.mbarrier_init(rb + self.red_bufs + s, WARP)          # empty: the epilogue warp
             cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()   # the only barrier of all 288 threads: the mbarriers are ready
+        cute.arch.barrier()   # the only barrier of the whole block: the mbarriers are ready
         if warp == PRODUCER_WARP:
             if tidx % WARP == 0:
                 self._produce(table, starts, layer, cta, h, w_qkv, s_qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act,
                               w_d, s_d, base, bars, trace)
+        elif warp == EPILOGUE_WARP:
+            if cutlass.const_expr(self.epilogue_warp):
+                self._epilogues(table, starts, layer, cta, tidx % WARP, counters, h, qkv, attn, hmid, act, eps, base,
+                                bars, trace)
         else:
-            self._consume(table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps, scale_log2,
-                          base, bars, trace)
+            if cutlass.const_expr(self.epilogue_warp):
+                self._consume_handing_off(table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps,
+                                          scale_log2, base, bars, trace)
+            else:
+                self._consume(table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps, scale_log2,
+                              base, bars, trace)
 
     @cute.jit
     def _produce(self, table, starts, layer, cta, h, w_qkv, s_qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d, s_d,
@@ -405,14 +480,94 @@ class RingLayer(LayerCall):
                 loop.signal(counters, sig1, tidx, pending)
                 pending = Int32(0)
 
+    @cute.jit
+    def _consume_handing_off(self, table, starts, layer, cta, tidx, counters, h, qkv, attn, hmid, act, t, eps,
+                             scale_log2, base, bars, trace):
+        """The consumers' task loop with the epilogue warp: a projection task hands its partials on and the warps go
+        straight to the next task (no CTA barrier; each warp stages and reads only its own units); they meet only at
+        a counter wait (a new kind) and around attention, whose scratch overlaps the staged rows. Attention tasks
+        signal their counters themselves, projection tasks leave it to the epilogue warp."""
+        if layer == 0:   # the step's first layer reads the rows the launch before it wrote
+            cute.arch.griddepcontrol_wait()
+        body = base + self.r["body"]
+        nsplit = t.ws_o.shape[2]
+        i = Int32(0)     # the ring's next stage
+        seq = Int32(0)   # projection tasks handed on so far
+        staged = Int32(-1)
+        for j in cutlass.range(starts[cta, layer], starts[cta, layer + 1], unroll=1):
+            kind = table[cta, j, F["kind"]]
+            a0 = table[cta, j, F["a0"]]
+            nb = a0 // 16
+            _stamp(trace, cta, j, TRACE["start"], tidx)
+            is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
+            if not is_proj:
+                loop.cta_sync(CONSUMERS)   # every warp done reading the staged rows before attention's scratch
+            if staged != kind:
+                loop.wait(counters, table[cta, j, F["wait0"]], table[cta, j, F["target0"]], tidx, CONSUMERS)
+            _stamp(trace, cta, j, TRACE["ready"], tidx)
+            again = staged == kind
+            if kind == ATTN["attn_partial"]:   # (row, KV head, split)
+                self.att.partial(t, scale_log2, table[cta, j, F["a2"]], table[cta, j, F["a1"]], a0, nsplit, body,
+                                 tidx, False)
+            elif kind == ATTN["attn_combine"]:   # (row, KV head)
+                self.att.combine(t, table[cta, j, F["a1"]], a0, nsplit, tidx)
+            elif kind == PROJ["qkv"]:
+                i, seq = self.qkv.task(h, None, qkv, eps, nb, base, bars, i, tidx, again, seq)
+            elif kind == PROJ["o"]:
+                i, seq = self.o.task(attn, h, hmid, eps, nb, base, bars, i, tidx, again, seq)
+            elif kind == PROJ["gate_up"]:
+                i, seq = self.gate_up.task(hmid, None, act, eps, nb, base, bars, i, tidx, again, seq)
+            elif kind == PROJ["down"]:
+                i, seq = self.down.task(act, hmid, h, eps, nb, base, bars, i, tidx, again, seq)
+            if not is_proj:
+                loop.cta_sync(CONSUMERS)   # attention's writes and scratch reads done by every consumer
+                _stamp(trace, cta, j, TRACE["end"], tidx)
+                loop.signal(counters, table[cta, j, F["signal0"]], tidx)
+                loop.signal(counters, table[cta, j, F["signal1"]], tidx)
+            staged = cutlass.select_(is_proj, kind, Int32(-1))
+
+    @cute.jit
+    def _epilogues(self, table, starts, layer, cta, lane, counters, h, qkv, attn, hmid, act, eps, base, bars, trace):
+        """The epilogue warp: each projection task of the CTA's list in order, finished from its partials; one
+        release-add per run of tasks signalling the same counters (as the routed loop holds them)."""
+        seq = Int32(0)
+        pending = Int32(0)
+        end = starts[cta, layer + 1]
+        for j in cutlass.range(starts[cta, layer], end, unroll=1):
+            kind = table[cta, j, F["kind"]]
+            is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
+            if is_proj:
+                nb = table[cta, j, F["a0"]] // 16
+                if kind == PROJ["qkv"]:
+                    self.qkv.finish(h, None, qkv, eps, nb, base, bars, seq, lane)
+                elif kind == PROJ["o"]:
+                    self.o.finish(attn, h, hmid, eps, nb, base, bars, seq, lane)
+                elif kind == PROJ["gate_up"]:
+                    self.gate_up.finish(hmid, None, act, eps, nb, base, bars, seq, lane)
+                else:
+                    self.down.finish(act, hmid, h, eps, nb, base, bars, seq, lane)
+                seq = seq + 1
+                cute.arch.sync_warp()   # every lane's stores done before lane 0 releases them
+                _stamp(trace, cta, j, TRACE["end"], lane)
+                pending = pending + 1
+                sig0, sig1 = table[cta, j, F["signal0"]], table[cta, j, F["signal1"]]
+                nk = table[cta, j + 1, F["kind"]]   # (row `end` exists: the next layer's, or END)
+                same = ((j + 1 < end) & ((nk == PROJ["qkv"]) | (nk == PROJ["o"]) | (nk == PROJ["gate_up"])
+                                         | (nk == PROJ["down"]))
+                        & (table[cta, j + 1, F["signal0"]] == sig0) & (table[cta, j + 1, F["signal1"]] == sig1))
+                if not same:
+                    loop.signal(counters, sig0, lane, pending)
+                    loop.signal(counters, sig1, lane, pending)
+                    pending = Int32(0)
+
 
 def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False, tokens: int = 1,
-                   lookahead: bool = False):
+                   lookahead: bool = False, epilogue_warp: bool = False):
     """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
     arguments) of the ring layer for one cache format and head dim, one row (`tokens` = 1) or 1..8 (`tokens` = 8: the
     multi-token MMA columns, rows as the shared memory fits); the arguments are the persistent layer's, with `trace`
     the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None; `stages` and `lookahead`: the tuning
-    space's variants (scripts/tuning_space.py)."""
+    space's variants (scripts/tuning_space.py), and `epilogue_warp`."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from decode import persistent_layer
@@ -422,4 +577,4 @@ def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, tr
         c, r = cute.sym_int(), cute.sym_int()
         buf = make_fake_compact_tensor(Int64, (c, r, len(TRACE_FIELDS)), stride_order=(2, 1, 0), assumed_align=8)
         args = (*args[:-2], buf, args[-1])
-    return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens, lookahead), args
+    return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens, lookahead, epilogue_warp), args

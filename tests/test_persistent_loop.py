@@ -115,31 +115,33 @@ def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache, tokens)
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
-@pytest.mark.parametrize("cache,trace,tokens,lookahead", [("int4", False, 1, False), ("e4m3", False, 1, False),
-                                                          ("int4", True, 1, False), ("int4", False, 8, False),
-                                                          ("e4m3", True, 8, False), ("int4", False, 1, True),
-                                                          ("int4", False, 8, True)])
-def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens, lookahead):
+@pytest.mark.parametrize("cache,trace,tokens,lookahead,ew", [
+    ("int4", False, 1, False, False), ("e4m3", False, 1, False, False), ("int4", True, 1, False, False),
+    ("int4", False, 8, False, False), ("e4m3", True, 8, False, False), ("int4", False, 1, True, False),
+    ("int4", False, 8, True, False), ("int4", False, 1, False, True), ("e4m3", True, 8, False, True)])
+def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens, lookahead, ew):
     """decode/persistent_ring.py (registry decode.persistent.ring.*): 288 threads (8 consumer warps + the producer),
     the four projection bodies reading the ring (8 HMMA per unit each) beside decode attention's partial; the producer
     issues two bulk copies per stage on the stage's full mbarrier (arrive + expected bytes); the consumers' barriers
     are named (the producer never joins one: the only bar.sync 0 is the mbarrier setup's); PDL as the tile layer's
     (one PREEXIT, one ACQBULK); no spills. The traced variant reads the global timer at the task's four stamps; the
     multi-token one (1..8 rows) has the same MMAs, B columns being rows. The tuning space's `lookahead` runs its stage
-    loop two stages per trip (8 MMAs per unit: 16 per trip and 8 for an odd last stage, per projection body)."""
+    loop two stages per trip (8 MMAs per unit: 16 per trip and 8 for an odd last stage, per projection body); its
+    `epilogue_warp` adds a tenth warp (320 threads) that finishes the projection tasks."""
     pytest.importorskip("cutlass")
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
         from decode import persistent_ring as pr
-        fn, args = pr.compile_target(cache={cache!r}, trace={trace}, tokens={tokens}, lookahead={lookahead})
+        fn, args = pr.compile_target(cache={cache!r}, trace={trace}, tokens={tokens}, lookahead={lookahead},
+                                     epilogue_warp={ew})
         cute.compile(fn, *args)
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass,ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=900, capture_output=True)
     sass = "\n".join(p.read_text() for p in tmp_path.glob("*.sass"))
     ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    assert ".reqntid 288, 1, 1" in ptx
+    assert (".reqntid 320, 1, 1" if ew else ".reqntid 288, 1, 1") in ptx
     assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == (96 if lookahead else 32)
     assert len(re.findall(r"\bHMMA\.16816\.F32\b", sass)) > 0
     assert len(re.findall(r"\bUBLKCP\.S\.G\b", sass)) == 2 and "SYNCS.ARRIVE.TRANS64" in sass
@@ -148,5 +150,5 @@ def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens
     assert len(re.findall(r"\bbarrier\.sync\s+3,", ptx)) >= 4   # ptx.Barrier.PERSISTENT_CONSUMERS
     assert sass.count("PREEXIT") == 1 and sass.count("ACQBULK") == 1
     assert "REDG.E.ADD.STRONG.GPU" in sass and "CCTL.IVALL" in sass
-    assert ptx.count("%globaltimer") == (4 if trace else 0)
+    assert ptx.count("%globaltimer") == ((5 if ew else 4) if trace else 0)   # ew: the epilogue warp stamps "end" too
     assert not re.search(r"\b(LDL|STL)\b", sass)

@@ -25,7 +25,9 @@ STEPS = textwrap.dedent(f"""
     from futx.engine.packed import random_packed
     from futx.engine.persistent import PersistentStep
 
-    body = sys.argv[1]
+    body, _, variant = sys.argv[1].partition(":")
+    if variant:   # a tuning-space kernel
+        sys.path.insert(0, {str(REPO / "scripts")!r}); import tuning_space; tuning_space.register()
     # the ring takes whole stages of K (1024)
     cfg = tiny_config(head_dim=128, num_attention_heads=8, num_key_value_heads=2,
                       hidden_size=1024 if body == "ring" else 512, intermediate_size=1024, num_hidden_layers=2,
@@ -33,7 +35,7 @@ STEPS = textwrap.dedent(f"""
     m = DecodeModel(random_packed(cfg, "int4", device="cuda", seed=3), "int4", max_batch=4, capacity=256,
                     device="cuda")
     m.cache.randomize(1)
-    m.persistent = PersistentStep(m, ctas=8, body=body)
+    m.persistent = PersistentStep(m, ctas=8, body=body, variant=variant)
     for rows in (1, 3):
         for s in range(2):
             n = m.load_inputs(list(range(1, rows + 1)), [100 + s - r for r in range(rows)], list(range(rows)))
@@ -44,7 +46,7 @@ STEPS = textwrap.dedent(f"""
 """)
 
 
-@pytest.mark.parametrize("body", ["tiles", "ring"])
+@pytest.mark.parametrize("body", ["tiles", "ring", "ring:ew"])
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
 def test_persistent_steps_are_clean_under_compute_sanitizer(tool, body):
     if not torch.cuda.is_available():

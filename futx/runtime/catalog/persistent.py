@@ -39,7 +39,8 @@ def ring_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1, trace: bool 
 
 # the ring layer's tuning space (scripts/tuning_space.py; PersistentStep(body="ring", variant=...)): the consumers
 # reading each stage one ahead of its math, and shallower rings (the routed kernel takes as many stages as fit)
-RING_TUNING = {"la": (("lookahead", True),), "s4": (("stages", 4),), "s8": (("stages", 8),)}
+RING_TUNING = {"la": (("lookahead", True),), "s4": (("stages", 4),), "s8": (("stages", 8),),
+               "ew": (("epilogue_warp", True),)}
 
 
 def ring_spec(cache: str, tokens: int = 1, trace: bool = False, variant: str = "") -> KernelSpec:
