@@ -53,20 +53,19 @@ def layer_plan(cache: str = "int4", head_dim: int = 128):
 
 # ---- the ring layer (decode/persistent_ring.py): a producer warp streams every projection task's weights --------
 RING_CONSUMER_WARPS = LAYER_WARPS   # they run every task body; the producer warp is one more
-RING_THREADS = 32 * (RING_CONSUMER_WARPS + 1)
 RING_RED_BUFS = 4                   # the epilogue-warp variant's partial buffers (tasks handed on, not yet finished)
-
-
-def ring_threads(epilogue_warp: bool = False) -> int:
-    """The ring layer's block: the consumer warps, the producer warp and (the tuning space's `epilogue_warp`) a warp
-    that finishes the projection tasks from their partials."""
-    return 32 * (RING_CONSUMER_WARPS + 1 + int(epilogue_warp))
 RING_STAGE_UNITS = RING_CONSUMER_WARPS   # a stage holds one unit per consumer warp, consecutive in K
 RING_STAGE_K = RING_STAGE_UNITS * 128    # every projection's K must be a multiple of it (whole stages)
 RING_MAX_STAGES = 16
 RING_HEADER = 1024                  # the stages' full and empty mbarriers and the consumers' two task rows
 RING_ROW_BYTES = 4 * len(FIELDS)    # one task row of the table (48 bytes: three 16-byte copies)
 ALIGN = 1024
+
+
+def ring_threads(epilogue_warp: bool = False) -> int:
+    """The ring layer's block: the consumer warps, the producer warp and (the tuning space's `epilogue_warp`) a warp
+    that finishes the projection tasks from their partials."""
+    return 32 * (RING_CONSUMER_WARPS + 1 + int(epilogue_warp))
 
 
 def _per_warp(tokens: int) -> int:

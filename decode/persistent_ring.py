@@ -20,8 +20,9 @@ CTA anatomy (288 threads, one CTA per SM):
                 task stages the activation row(s) (warp w its units w, w + 8, ...: the ones it multiplies; rows wider
                 than the body a chunk of whole stages at a time), then per stage warp w takes unit w: its two
                 16-byte words and two scales from the stage, releases the stage (every thread arrives once its own
-                reads are issued: each releases only what it read), expands and multiplies them as the tile GEMV does (decode/dequant.py, decode/stream.py: the same MMAs per unit;
-                with several rows B column j is row j), the group scale folded per unit. The warps' partials meet in
+                reads are issued: each releases only what it read), expands and multiplies them as the tile GEMV
+                does (decode/dequant.py, decode/stream.py: the same MMAs per unit; with several rows B column j is
+                row j), the group scale folded per unit. The warps' partials meet in
                 shared memory, the RMSNorm row factor (QKV, gate/up) scales the sums and the fused epilogue (store,
                 SwiGLU, residual) writes the n-block's outputs.
 
@@ -69,6 +70,11 @@ def _stamp(trace: Optional[cute.Tensor], cta, j, field: int, tid) -> None:
         if tid == 0:
             ptx.stg_i64(trace.iterator.toint() + Int64(cute.crd2idx((cta, j, field), trace.layout)) * 8,
                         ptx.globaltimer())
+
+
+def _is_projection(kind):
+    """Whether a table row's kind is one of the four projections (the tasks that take ring stages)."""
+    return (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
 
 
 def _next_slot(slot, phase, stages: int):
@@ -217,19 +223,12 @@ class RingProjection(GemvTile):
             self._hand_off(acc, base, bars, seq, warp, lane)
             return i0 + n_st, seq + 1
         red = base + self.r["red"]
+        self._store_partials(red, acc, warp, lane)
         if cutlass.const_expr(self.tokens > 1):
-            # the warps' partials: rows g and g + 8, token columns 2t and 2t + 1 -> red[warp][row][token]; then the
-            # tile GEMV's multi-token epilogue (threads take the (token, column) pairs, per-row norm factors)
-            t2 = (lane % 4) * 2
-            ptx.sts_f32x2(red + ((warp * 16 + g) * TOKENS + t2) * 4, acc[0], acc[1])
-            ptx.sts_f32x2(red + ((warp * 16 + g + 8) * TOKENS + t2) * 4, acc[2], acc[3])
+            # the tile GEMV's multi-token epilogue (threads take the (token, column) pairs, per-row norm factors)
             loop.cta_sync(CONSUMERS)
             self._epilogue_rows(tid, nb, red, base + self.r["ss"], r, y, m, k, eps)
             return i0 + n_st
-        # the warps' partials (every B column holds the row: lanes with t = 0 have them) -> the n-block's outputs
-        if lane % 4 == 0:
-            ptx.sts_f32(red + (warp * 16 + g) * 4, acc[0])
-            ptx.sts_f32(red + (warp * 16 + g + 8) * 4, acc[2])
         loop.cta_sync(CONSUMERS)
         if tid < cols:   # output column tid of the n-block
             sums = tuple(self._row_sum(red, row) for row in self.epi.rows(tid))
@@ -239,6 +238,20 @@ class RingProjection(GemvTile):
             ptx.stg_bf16(y.iterator.toint() + at * 2, self.epi.finish(sums, lambda: res))
         return i0 + n_st
 
+
+    @cute.jit
+    def _store_partials(self, red, acc, warp, lane) -> None:
+        """The warp's accumulator -> red[warp]: rows g and g + 8 of the n-block; several rows: token columns 2t and
+        2t + 1 -> red[warp][row][token]; one row: every B column holds the row, so the lanes with t = 0 store."""
+        g = lane // 4
+        if cutlass.const_expr(self.tokens > 1):
+            t2 = (lane % 4) * 2
+            ptx.sts_f32x2(red + ((warp * 16 + g) * TOKENS + t2) * 4, acc[0], acc[1])
+            ptx.sts_f32x2(red + ((warp * 16 + g + 8) * TOKENS + t2) * 4, acc[2], acc[3])
+        else:
+            if lane % 4 == 0:
+                ptx.sts_f32(red + (warp * 16 + g) * 4, acc[0])
+                ptx.sts_f32(red + (warp * 16 + g + 8) * 4, acc[2])
 
     def _red_at(self, base, bars, seq):
         """The partial buffer of the CTA's seq-th projection task: (its partials, its sums of squares, its full
@@ -255,16 +268,8 @@ class RingProjection(GemvTile):
         """The warp's partials (and, `norm`, its sums of squares of the staged rows) -> the task's buffer, once the
         epilogue warp has finished that buffer's previous task; then every thread arrives for its own writes."""
         red, red_ss, full, empty, phase = self._red_at(base, bars, seq)
-        g = lane // 4
         cute.arch.mbarrier_wait(empty, phase ^ 1)
-        if cutlass.const_expr(self.tokens > 1):
-            t2 = (lane % 4) * 2
-            ptx.sts_f32x2(red + ((warp * 16 + g) * TOKENS + t2) * 4, acc[0], acc[1])
-            ptx.sts_f32x2(red + ((warp * 16 + g + 8) * TOKENS + t2) * 4, acc[2], acc[3])
-        else:
-            if lane % 4 == 0:
-                ptx.sts_f32(red + (warp * 16 + g) * 4, acc[0])
-                ptx.sts_f32(red + (warp * 16 + g + 8) * 4, acc[2])
+        self._store_partials(red, acc, warp, lane)
         if cutlass.const_expr(self.norm):
             per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
             if lane < per:   # lane 0 stored them at staging; the chunk loop's warp sync ordered that
@@ -460,7 +465,7 @@ class RingLayer(LayerCall):
             elif kind == PROJ["down"]:
                 i = self.down.task(act, hmid, h, eps, nb, base, bars, i, tidx, again)
             # (row factors, fused into QKV and gate/up, are not in the kernel form's tables: they would only wait)
-            is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
+            is_proj = _is_projection(kind)
             staged = cutlass.select_(is_proj, kind, Int32(-1))
             # this row's last reads before the barrier: after it, the next task's copy may overwrite this buffer
             sig0, sig1 = ptx.lds_i32(cur + F["signal0"] * 4), ptx.lds_i32(cur + F["signal1"] * 4)
@@ -499,7 +504,7 @@ class RingLayer(LayerCall):
             a0 = table[cta, j, F["a0"]]
             nb = a0 // 16
             _stamp(trace, cta, j, TRACE["start"], tidx)
-            is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
+            is_proj = _is_projection(kind)
             if not is_proj:
                 loop.cta_sync(CONSUMERS)   # every warp done reading the staged rows before attention's scratch
             if staged != kind:
@@ -535,8 +540,7 @@ class RingLayer(LayerCall):
         end = starts[cta, layer + 1]
         for j in cutlass.range(starts[cta, layer], end, unroll=1):
             kind = table[cta, j, F["kind"]]
-            is_proj = (kind == PROJ["qkv"]) | (kind == PROJ["o"]) | (kind == PROJ["gate_up"]) | (kind == PROJ["down"])
-            if is_proj:
+            if _is_projection(kind):
                 nb = table[cta, j, F["a0"]] // 16
                 if kind == PROJ["qkv"]:
                     self.qkv.finish(h, None, qkv, eps, nb, base, bars, seq, lane)
@@ -551,9 +555,8 @@ class RingLayer(LayerCall):
                 _stamp(trace, cta, j, TRACE["end"], lane)
                 pending = pending + 1
                 sig0, sig1 = table[cta, j, F["signal0"]], table[cta, j, F["signal1"]]
-                nk = table[cta, j + 1, F["kind"]]   # (row `end` exists: the next layer's, or END)
-                same = ((j + 1 < end) & ((nk == PROJ["qkv"]) | (nk == PROJ["o"]) | (nk == PROJ["gate_up"])
-                                         | (nk == PROJ["down"]))
+                # (row `end` exists: the next layer's, or END)
+                same = ((j + 1 < end) & _is_projection(table[cta, j + 1, F["kind"]])
                         & (table[cta, j + 1, F["signal0"]] == sig0) & (table[cta, j + 1, F["signal1"]] == sig1))
                 if not same:
                     loop.signal(counters, sig0, lane, pending)

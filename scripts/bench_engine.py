@@ -60,9 +60,14 @@ def config_for(shape: str, layers: int | None) -> LlamaConfig:
     return cfg if layers is None else cfg.replace(num_hidden_layers=layers)
 
 
+def head_bytes(config) -> int:
+    """The BF16 LM head's bytes (one read per step)."""
+    return config.vocab_size * config.hidden_size * 2
+
+
 def step_bytes(model, batch: int, context: int) -> int:
     c = model.config
-    head = c.vocab_size * c.hidden_size * 2
+    head = head_bytes(c)
     cache = batch * context * model.cache.read_bytes_per_token() * c.num_hidden_layers
     return model.packed.projection_bytes() + head + cache
 

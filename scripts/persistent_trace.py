@@ -30,7 +30,7 @@ def main() -> int:
         return 2
     from futx.engine.persistent import PersistentStep
     from futx.engine.persistent_trace import report, summarize
-    from scripts.bench_engine import HBM_BYTES_PER_S, replaying_model, step_bytes
+    from scripts.bench_engine import HBM_BYTES_PER_S, head_bytes, replaying_model, step_bytes
 
     cfg, m, g = replaying_model(a.shape, "int4", a.cache, 1, a.context,
                                 persistent=lambda m: PersistentStep(m, splits=a.splits, body="ring", trace=True))
@@ -44,7 +44,7 @@ def main() -> int:
     print(report(s), flush=True)
     # a layer's bytes (its weights and cache rows) over its median span: the layer's achieved bandwidth
     layers = len(m.packed.layers)
-    layer_bytes = (step_bytes(m, 1, a.context) - cfg.vocab_size * cfg.hidden_size * 2) / layers
+    layer_bytes = (step_bytes(m, 1, a.context) - head_bytes(cfg)) / layers
     span = float(torch.tensor([lay["span_us"] for lay in s["layers"]]).median())
     s["layer_bytes"], s["layer_tb_s"] = layer_bytes, layer_bytes / span / 1e6
     print(f"a layer moves {layer_bytes / 1e6:.2f} MB: {s['layer_tb_s']:.2f} TB/s over the median span "

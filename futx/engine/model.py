@@ -27,7 +27,7 @@ is decoupled from the cache's slot count (`max_batch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
