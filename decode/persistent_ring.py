@@ -95,9 +95,12 @@ class RingProjection(GemvTile):
     its partials' sum, RMSNorm factor and epilogues)."""
 
     def __init__(self, epilogue: str, norm: bool, stages: int, body_bytes: int, tokens: int = 1,
-                 lookahead: bool = False, red_bufs: int = 1):
+                 lookahead: bool = False, red_bufs: int = 1, group: int = 1, no_math: bool = False):
         super().__init__(epilogue, RING_CONSUMER_WARPS, tokens=tokens)
-        self.norm, self.lookahead = norm, lookahead
+        self.no_math = no_math   # diagnostic: the stages waited for and released, their units not multiplied
+        if group < 1 or (group > 1 and lookahead):
+            raise ValueError("a stage group is 1 or more stages, and not with the lookahead loop")
+        self.norm, self.lookahead, self.group = norm, lookahead, group
         self.stages, self.body_bytes = stages, body_bytes
         self.red_bufs = red_bufs   # > 1: the partials go to the epilogue warp through that many buffers
         self.r = ring_regions(stages, tokens, red_bufs)
@@ -141,6 +144,8 @@ class RingProjection(GemvTile):
     def _stage_math(self, acc, cur, st_in_chunk, warp, xs_lane, consts):
         """acc += the warp's unit of a stage (its registers `cur`) times its activations: the unit is
         st_in_chunk x 8 + warp units into the staged chunk (ring_piece_offset's place)."""
+        if cutlass.const_expr(self.no_math):
+            return acc
         u = st_in_chunk * RING_STAGE_UNITS + warp
         b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
         (acc,) = stream.mma_unit(self.fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
@@ -166,6 +171,25 @@ class RingProjection(GemvTile):
             slot, phase = nslot, nphase
             acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
             cur = nxt
+        return acc, slot, phase
+
+    def _stage_group(self, acc, st, slot, phase, bars, w_lane, s_warp, xs_lane, warp, lane, consts):
+        """`group` stages from chunk stage st on (traced inline, straight-line code): every stage's wait, then all
+        their reads, their releases, then all their math, so the units' expansions and MMA chains (independent until
+        each one's fold into acc, added in stage order: the sums are the one-stage loop's bit for bit) share one basic
+        block, where ptxas interleaves them; a warp's unit per stage is otherwise one serial latency chain."""
+        g = lane // 4
+        at = []
+        for _ in range(self.group):
+            at.append((slot, phase))
+            slot, phase = _next_slot(slot, phase, self.stages)
+        for s, p in at:
+            cute.arch.mbarrier_wait(bars + s, p)
+        curs = [self._ring_read(w_lane + s * STAGE_W, s_warp + s * STAGE_S, g) for s, _ in at]
+        for s, _ in at:
+            cute.arch.mbarrier_arrive(bars + self.stages + s)   # this thread's reads of it issued
+        for q, cur in enumerate(curs):
+            acc = self._stage_math(acc, cur, st + q, warp, xs_lane, consts)
         return acc, slot, phase
 
     @cute.jit
@@ -211,7 +235,14 @@ class RingProjection(GemvTile):
                 acc, slot, phase = self._stages_ahead(acc, st0, st1, slot, phase, bars, w_lane, s_warp, xs_lane,
                                                       warp, lane, consts)
             else:
-                for st in cutlass.range(st0, st1, unroll=1):
+                tail = st0
+                if cutlass.const_expr(self.group > 1):
+                    groups = (st1 - st0) // self.group
+                    for q in cutlass.range(groups, unroll=1):
+                        acc, slot, phase = self._stage_group(acc, q * self.group, slot, phase, bars, w_lane, s_warp,
+                                                             xs_lane, warp, lane, consts)
+                    tail = st0 + groups * self.group   # a chunk's last stages short of a group: one at a time
+                for st in cutlass.range(tail, st1, unroll=1):
                     cute.arch.mbarrier_wait(bars + slot, phase)
                     cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
                     cute.arch.mbarrier_arrive(bars + self.stages + slot)   # this thread's reads of it issued
@@ -300,12 +331,15 @@ class RingLayer(LayerCall):
     producer warp streaming the projections' weights, for one row (`tokens` = 1) or 1..8 (`tokens` = TOKENS); the
     arguments are decode/persistent_layer.py's PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many
     as fit beside the attention bodies' scratch); `trace`: the task trace variant (futx.engine.persistent_trace);
-    `lookahead` (tuning space): the consumers read each stage one stage ahead of its math; `epilogue_warp` (tuning
+    `lookahead` (tuning space): the consumers read each stage one stage ahead of its math; `group`: the consumers
+    wait for, read and multiply that many stages at a time (RingProjection._stage_group); `no_math` (diagnostic, wrong
+    outputs): the consumers take and release every stage without its arithmetic, so the layer runs at what the
+    stream, the dependencies and attention allow; `epilogue_warp` (tuning
     space): a tenth warp finishes every projection task from the partials the consumers hand it (through
     RING_RED_BUFS buffers), so the consumers' projection tasks end without a CTA barrier."""
 
     def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False,
-                 epilogue_warp: bool = False):
+                 epilogue_warp: bool = False, group: int = 1, no_math: bool = False):
         if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
                              "byte table and use the consumer warps")
@@ -319,8 +353,10 @@ class RingLayer(LayerCall):
         self.r = ring_regions(self.stages, tokens, self.red_bufs)
         if ring_chunk_stages(self.body, TOKENS if tokens > 1 else 1, tokens) < 1:
             raise ValueError("the body cannot hold one stage of every row")
+        if group > self.stages:
+            raise ValueError(f"a group of {group} stages needs a ring of as many, not {self.stages}")
         proj = dict(stages=self.stages, body_bytes=self.body, tokens=tokens, lookahead=lookahead,
-                    red_bufs=self.red_bufs)
+                    red_bufs=self.red_bufs, group=group, no_math=no_math)
         self.qkv = RingProjection("store", True, **proj)
         self.o = RingProjection("residual", False, **proj)
         self.gate_up = RingProjection("swiglu", True, **proj)
@@ -565,12 +601,12 @@ class RingLayer(LayerCall):
 
 
 def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False, tokens: int = 1,
-                   lookahead: bool = False, epilogue_warp: bool = False):
+                   lookahead: bool = False, epilogue_warp: bool = False, group: int = 1, no_math: bool = False):
     """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
     arguments) of the ring layer for one cache format and head dim, one row (`tokens` = 1) or 1..8 (`tokens` = 8: the
     multi-token MMA columns, rows as the shared memory fits); the arguments are the persistent layer's, with `trace`
-    the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None; `stages` and `lookahead`: the tuning
-    space's variants (scripts/tuning_space.py), and `epilogue_warp`."""
+    the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None; `stages`, `lookahead`, `group` and
+    `epilogue_warp`: the tuning space's variants (scripts/tuning_space.py); `no_math`: its diagnostic one."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from decode import persistent_layer
@@ -580,4 +616,5 @@ def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, tr
         c, r = cute.sym_int(), cute.sym_int()
         buf = make_fake_compact_tensor(Int64, (c, r, len(TRACE_FIELDS)), stride_order=(2, 1, 0), assumed_align=8)
         args = (*args[:-2], buf, args[-1])
-    return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens, lookahead, epilogue_warp), args
+    return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens, lookahead, epilogue_warp, group,
+                     no_math), args

@@ -113,6 +113,20 @@ def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, contex
     return cfg, m, g
 
 
+def ring_step(variant: str = "", **kw):
+    """A function of the model giving its ring-layer persistent step (replaying_model's `persistent`), with ring tuning
+    variant `variant` (its tuning space registered; the diagnostic ones allowed: these are diagnostics) and
+    PersistentStep's other keywords."""
+    from futx.engine.persistent import PersistentStep
+
+    if variant:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import tuning_space
+
+        tuning_space.register()
+    return lambda m: PersistentStep(m, body="ring", variant=variant, diagnostic=True, **kw)
+
+
 class Timer:
     """Interleaved rounds of `reps` graph replays per candidate; median ms per replay."""
 

@@ -1,6 +1,7 @@
 """The ring layer's tuning space on the GPU (issue 29): the 8B step (or --shape) at each --points (batch x context,
 INT4 weights and cache) on the shipped step, the routed ring layer and its tuning-space variants
-(futx.runtime.catalog.persistent.RING_TUNING: "la" the consumers one stage ahead, "s4" / "s8" shallower rings), one
+(futx.runtime.catalog.persistent.RING_TUNING: "la" the consumers one stage ahead, "s4" / "s8" shallower rings, "ew"
+an epilogue warp, "g2" / "g4" stage groups, "nm" the diagnostic without the units' arithmetic), one
 CUDA graph each over one model and cache, replays interleaved in one process; median ms per step and fraction of
 the bytes floor. What it decides: the ring kernel's routed form (docs/persistent.md).
 
@@ -17,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from futx.runtime.catalog.persistent import RING_TUNING
+    from futx.runtime.catalog.persistent import RING_DIAGNOSTIC, RING_TUNING
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -50,7 +51,7 @@ def main() -> int:
         cfg, m, shipped = replaying_model(a.shape, "int4", "int4", batch, context)
         cands, keep = {"shipped": lambda g=shipped: g.replay(batch)}, []
         for v in ["", *variants]:
-            m.persistent = PersistentStep(m, body="ring", variant=v)
+            m.persistent = PersistentStep(m, body="ring", variant=v, diagnostic=v in RING_DIAGNOSTIC)
             g = GraphSteps(m, buckets=[batch])
             keep.append((m.persistent, g))
             cands["ring" + (f".{v}" if v else "")] = lambda g=g: g.replay(batch)
@@ -60,8 +61,9 @@ def main() -> int:
         print(f"{cfg.name} {batch} x {context} (INT4 weights and cache; bytes floor {floor:.3f} ms; "
               f"{torch.cuda.get_device_name()}):")
         for name, r in res.items():
+            note = "  (diagnostic: no unit arithmetic, wrong outputs)" if name.split(".")[-1] in RING_DIAGNOSTIC else ""
             print(f"  {name:12s} {r['ms']:7.3f} ms  ({100 * floor / r['ms']:4.1f}% of the floor, spread "
-                  f"{100 * r['spread']:.1f}%)", flush=True)
+                  f"{100 * r['spread']:.1f}%){note}", flush=True)
             rows.append(dict(shape=cfg.name, batch=batch, context=context, candidate=name, floor_ms=floor, **r))
         del keep, shipped, m
         torch.cuda.empty_cache()

@@ -21,6 +21,8 @@ def main() -> int:
     p.add_argument("--cache", default="int4", choices=("int4", "e4m3"))
     p.add_argument("--splits", type=int, default=None, help="split-KV count (default: the attention op's choice)")
     p.add_argument("--replays", type=int, default=5)
+    p.add_argument("--variant", default="", help="a traced ring tuning variant (catalog persistent.RING_TRACED_TUNING; "
+                                                  "the tuning space registered)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch
@@ -28,12 +30,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("persistent_trace: needs a CUDA GPU")
         return 2
-    from futx.engine.persistent import PersistentStep
     from futx.engine.persistent_trace import report, summarize
-    from scripts.bench_engine import HBM_BYTES_PER_S, head_bytes, replaying_model, step_bytes
+    from scripts.bench_engine import HBM_BYTES_PER_S, head_bytes, replaying_model, ring_step, step_bytes
 
     cfg, m, g = replaying_model(a.shape, "int4", a.cache, 1, a.context,
-                                persistent=lambda m: PersistentStep(m, splits=a.splits, body="ring", trace=True))
+                                persistent=ring_step(a.variant, splits=a.splits, trace=True))
     for _ in range(a.replays):
         g.replay(1)
     torch.cuda.synchronize()

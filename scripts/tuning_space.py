@@ -125,7 +125,8 @@ def persistent_specs() -> list[KernelSpec]:
                              f"tile GEMV's bodies ordered by counters (attention not in it yet), {c} CTA(s) per SM")
               for c in (1, 2)),
             *(persistent_catalog.ring_spec("int4", tokens, False, v)
-              for tokens in persistent_catalog.TOKENS for v in persistent_catalog.RING_TUNING)]
+              for tokens in persistent_catalog.TOKENS for v in persistent_catalog.RING_TUNING),
+            *(persistent_catalog.ring_spec("int4", 1, True, v) for v in persistent_catalog.RING_TRACED_TUNING)]
 
 
 def specs(patterns: str | None = None) -> list[KernelSpec]:

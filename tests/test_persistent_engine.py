@@ -130,6 +130,9 @@ def test_ring_layer_fits_the_served_shapes_and_says_why_not():
     for bad in (dict(variant="la"), dict(body="ring", variant="s99"), dict(body="ring", trace=True, variant="la")):
         with pytest.raises(ValueError, match="tuning variants are"):
             pers.PersistentStep(m, **bad)
+    # the no-arithmetic diagnostic computes wrong outputs: asked for by name only
+    with pytest.raises(ValueError, match="wrong outputs"):
+        pers.PersistentStep(m, body="ring", variant="nm")
 
 
 @pytest.mark.parametrize("name,ctas", [("llama-3.1-8b", 132), ("llama-3.1-8b", 7), ("layer-70b", 132),

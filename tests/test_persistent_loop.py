@@ -115,11 +115,12 @@ def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache, tokens)
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
-@pytest.mark.parametrize("cache,trace,tokens,lookahead,ew", [
-    ("int4", False, 1, False, False), ("e4m3", False, 1, False, False), ("int4", True, 1, False, False),
-    ("int4", False, 8, False, False), ("e4m3", True, 8, False, False), ("int4", False, 1, True, False),
-    ("int4", False, 8, True, False), ("int4", False, 1, False, True), ("e4m3", True, 8, False, True)])
-def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens, lookahead, ew):
+@pytest.mark.parametrize("cache,trace,tokens,lookahead,ew,group", [
+    ("int4", False, 1, False, False, 1), ("e4m3", False, 1, False, False, 1), ("int4", True, 1, False, False, 1),
+    ("int4", False, 8, False, False, 1), ("e4m3", True, 8, False, False, 1), ("int4", False, 1, True, False, 1),
+    ("int4", False, 8, True, False, 1), ("int4", False, 1, False, True, 1), ("e4m3", True, 8, False, True, 1),
+    ("int4", False, 1, False, False, 2), ("int4", False, 8, False, False, 4), ("int4", True, 1, False, True, 2)])
+def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens, lookahead, ew, group):
     """decode/persistent_ring.py (registry decode.persistent.ring.*): 288 threads (8 consumer warps + the producer),
     the four projection bodies reading the ring (8 HMMA per unit each) beside decode attention's partial; the producer
     issues two bulk copies per stage on the stage's full mbarrier (arrive + expected bytes); the consumers' barriers
@@ -127,14 +128,15 @@ def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens
     (one PREEXIT, one ACQBULK); no spills. The traced variant reads the global timer at the task's four stamps; the
     multi-token one (1..8 rows) has the same MMAs, B columns being rows. The tuning space's `lookahead` runs its stage
     loop two stages per trip (8 MMAs per unit: 16 per trip and 8 for an odd last stage, per projection body); its
-    `epilogue_warp` adds a tenth warp (320 threads) that finishes the projection tasks."""
+    `epilogue_warp` adds a tenth warp (320 threads) that finishes the projection tasks; its `group` takes that many
+    stages per trip (8 x group MMAs in one basic block, and a one-stage loop for a chunk's last stages)."""
     pytest.importorskip("cutlass")
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
         from decode import persistent_ring as pr
         fn, args = pr.compile_target(cache={cache!r}, trace={trace}, tokens={tokens}, lookahead={lookahead},
-                                     epilogue_warp={ew})
+                                     epilogue_warp={ew}, group={group})
         cute.compile(fn, *args)
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass,ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -142,7 +144,8 @@ def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens
     sass = "\n".join(p.read_text() for p in tmp_path.glob("*.sass"))
     ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert (".reqntid 320, 1, 1" if ew else ".reqntid 288, 1, 1") in ptx
-    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == (96 if lookahead else 32)
+    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == (96 if lookahead else 32 * (group + 1) if group > 1
+                                                                   else 32)
     assert len(re.findall(r"\bHMMA\.16816\.F32\b", sass)) > 0
     assert len(re.findall(r"\bUBLKCP\.S\.G\b", sass)) == 2 and "SYNCS.ARRIVE.TRANS64" in sass
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
@@ -152,3 +155,22 @@ def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens
     assert "REDG.E.ADD.STRONG.GPU" in sass and "CCTL.IVALL" in sass
     assert ptx.count("%globaltimer") == ((5 if ew else 4) if trace else 0)   # ew: the epilogue warp stamps "end" too
     assert not re.search(r"\b(LDL|STL)\b", sass)
+    if group > 1:   # each body's group of units in one branch-free stretch, where ptxas interleaves them
+        assert len(_branch_free_mma_runs(sass, 8 * group)) == 4
+
+
+def _branch_free_mma_runs(sass: str, mmas: int) -> list:
+    """The stretches of SASS between branches (and branch targets) holding exactly `mmas` BF16 MMAs."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import sass_loop_stats as s
+
+    ins, labels = s.parse(sass)
+    starts = set(labels.values())
+    runs, n = [], 0
+    for addr, op, _ in ins:
+        if addr in starts or op.startswith("BRA"):
+            if n:
+                runs.append(n)
+            n = 0
+        n += op.startswith("HMMA.16816.F32.BF16")
+    return [r for r in runs + [n] if r == mmas]

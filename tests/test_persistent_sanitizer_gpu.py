@@ -28,10 +28,11 @@ STEPS = textwrap.dedent(f"""
     body, _, variant = sys.argv[1].partition(":")
     if variant:   # a tuning-space kernel
         sys.path.insert(0, {str(REPO / "scripts")!r}); import tuning_space; tuning_space.register()
-    # the ring takes whole stages of K (1024)
-    cfg = tiny_config(head_dim=128, num_attention_heads=8, num_key_value_heads=2,
-                      hidden_size=1024 if body == "ring" else 512, intermediate_size=1024, num_hidden_layers=2,
-                      vocab_size=256)
+    # the ring takes whole stages of K (1024); two, so a group of stages (the g2 variant) runs
+    ring = body == "ring"
+    cfg = tiny_config(head_dim=128, num_attention_heads=16 if ring else 8, num_key_value_heads=2,
+                      hidden_size=2048 if ring else 512, intermediate_size=2048 if ring else 1024,
+                      num_hidden_layers=2, vocab_size=256)
     m = DecodeModel(random_packed(cfg, "int4", device="cuda", seed=3), "int4", max_batch=4, capacity=256,
                     device="cuda")
     m.cache.randomize(1)
@@ -46,7 +47,7 @@ STEPS = textwrap.dedent(f"""
 """)
 
 
-@pytest.mark.parametrize("body", ["tiles", "ring", "ring:ew"])
+@pytest.mark.parametrize("body", ["tiles", "ring", "ring:ew", "ring:g2"])
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
 def test_persistent_steps_are_clean_under_compute_sanitizer(tool, body):
     if not torch.cuda.is_available():

@@ -180,11 +180,11 @@ def test_ring_counters_end_at_their_totals(ring_packed):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("variant", ["la", "s4", "s8", "ew"])
+@pytest.mark.parametrize("variant", ["la", "s4", "s8", "ew", "g2", "g4", "ewg2"])
 def test_ring_variants_equal_the_routed_ring_bit_for_bit(ring_packed, variant, rows):
     """The ring's tuning space (futx.runtime.catalog.persistent.RING_TUNING: consumers one stage ahead, shallower
-    rings, an epilogue warp) changes when the weights arrive and who finishes a task, not what is summed in which
-    order: the steps equal the routed ring's."""
+    rings, an epilogue warp, stages taken in groups) changes when the weights arrive, who finishes a task and how
+    the instructions interleave, not what is summed in which order: the steps equal the routed ring's."""
     from tuning import tuning_space
 
     tuning_space().register()

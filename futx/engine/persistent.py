@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from futx.runtime.catalog.persistent import (BODIES, CACHES as FORMATS, HEAD_DIM, MAX_ROWS, RING_TUNING, layer_key,
-                                             ring_key, tokens_for)
+from futx.runtime.catalog.persistent import (BODIES, CACHES as FORMATS, HEAD_DIM, MAX_ROWS, RING_DIAGNOSTIC,
+                                             RING_TRACED_TUNING, RING_TUNING, layer_key, ring_key, tokens_for)
 
 
 def fitting_rows(config) -> int:
@@ -118,12 +118,14 @@ class PersistentStep:
     bodies take the same table and arguments)."""
 
     def __init__(self, model, ctas: Optional[int] = None, splits: Optional[int] = None,
-                 max_rows: Optional[int] = None, body: str = "tiles", trace: bool = False, variant: str = ""):
+                 max_rows: Optional[int] = None, body: str = "tiles", trace: bool = False, variant: str = "",
+                 diagnostic: bool = False):
         """ctas: CTAs of every launch (default one per SM); splits: the split-KV count of every row count (default
         the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
         max_rows, at most what fits); body: "tiles" (the tile GEMV bodies) or "ring" (a producer warp
         streams the weights); trace: the ring's traced kernel, each step's task timestamps kept in
-        `tables(1)["trace"]` (futx.engine.persistent_trace reads them); variant: a ring tuning-space kernel
+        `tables(1)["trace"]` (futx.engine.persistent_trace reads them); variant: a ring tuning-space kernel (those in
+        RING_DIAGNOSTIC compute wrong outputs, for timing only: `diagnostic=True` asks for them)
         (futx.runtime.catalog.persistent.RING_TUNING; scripts/tuning_space.py registers them)."""
         from futx.hardware import sm_count
 
@@ -133,9 +135,12 @@ class PersistentStep:
             max_rows = max(1, min(model.max_rows, fit))
         if trace and body != "ring":
             raise ValueError("only the ring layer keeps a task trace (body='ring')")
-        if variant and (body != "ring" or trace or variant not in RING_TUNING or model.cache.fmt != "int4"):
-            raise ValueError(f"variant {variant!r}: the untraced ring layer's tuning variants are "
-                             f"{sorted(RING_TUNING)} (body='ring', trace=False, an INT4 cache)")
+        if variant and (body != "ring" or variant not in RING_TUNING or model.cache.fmt != "int4"
+                        or (trace and variant not in RING_TRACED_TUNING)):
+            raise ValueError(f"variant {variant!r}: the ring layer's tuning variants are {sorted(RING_TUNING)} "
+                             f"(body='ring', an INT4 cache; traced: {list(RING_TRACED_TUNING)})")
+        if variant in RING_DIAGNOSTIC and not diagnostic:
+            raise ValueError(f"variant {variant!r} computes wrong outputs (a timing diagnostic): pass diagnostic=True")
         why = unsupported(model, max_rows, body)   # every row count up to max_rows fits if it does
         if why is not None:
             raise ValueError(f"the persistent decode layer does not fit this model: {why}")

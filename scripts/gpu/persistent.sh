@@ -37,6 +37,13 @@
 #             tuning space (consumers one stage ahead, rings of 4 / 8 stages) vs the shipped step, one process
 #             (needs the tuning space staged: python scripts/tuning_space.py build --out .gpu/aot
 #             --only 'decode.persistent.ring.*' --no-runtime, then stage.sh)
+#   ringeq    the ring's tuning variants bit for bit against the routed ring (tuning space staged)
+#   ringgrp   scripts/bench_ring_variants.py: the routed ring vs the epilogue warp, the stage groups (g2, g4, ewg2)
+#             and the no-arithmetic diagnostic (nm) ($RINGVARS) vs the shipped step at (1, 1024) and (8, 1024)
+#   traceg2   scripts/persistent_trace.py --variant g2 / ewg2 ($TRACEVARS): inside the ring layer, (1, 1024)
+#   sanring   compute-sanitizer racecheck / synccheck of the ring (routed, ew, g2) and the tile layer
+#   ncusrc    Nsight Compute on one ring layer launch of the 8B step at (1, 1024) (the routed kernel and g2): warp
+#             state statistics and per-SASS-instruction stall samples, $OUT/ncu-ring-src*.csv
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
 #             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
 set -u
@@ -78,6 +85,25 @@ for part in "$@"; do
     bufsg)   TAILN=30 step bufsg 180 python3 scripts/persistent_buffers.py ring ;;
     ringvar) TAILN=24 step ringvar 300 python3 scripts/bench_ring_variants.py --points 1x1024,8x1024 \
                --json $OUT/ring-variants-8b.json ;;
+    ringeq)  TAILN=8 step ringeq 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_persistent_step_gpu.py -k variants_equal ;;
+    ringgrp) TAILN=24 step ringgrp 300 python3 scripts/bench_ring_variants.py --points 1x1024,8x1024 \
+               --variants ${RINGVARS:-ew,g2,g4,ewg2,nm} --json $OUT/ring-groups-8b.json ;;
+    traceg2) TAILN=40 step traceg2 240 bash -c "for v in ${TRACEVARS:-g2 ewg2}; do python3 scripts/persistent_trace.py \
+               --variant \$v --json $OUT/ring-trace-8b-1024-\$v.json || exit 1; done" ;;
+    sanring) TAILN=12 step sanring 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_persistent_sanitizer_gpu.py ;;
+    ncusrc)  for v in "" g2; do
+               rep=$LOGS/ring${v:+-$v}
+               timeout 240 ncu --clock-control none -k regex:RingLayer --launch-skip 40 --launch-count 1 \
+                 --section WarpStateStats --section SourceCounters --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                 --import-source no -f -o $rep python3 scripts/profile_ring_layer.py ${v:+--variant $v} \
+                 > $LOGS/ncusrc$v.log 2>&1
+               echo "ncu ring$v rc=$?"; tail -3 $LOGS/ncusrc$v.log
+               ncu -i $rep.ncu-rep --page source --csv --print-source sass > $OUT/ncu-ring-src${v:+-$v}.csv 2>> $LOGS/ncusrc$v.log
+               ncu -i $rep.ncu-rep --page details --csv > $OUT/ncu-ring-details${v:+-$v}.csv 2>> $LOGS/ncusrc$v.log
+               echo "exported rc=$? $(wc -c < $OUT/ncu-ring-src${v:+-$v}.csv) bytes"
+             done ;;
     ncu)     source scripts/gpu/ncu_decode.sh
              ncu --clock-control none -k regex:'gemv_tile|persistent_layer' --metrics $M --csv \
                python3 scripts/bench_persistent_layer.py --once > $OUT/ncu_persistent.csv 2> $LOGS/ncu_persistent.err
