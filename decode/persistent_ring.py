@@ -97,10 +97,10 @@ class RingProjection(GemvTile):
     def __init__(self, epilogue: str, norm: bool, stages: int, body_bytes: int, tokens: int = 1,
                  lookahead: bool = False, red_bufs: int = 1, group: int = 1, no_math: bool = False):
         super().__init__(epilogue, RING_CONSUMER_WARPS, tokens=tokens)
-        self.no_math = no_math   # diagnostic: the stages waited for and released, their units not multiplied
         if group < 1 or (group > 1 and lookahead):
             raise ValueError("a stage group is 1 or more stages, and not with the lookahead loop")
         self.norm, self.lookahead, self.group = norm, lookahead, group
+        self.no_math = no_math   # diagnostic: the stages waited for and released, their units not multiplied
         self.stages, self.body_bytes = stages, body_bytes
         self.red_bufs = red_bufs   # > 1: the partials go to the epilogue warp through that many buffers
         self.r = ring_regions(stages, tokens, red_bufs)
@@ -331,12 +331,12 @@ class RingLayer(LayerCall):
     producer warp streaming the projections' weights, for one row (`tokens` = 1) or 1..8 (`tokens` = TOKENS); the
     arguments are decode/persistent_layer.py's PersistentLayer's (LayerCall). `stages`: the ring's depth (0: as many
     as fit beside the attention bodies' scratch); `trace`: the task trace variant (futx.engine.persistent_trace);
-    `lookahead` (tuning space): the consumers read each stage one stage ahead of its math; `group`: the consumers
-    wait for, read and multiply that many stages at a time (RingProjection._stage_group); `no_math` (diagnostic, wrong
-    outputs): the consumers take and release every stage without its arithmetic, so the layer runs at what the
-    stream, the dependencies and attention allow; `epilogue_warp` (tuning
+    `lookahead` (tuning space): the consumers read each stage one stage ahead of its math; `epilogue_warp` (tuning
     space): a tenth warp finishes every projection task from the partials the consumers hand it (through
-    RING_RED_BUFS buffers), so the consumers' projection tasks end without a CTA barrier."""
+    RING_RED_BUFS buffers), so the consumers' projection tasks end without a CTA barrier; `group` (tuning space): the
+    consumers wait for, read and multiply that many stages at a time (RingProjection._stage_group); `no_math`
+    (diagnostic, wrong outputs): the consumers take and release every stage without its arithmetic, so the layer runs
+    at what the stream, the dependencies and attention allow."""
 
     def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False,
                  epilogue_warp: bool = False, group: int = 1, no_math: bool = False):

@@ -41,6 +41,8 @@
 #   ringgrp   scripts/bench_ring_variants.py: the routed ring vs the epilogue warp, the stage groups (g2, g4, ewg2)
 #             and the no-arithmetic diagnostic (nm) ($RINGVARS) vs the shipped step at (1, 1024) and (8, 1024)
 #   traceg2   scripts/persistent_trace.py --variant g2 / ewg2 ($TRACEVARS): inside the ring layer, (1, 1024)
+#   ringsplit the 8B step at (1, 1024) and (1, 8192) on the ring layer with 4 (auto), 8 and 16 attention splits: does
+#             a shorter partial shorten attention's chain inside the layer (its fixed cost ~4.3 µs)?
 #   sanring   compute-sanitizer racecheck / synccheck of the ring (routed, ew, g2) and the tile layer
 #   ncusrc    Nsight Compute on one ring layer launch of the 8B step at (1, 1024) (the routed kernel and g2): warp
 #             state statistics and per-SASS-instruction stall samples, $OUT/ncu-ring-src*.csv
@@ -91,6 +93,8 @@ for part in "$@"; do
                --variants ${RINGVARS:-ew,g2,g4,ewg2,nm} --json $OUT/ring-groups-8b.json ;;
     traceg2) TAILN=40 step traceg2 240 bash -c "for v in ${TRACEVARS:-g2 ewg2}; do python3 scripts/persistent_trace.py \
                --variant \$v --json $OUT/ring-trace-8b-1024-\$v.json || exit 1; done" ;;
+    ringsplit) TAILN=16 step ringsplit 300 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+               --points 1x1024,1x8192 --persistent ring:auto,ring:8,ring:16 --breakdown '' --json $OUT/ring-splits-8b.json ;;
     sanring) TAILN=12 step sanring 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
                tests/test_persistent_sanitizer_gpu.py ;;
     ncusrc)  for v in "" g2; do
