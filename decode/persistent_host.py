@@ -62,18 +62,17 @@ RING_ROW_BYTES = 4 * len(FIELDS)    # one task row of the table (48 bytes: three
 ALIGN = 1024
 
 
-def ring_threads(epilogue_warp: bool = False, consumer_warps: int = RING_CONSUMER_WARPS) -> int:
-    """The ring layer's block: the consumer warps (the tuning space's `consumer_warps` 16: two groups of 8 taking
-    alternate stages), the producer warp and (the tuning space's `epilogue_warp`) a warp that finishes the projection
-    tasks from their partials."""
-    return 32 * (consumer_warps + 1 + int(epilogue_warp))
+def ring_threads(epilogue_warp: bool = False) -> int:
+    """The ring layer's block: the consumer warps, the producer warp and (the tuning space's `epilogue_warp`) a warp
+    that finishes the projection tasks from their partials."""
+    return 32 * (RING_CONSUMER_WARPS + 1 + int(epilogue_warp))
 
 
 def _per_warp(tokens: int) -> int:
     return TOKENS if tokens > 1 else 1   # token columns a warp's partials hold
 
 
-def ring_regions(stages: int, tokens: int = 1, red_bufs: int = 1, consumer_warps: int = RING_CONSUMER_WARPS) -> dict:
+def ring_regions(stages: int, tokens: int = 1, red_bufs: int = 1) -> dict:
     """Byte offsets of the ring layer's shared memory: `bars` (full[stages], empty[stages], 8 bytes each), `rows`
     (two task rows of the table, 16-byte aligned: the consumers' double buffer), `weights` [stages][8 units of 1 KB],
     `scales` [stages][8 x 32 B], `red` [warps][16] f32 (the warps' partials; multi-token [warps][16][TOKENS]),
@@ -88,16 +87,16 @@ def ring_regions(stages: int, tokens: int = 1, red_bufs: int = 1, consumer_warps
     w = RING_HEADER
     s = w + stages * RING_STAGE_UNITS * UNIT_BYTES
     red = s + stages * RING_STAGE_UNITS * UNIT_SCALE_BYTES
-    ss = red + red_bufs * ring_red_bytes(tokens, consumer_warps)
-    red_ss = ss + consumer_warps * per * 4
-    body = -(-(red_ss + (red_bufs * consumer_warps * per * 4 if red_bufs > 1 else 0)) // ALIGN) * ALIGN
+    ss = red + red_bufs * ring_red_bytes(tokens)
+    red_ss = ss + RING_CONSUMER_WARPS * per * 4
+    body = -(-(red_ss + (red_bufs * RING_CONSUMER_WARPS * per * 4 if red_bufs > 1 else 0)) // ALIGN) * ALIGN
     return {"bars": 0, "rows": 16 * stages, "red_bars": red_bars, "weights": w, "scales": s, "red": red, "ss": ss,
             "red_ss": red_ss, "body": body}
 
 
-def ring_red_bytes(tokens: int = 1, consumer_warps: int = RING_CONSUMER_WARPS) -> int:
+def ring_red_bytes(tokens: int = 1) -> int:
     """One task's partials: [warps][16 channels][token columns] float32."""
-    return consumer_warps * 16 * _per_warp(tokens) * 4
+    return RING_CONSUMER_WARPS * 16 * _per_warp(tokens) * 4
 
 
 def ring_chunk_stages(body_bytes, rows, tokens: int = 1):
@@ -150,46 +149,29 @@ RING_UNIT_X_BYTES = 128 * 2              # one unit's activations of one row (12
 RING_PIECES = RING_UNIT_X_BYTES // RING_PIECE
 
 
-def ring_group_first(warp, first, groups: int = 1):
-    """The tuning space's 16 consumer warps: two groups of 8 (warp w is unit w % 8 of group w // 8), group g taking
-    the ring's stages g, g + 2, ... (and a ring of an even number of slots, so each slot serves one group, whose
-    waits are then never more than one phase off). A chunk whose first stage is group `first`'s: the warp's first
-    stage in it (0 with one group)."""
-    return (warp // RING_STAGE_UNITS - first + groups) % groups
-
-
-def ring_piece_offset(c, warp, groups: int = 1, first=0):
+def ring_piece_offset(c, warp):
     """Where a warp's c-th 16-byte piece of a chunk's activations sits, in bytes from the chunk's start (in the row
     as in shared memory): piece c % RING_PIECES of the warp's unit c // RING_PIECES of the chunk, which is unit
     (c // RING_PIECES) * RING_STAGE_UNITS + warp, the unit the warp multiplies at the chunk's stage c // RING_PIECES.
-    `groups` > 1: the warp's unit of every groups-th stage from its first (ring_group_first). +, * , // and % only:
-    the kernel evaluates it on its values."""
-    stage = (c // RING_PIECES) * groups + ring_group_first(warp, first, groups)
-    return (stage * RING_STAGE_UNITS + warp % RING_STAGE_UNITS) * RING_UNIT_X_BYTES + (c % RING_PIECES) * RING_PIECE
+    +, * , // and % only: the kernel evaluates it on its values."""
+    return ((c // RING_PIECES) * RING_STAGE_UNITS + warp) * RING_UNIT_X_BYTES + (c % RING_PIECES) * RING_PIECE
 
 
-def ring_own_stages(n, warp, groups: int = 1, first=0):
-    """How many of a chunk's n stages the warp multiplies (all with one group)."""
-    return (n - ring_group_first(warp, first, groups) + groups - 1) // groups
-
-
-def ring_stages(body_bytes: int, smem: int, tokens: int = 1, red_bufs: int = 1,
-                consumer_warps: int = RING_CONSUMER_WARPS) -> int:
+def ring_stages(body_bytes: int, smem: int, tokens: int = 1, red_bufs: int = 1) -> int:
     """The most stages (<= RING_MAX_STAGES) that fit `smem` bytes beside a body of `body_bytes` (0: not even 2)."""
     best = 0
     for stages in range(2, RING_MAX_STAGES + 1):
-        if ring_regions(stages, tokens, red_bufs, consumer_warps)["body"] + body_bytes <= smem:
+        if ring_regions(stages, tokens, red_bufs)["body"] + body_bytes <= smem:
             best = stages
     return best
 
 
-def ring_kernel_stages(attention_bytes: int, tokens: int = 1, red_bufs: int = 1,
-                       consumer_warps: int = RING_CONSUMER_WARPS) -> int:
+def ring_kernel_stages(attention_bytes: int, tokens: int = 1, red_bufs: int = 1) -> int:
     """The stages a ring kernel is compiled with (decode/persistent_ring.py; the host's checks use the same): as many
     as fit beside the attention scratch, which is the body."""
     from futx.hardware import SMEM_PER_CTA
 
-    return ring_stages(attention_bytes, SMEM_PER_CTA, tokens, red_bufs, consumer_warps)
+    return ring_stages(attention_bytes, SMEM_PER_CTA, tokens, red_bufs)
 
 
 def ring_k_misfit(ks) -> "str | None":

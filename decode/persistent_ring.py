@@ -50,10 +50,12 @@ from decode.persistent_layer import ATTN, PROJ, LayerCall
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_RED_BUFS, RING_ROW_BYTES,
                                     RING_STAGE_BYTES, RING_STAGE_K, RING_STAGE_SCALE_BYTES, RING_STAGE_UNITS,
                                     TRACE_FIELDS, layer_plan, ring_chunk_stages, ring_kernel_stages, ring_lane_at,
-                                    ring_own_stages, ring_piece_offset, ring_red_bytes, ring_regions, ring_row_stride,
-                                    ring_scales_at, ring_threads, ring_unit_scales_at, ring_weights_at)
+                                    ring_piece_offset, ring_red_bytes, ring_regions, ring_row_stride, ring_scales_at,
+                                    ring_threads, ring_unit_scales_at, ring_weights_at)
 
-CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of a stage's consumers (its empty barrier), and of attention
+CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
+PRODUCER_WARP = RING_CONSUMER_WARPS
+EPILOGUE_WARP = RING_CONSUMER_WARPS + 1   # the epilogue-warp variant's
 STAGE_W = RING_STAGE_BYTES          # a stage's weights
 STAGE_S = RING_STAGE_SCALE_BYTES    # its scales
 F = loop.F
@@ -82,15 +84,10 @@ def _next_slot(slot, phase, stages: int):
 
 
 class ConsumerAttention(DecodeAttention):
-    """decode/attention.py's bodies on the consumer warps (the first 8): their CTA barriers leave the producer warp
-    out (and, with 16 consumer warps, the 8 that do not run attention: a barrier of their own)."""
-
-    def __init__(self, plan: AttnPlan, barrier: ptx.Barrier = ptx.Barrier.PERSISTENT_CONSUMERS):
-        super().__init__(plan)
-        self.barrier = barrier
+    """decode/attention.py's bodies on the consumer warps: their CTA barriers leave the producer warp out."""
 
     def _sync(self) -> None:
-        ptx.bar_sync(self.barrier, CONSUMERS)
+        loop.cta_sync(CONSUMERS)
 
 
 class RingProjection(GemvTile):
@@ -98,21 +95,15 @@ class RingProjection(GemvTile):
     its partials' sum, RMSNorm factor and epilogues)."""
 
     def __init__(self, epilogue: str, norm: bool, stages: int, body_bytes: int, tokens: int = 1,
-                 lookahead: bool = False, red_bufs: int = 1, group: int = 1, no_math: bool = False,
-                 consumer_warps: int = RING_CONSUMER_WARPS):
-        super().__init__(epilogue, consumer_warps, tokens=tokens)
+                 lookahead: bool = False, red_bufs: int = 1, group: int = 1, no_math: bool = False):
+        super().__init__(epilogue, RING_CONSUMER_WARPS, tokens=tokens)
         if group < 1 or (group > 1 and lookahead):
             raise ValueError("a stage group is 1 or more stages, and not with the lookahead loop")
-        # 16 consumer warps: two groups of 8 take alternate stages (warp w is unit w % 8 of group w // 8)
-        self.groups = consumer_warps // RING_CONSUMER_WARPS
-        if consumer_warps % RING_CONSUMER_WARPS or (self.groups > 1 and (lookahead or group > 1 or red_bufs > 1)):
-            raise ValueError("16 consumer warps: the one-stage loop, no epilogue warp")
-        self.consumers = consumer_warps * WARP
         self.norm, self.lookahead, self.group = norm, lookahead, group
         self.no_math = no_math   # diagnostic: the stages waited for and released, their units not multiplied
         self.stages, self.body_bytes = stages, body_bytes
         self.red_bufs = red_bufs   # > 1: the partials go to the epilogue warp through that many buffers
-        self.r = ring_regions(stages, tokens, red_bufs, consumer_warps)
+        self.r = ring_regions(stages, tokens, red_bufs)
 
     def _xs_lane(self, xs, lane, m, row_stride, mn=cutlass.min):
         """The lane's ldmatrix row address of the first block of a chunk's staged rows (`mn`: min on the values
@@ -124,18 +115,17 @@ class RingProjection(GemvTile):
         return xs + fmt.x_lane_offset(lane, 0)   # M = 1: every B column holds the row
 
     @cute.jit
-    def _stage_chunk(self, x: cute.Tensor, xs, ss_out, st0, st1, warp, lane, row_stride, first, lead=0):
+    def _stage_chunk(self, x: cute.Tensor, xs, ss_out, st0, st1, warp, lane, row_stride, first):
         """This warp's units of stages [st0, st1) of the row(s) (units w, w + 8, ...: the ones it multiplies) ->
         shared memory (stage st0's at the body's start, row r at r * row_stride), where only it reads them; `norm`:
-        their sums of squares per row into ss_out[warp][row] (`first`: set, else added: a task's later chunks).
-        `lead`: with two groups of consumer warps, the group whose stage st0 is."""
+        their sums of squares per row into ss_out[warp][row] (`first`: set, else added: a task's later chunks)."""
         x_base = x.iterator.toint()
         k = x.shape[1]
         per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
-        n = ring_own_stages(st1 - st0, warp, self.groups, lead) * RING_PIECES
+        n = (st1 - st0) * RING_PIECES
         for row in cutlass.range(x.shape[0], unroll=1):
             for c in cutlass.range(lane, n, WARP, unroll=1):
-                off = ring_piece_offset(c, warp, self.groups, lead)
+                off = ring_piece_offset(c, warp)
                 src = x_base + Int64(row) * (k * 2) + Int64(st0) * (RING_STAGE_K * 2) + Int64(off)
                 ptx.cp_async_16(xs + row * row_stride + off, src)
         cute.arch.cp_async_commit_group()
@@ -145,8 +135,7 @@ class RingProjection(GemvTile):
             for row in cutlass.range(x.shape[0], unroll=1):
                 ss = Float32(0.0)
                 for c in cutlass.range(lane, n, WARP, unroll=1):
-                    ss = self._add_squares(ss, ptx.lds_v4(xs + row * row_stride
-                                                          + ring_piece_offset(c, warp, self.groups, lead)))
+                    ss = self._add_squares(ss, ptx.lds_v4(xs + row * row_stride + ring_piece_offset(c, warp)))
                 if not first:
                     if lane == 0:   # the earlier chunks' sum, which lane 0 stored
                         ss = ss + ptx.lds_f32(ss_out + (warp * per + row) * 4)
@@ -154,10 +143,10 @@ class RingProjection(GemvTile):
 
     def _stage_math(self, acc, cur, st_in_chunk, warp, xs_lane, consts):
         """acc += the warp's unit of a stage (its registers `cur`) times its activations: the unit is
-        st_in_chunk x 8 + warp % 8 units into the staged chunk (ring_piece_offset's place)."""
+        st_in_chunk x 8 + warp units into the staged chunk (ring_piece_offset's place)."""
         if cutlass.const_expr(self.no_math):
             return acc
-        u = st_in_chunk * RING_STAGE_UNITS + warp % RING_STAGE_UNITS
+        u = st_in_chunk * RING_STAGE_UNITS + warp
         b_ops = [[self._x_frags(xs_lane, u * self.bpu + b)] for b in range(self.bpu)]
         (acc,) = stream.mma_unit(self.fmt, self.bpu, cur, b_ops, [acc], Int32(1), consts)
         return acc
@@ -232,23 +221,16 @@ class RingProjection(GemvTile):
 
         xs_lane = self._xs_lane(xs, lane, m, row_stride)
         consts = fmt.consts()
-        w_lane = base + self.r["weights"] + ring_lane_at(warp % RING_STAGE_UNITS, lane)
-        s_warp = base + self.r["scales"] + ring_unit_scales_at(warp % RING_STAGE_UNITS)
+        w_lane = base + self.r["weights"] + ring_lane_at(warp, lane)
+        s_warp = base + self.r["scales"] + ring_unit_scales_at(warp)
         acc = (Float32(0.0),) * 4
         slot = i0 % self.stages          # the ring's stage i0 + st: slot and phase stepped along, not divided out
         phase = (i0 // self.stages) % 2
         for ch in cutlass.range(n_chunks, unroll=1):
             st0 = ch * chunk
             st1 = cutlass.min(n_st, st0 + chunk)
-            if cutlass.const_expr(self.groups > 1):
-                # two groups: which warp multiplies a staged unit follows the ring stage's parity, so the rows a
-                # previous task of the kind staged are this one's only if that task took an even number of stages
-                lead = (i0 + st0) % self.groups
-                if (n_chunks > 1) | (not staged) | (n_st % self.groups != 0):
-                    self._stage_chunk(x, xs, base + self.r["ss"], st0, st1, warp, lane, row_stride, ch == 0, lead)
-            else:
-                if (n_chunks > 1) | (not staged):   # the warp's own units: it alone reads them
-                    self._stage_chunk(x, xs, base + self.r["ss"], st0, st1, warp, lane, row_stride, ch == 0)
+            if (n_chunks > 1) | (not staged):   # the warp's own units: it alone reads them
+                self._stage_chunk(x, xs, base + self.r["ss"], st0, st1, warp, lane, row_stride, ch == 0)
             if cutlass.const_expr(self.lookahead):
                 acc, slot, phase = self._stages_ahead(acc, st0, st1, slot, phase, bars, w_lane, s_warp, xs_lane,
                                                       warp, lane, consts)
@@ -261,19 +243,11 @@ class RingProjection(GemvTile):
                                                              xs_lane, warp, lane, consts)
                     tail = st0 + groups * self.group   # a chunk's last stages short of a group: one at a time
                 for st in cutlass.range(tail, st1, unroll=1):
-                    if cutlass.const_expr(self.groups > 1):   # the stages (slots: an even ring) of this warp's group
-                        if slot % self.groups == warp // RING_STAGE_UNITS:
-                            cute.arch.mbarrier_wait(bars + slot, phase)
-                            cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
-                            cute.arch.mbarrier_arrive(bars + self.stages + slot)
-                            acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
-                        slot, phase = _next_slot(slot, phase, self.stages)
-                    else:
-                        cute.arch.mbarrier_wait(bars + slot, phase)
-                        cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
-                        cute.arch.mbarrier_arrive(bars + self.stages + slot)   # this thread's reads of it issued
-                        slot, phase = _next_slot(slot, phase, self.stages)
-                        acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
+                    cute.arch.mbarrier_wait(bars + slot, phase)
+                    cur = self._ring_read(w_lane + slot * STAGE_W, s_warp + slot * STAGE_S, g)
+                    cute.arch.mbarrier_arrive(bars + self.stages + slot)   # this thread's reads of it issued
+                    slot, phase = _next_slot(slot, phase, self.stages)
+                    acc = self._stage_math(acc, cur, st - st0, warp, xs_lane, consts)
             cute.arch.sync_warp()   # the warp's reads of this chunk done before it stages the next over it
 
         if cutlass.const_expr(self.red_bufs > 1):
@@ -283,10 +257,10 @@ class RingProjection(GemvTile):
         self._store_partials(red, acc, warp, lane)
         if cutlass.const_expr(self.tokens > 1):
             # the tile GEMV's multi-token epilogue (threads take the (token, column) pairs, per-row norm factors)
-            loop.cta_sync(self.consumers)
+            loop.cta_sync(CONSUMERS)
             self._epilogue_rows(tid, nb, red, base + self.r["ss"], r, y, m, k, eps)
             return i0 + n_st
-        loop.cta_sync(self.consumers)
+        loop.cta_sync(CONSUMERS)
         if tid < cols:   # output column tid of the n-block
             sums = tuple(self._row_sum(red, row) for row in self.epi.rows(tid))
             if cutlass.const_expr(self.norm):
@@ -317,7 +291,7 @@ class RingProjection(GemvTile):
         per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
         rb = bars + self.r["red_bars"] // 8
         return (base + self.r["red"] + b * ring_red_bytes(self.tokens),
-                base + self.r["red_ss"] + b * (self.warps * per * 4),
+                base + self.r["red_ss"] + b * (RING_CONSUMER_WARPS * per * 4),
                 rb + b, rb + self.red_bufs + b, (seq // self.red_bufs) % 2)
 
     @cute.jit
@@ -362,38 +336,27 @@ class RingLayer(LayerCall):
     RING_RED_BUFS buffers), so the consumers' projection tasks end without a CTA barrier; `group` (tuning space): the
     consumers wait for, read and multiply that many stages at a time (RingProjection._stage_group); `no_math`
     (diagnostic, wrong outputs): the consumers take and release every stage without its arithmetic, so the layer runs
-    at what the stream, the dependencies and attention allow; `consumer_warps` (tuning space): 16, two groups of 8
-    taking alternate stages (four warps per scheduler to hide the units' latencies), attention on the first 8."""
+    at what the stream, the dependencies and attention allow."""
 
     def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False,
-                 epilogue_warp: bool = False, group: int = 1, no_math: bool = False,
-                 consumer_warps: int = RING_CONSUMER_WARPS):
+                 epilogue_warp: bool = False, group: int = 1, no_math: bool = False):
         if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
             raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
                              "byte table and use the consumer warps")
-        if consumer_warps not in (RING_CONSUMER_WARPS, 2 * RING_CONSUMER_WARPS):
-            raise ValueError(f"the ring layer takes {RING_CONSUMER_WARPS} or {2 * RING_CONSUMER_WARPS} consumer warps")
-        self.consumer_warps, self.consumers = consumer_warps, consumer_warps * WARP
-        # with 16 consumer warps attention's barriers leave out the 8 that skip it
-        self.att = ConsumerAttention(plan, ptx.Barrier.PERSISTENT_CONSUMERS if consumer_warps == RING_CONSUMER_WARPS
-                                     else ptx.Barrier.PERSISTENT_ATTENTION)
+        self.att = ConsumerAttention(plan)
         self.trace = trace
         # the ring beside the body: the attention scratch, where a projection stages its input in chunks
         self.body = plan.smem_bytes
         self.red_bufs = RING_RED_BUFS if epilogue_warp else 1
-        self.stages = stages or ring_kernel_stages(self.body, tokens, self.red_bufs, consumer_warps)
-        if consumer_warps > RING_CONSUMER_WARPS:   # an even ring: each slot serves one group (ring_group_first)
-            self.stages -= self.stages % 2 if not stages else 0
-            if self.stages % 2:
-                raise ValueError(f"16 consumer warps take an even ring, not {self.stages} stages")
+        self.stages = stages or ring_kernel_stages(self.body, tokens, self.red_bufs)
         self.tokens, self.epilogue_warp = tokens, epilogue_warp
-        self.r = ring_regions(self.stages, tokens, self.red_bufs, consumer_warps)
+        self.r = ring_regions(self.stages, tokens, self.red_bufs)
         if ring_chunk_stages(self.body, TOKENS if tokens > 1 else 1, tokens) < 1:
             raise ValueError("the body cannot hold one stage of every row")
         if group > self.stages:
             raise ValueError(f"a group of {group} stages needs a ring of as many, not {self.stages}")
         proj = dict(stages=self.stages, body_bytes=self.body, tokens=tokens, lookahead=lookahead,
-                    red_bufs=self.red_bufs, group=group, no_math=no_math, consumer_warps=consumer_warps)
+                    red_bufs=self.red_bufs, group=group, no_math=no_math)
         self.qkv = RingProjection("store", True, **proj)
         self.o = RingProjection("residual", False, **proj)
         self.gate_up = RingProjection("swiglu", True, **proj)
@@ -406,7 +369,7 @@ class RingLayer(LayerCall):
             raise ValueError("a traced ring layer takes the trace buffer, an untraced one None")
         self.kernel(table, starts, layer, counters, h, w_qkv, s_qkv, qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act, w_d,
                     s_d, t, eps, scale_log2, trace).launch(
-            grid=(table.shape[0], 1, 1), block=(ring_threads(self.epilogue_warp, self.consumer_warps), 1, 1),
+            grid=(table.shape[0], 1, 1), block=(ring_threads(self.epilogue_warp), 1, 1),
             smem=self.r["body"] + self.body, stream=stream, use_pdl=True)
 
     @cute.kernel
@@ -434,11 +397,11 @@ class RingLayer(LayerCall):
                     cute.arch.mbarrier_init(rb + self.red_bufs + s, WARP)          # empty: the epilogue warp
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()   # the only barrier of the whole block: the mbarriers are ready
-        if warp == self.consumer_warps:   # the producer
+        if warp == PRODUCER_WARP:
             if tidx % WARP == 0:
                 self._produce(table, starts, layer, cta, h, w_qkv, s_qkv, attn, w_o, s_o, hmid, w_gu, s_gu, act,
                               w_d, s_d, base, bars, trace)
-        elif warp == self.consumer_warps + 1:   # the epilogue warp
+        elif warp == EPILOGUE_WARP:
             if cutlass.const_expr(self.epilogue_warp):
                 self._epilogues(table, starts, layer, cta, tidx % WARP, counters, h, qkv, attn, hmid, act, eps, base,
                                 bars, trace)
@@ -509,7 +472,7 @@ class RingLayer(LayerCall):
         j0 = starts[cta, layer]
         self._copy_row(table, cta, j0, rows_at, tidx)
         cute.arch.cp_async_wait_group(0)
-        loop.cta_sync(self.consumers)
+        loop.cta_sync(CONSUMERS)
         for j in cutlass.range(j0, end, unroll=1):
             cur = rows_at + (j % 2) * RING_ROW_BYTES
             nxt_row = rows_at + ((j + 1) % 2) * RING_ROW_BYTES
@@ -523,20 +486,12 @@ class RingLayer(LayerCall):
             # same wait (one counter and target per kind and layer: futx.engine.persistent.check_ring_waits)
             again = staged == kind
             if not again:
-                loop.wait(counters, wait0, target0, tidx, self.consumers)
+                loop.wait(counters, wait0, target0, tidx, CONSUMERS)
             _stamp(trace, cta, j, TRACE["ready"], tidx)
             if kind == ATTN["attn_partial"]:   # (row, KV head, split)
-                if cutlass.const_expr(self.consumer_warps == RING_CONSUMER_WARPS):
-                    self.att.partial(t, scale_log2, a2, a1, a0, nsplit, body, tidx, False)
-                else:
-                    if tidx < CONSUMERS:   # 16 consumer warps: the first 8 run attention, the rest skip it
-                        self.att.partial(t, scale_log2, a2, a1, a0, nsplit, body, tidx, False)
+                self.att.partial(t, scale_log2, a2, a1, a0, nsplit, body, tidx, False)
             elif kind == ATTN["attn_combine"]:   # (row, KV head)
-                if cutlass.const_expr(self.consumer_warps == RING_CONSUMER_WARPS):
-                    self.att.combine(t, a1, a0, nsplit, tidx)
-                else:
-                    if tidx < CONSUMERS:
-                        self.att.combine(t, a1, a0, nsplit, tidx)
+                self.att.combine(t, a1, a0, nsplit, tidx)
             elif kind == PROJ["qkv"]:
                 i = self.qkv.task(h, None, qkv, eps, nb, base, bars, i, tidx, again)
             elif kind == PROJ["o"]:
@@ -551,7 +506,7 @@ class RingLayer(LayerCall):
             # this row's last reads before the barrier: after it, the next task's copy may overwrite this buffer
             sig0, sig1 = ptx.lds_i32(cur + F["signal0"] * 4), ptx.lds_i32(cur + F["signal1"] * 4)
             cute.arch.cp_async_wait_group(0)   # the next row landed (copied by this thread, if any)
-            loop.cta_sync(self.consumers)   # the task's writes and shared-memory reads done by every consumer
+            loop.cta_sync(CONSUMERS)   # the task's writes and shared-memory reads done by every consumer
             _stamp(trace, cta, j, TRACE["end"], tidx)
             # one release per run of tasks signalling the same counters: a waiter's target is all of a counter's
             # producers in the layer, so holding a task's count until the run's last task delays no waiter, and
@@ -587,9 +542,9 @@ class RingLayer(LayerCall):
             _stamp(trace, cta, j, TRACE["start"], tidx)
             is_proj = _is_projection(kind)
             if not is_proj:
-                loop.cta_sync(self.consumers)   # every warp done reading the staged rows before attention's scratch
+                loop.cta_sync(CONSUMERS)   # every warp done reading the staged rows before attention's scratch
             if staged != kind:
-                loop.wait(counters, table[cta, j, F["wait0"]], table[cta, j, F["target0"]], tidx, self.consumers)
+                loop.wait(counters, table[cta, j, F["wait0"]], table[cta, j, F["target0"]], tidx, CONSUMERS)
             _stamp(trace, cta, j, TRACE["ready"], tidx)
             again = staged == kind
             if kind == ATTN["attn_partial"]:   # (row, KV head, split)
@@ -606,7 +561,7 @@ class RingLayer(LayerCall):
             elif kind == PROJ["down"]:
                 i, seq = self.down.task(act, hmid, h, eps, nb, base, bars, i, tidx, again, seq)
             if not is_proj:
-                loop.cta_sync(self.consumers)   # attention's writes and scratch reads done by every consumer
+                loop.cta_sync(CONSUMERS)   # attention's writes and scratch reads done by every consumer
                 _stamp(trace, cta, j, TRACE["end"], tidx)
                 loop.signal(counters, table[cta, j, F["signal0"]], tidx)
                 loop.signal(counters, table[cta, j, F["signal1"]], tidx)
@@ -646,14 +601,12 @@ class RingLayer(LayerCall):
 
 
 def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False, tokens: int = 1,
-                   lookahead: bool = False, epilogue_warp: bool = False, group: int = 1, no_math: bool = False,
-                   consumer_warps: int = RING_CONSUMER_WARPS):
+                   lookahead: bool = False, epilogue_warp: bool = False, group: int = 1, no_math: bool = False):
     """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
     arguments) of the ring layer for one cache format and head dim, one row (`tokens` = 1) or 1..8 (`tokens` = 8: the
     multi-token MMA columns, rows as the shared memory fits); the arguments are the persistent layer's, with `trace`
     the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None; `stages`, `lookahead`, `group` and
-    `epilogue_warp`, `consumer_warps`: the tuning space's variants (scripts/tuning_space.py); `no_math`: its
-    diagnostic one."""
+    `epilogue_warp`: the tuning space's variants (scripts/tuning_space.py); `no_math`: its diagnostic one."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from decode import persistent_layer
@@ -664,4 +617,4 @@ def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, tr
         buf = make_fake_compact_tensor(Int64, (c, r, len(TRACE_FIELDS)), stride_order=(2, 1, 0), assumed_align=8)
         args = (*args[:-2], buf, args[-1])
     return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens, lookahead, epilogue_warp, group,
-                     no_math, consumer_warps), args
+                     no_math), args

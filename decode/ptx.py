@@ -24,7 +24,6 @@ class Barrier(IntEnum):
     GEMV_ROUND = 1  # decode/gemv.py: the warps of a round meet before its epilogue
     WS_CONSUMERS = 2  # decode/skinny_ws.py: the consumer warpgroups' split-K exchange (the producer has left)
     PERSISTENT_CONSUMERS = 3  # decode/persistent_ring.py: the consumer warps (the producer warp runs ahead)
-    PERSISTENT_ATTENTION = 4  # decode/persistent_ring.py, 16 consumer warps: the 8 that run attention
 
 
 def _struct(n: int, ty: str = "i32") -> ir.Type:

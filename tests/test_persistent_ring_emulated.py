@@ -5,8 +5,7 @@ ring_row_stride, ring_chunk_stages), and the consumer warps' own reads of both (
 kernel's lane offsets ring_lane_at / ring_unit_scales_at, and the tile GEMV's `_ring_read` and `_x_frags` run on
 numpy lanes) must give x @ dequant(W)^T to float64 rounding: one row and several, inputs of one chunk and of
 several, and a ring that wraps inside a task. Shared memory starts poisoned (NaN), so a read of a byte nobody
-wrote shows; and every warp reads only activations it staged itself (the kernel has no barrier between a warp's
-staging and its reads), with 8 consumer warps or the tuning space's 16 in two groups taking alternate stages."""
+wrote shows."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ pytest.importorskip("cutlass")
 from decode import gemv_tile  # noqa: E402
 from decode.persistent_host import (RING_PIECE, RING_PIECES, RING_STAGE_BYTES, RING_STAGE_K,  # noqa: E402
                                     RING_STAGE_SCALE_BYTES, RING_STAGE_UNITS, ring_chunk_stages, ring_lane_at,
-                                    ring_own_stages, ring_piece_offset, ring_regions, ring_row_stride,
-                                    ring_scales_at, ring_unit_scales_at, ring_weights_at)
+                                    ring_piece_offset, ring_regions, ring_row_stride, ring_scales_at,
+                                    ring_unit_scales_at, ring_weights_at)
 from decode.persistent_ring import RingProjection  # noqa: E402
 from futx.quant import int4  # noqa: E402
 from lane_emulator import LANES, OPS, ld16, ldsm_x4, mma  # noqa: E402,I001
@@ -31,8 +30,8 @@ POISON = 0xFF   # bf16 0xFFFF and float16 0xFFFF are NaN
 class SharedLoads:
     """decode.ptx's shared-memory loads, on one CTA's shared memory as a byte array (addresses: one per lane)."""
 
-    def __init__(self, smem: np.ndarray, owner: np.ndarray):
-        self.smem, self.owner, self.reader = smem, owner, None
+    def __init__(self, smem: np.ndarray):
+        self.smem = smem
 
     def lds_v4(self, addr):
         return ld16(self.smem, addr)
@@ -41,23 +40,17 @@ class SharedLoads:
         return np.array([self.smem[a:a + 2].view(np.float16)[0] for a in np.asarray(addr)], dtype=np.float64)
 
     def ldsm_x4(self, addr):
-        for a in np.asarray(addr):   # the activations: staged by the warp that reads them
-            assert (self.owner[a:a + 16] == self.reader).all(), f"warp {self.reader} reads bytes it did not stage"
         return ldsm_x4(self.smem, addr)
 
 
-def ring_tasks(x: torch.Tensor, q, nbs, stages: int, body_bytes: int, tokens: int, monkeypatch,
-               consumer_warps: int = RING_STAGE_UNITS) -> np.ndarray:
+def ring_tasks(x: torch.Tensor, q, nbs, stages: int, body_bytes: int, tokens: int, monkeypatch) -> np.ndarray:
     """y [M, 16 * len(nbs)] of one CTA's consecutive projection tasks on n-blocks `nbs` (the ring's stages counted
     across them, as both sides of the kernel count them)."""
     m, k = x.shape
-    proj = RingProjection("store", False, stages, body_bytes, tokens, consumer_warps=consumer_warps)
-    groups = proj.groups
-    r = ring_regions(stages, tokens, consumer_warps=consumer_warps)
+    proj = RingProjection("store", False, stages, body_bytes, tokens)
+    r = ring_regions(stages, tokens)
     smem = np.full(r["body"] + body_bytes, POISON, dtype=np.uint8)
-    owner = np.full(smem.shape, -1)
-    loads = SharedLoads(smem, owner)
-    monkeypatch.setattr(gemv_tile, "ptx", loads)
+    monkeypatch.setattr(gemv_tile, "ptx", SharedLoads(smem))
     w_bytes = q.packed.numpy().view(np.uint8).reshape(-1)
     s_bytes = q.scales.numpy().view(np.uint8).reshape(-1)
     x_bytes = x.view(torch.int16).numpy().view(np.uint8).reshape(-1)
@@ -73,28 +66,22 @@ def ring_tasks(x: torch.Tensor, q, nbs, stages: int, body_bytes: int, tokens: in
         for st0 in range(0, n_st, chunk):
             st1 = min(n_st, st0 + chunk)
             smem[xs:] = POISON
-            owner[xs:] = -1
-            lead = (i + st0) % groups   # two groups: the group of the chunk's first ring stage
-            for warp in range(consumer_warps):   # each warp stages the pieces of the units it multiplies
+            for warp in range(RING_STAGE_UNITS):   # each warp stages the pieces of the units it multiplies
                 for row in range(m):
-                    for c in range(ring_own_stages(st1 - st0, warp, groups, lead) * RING_PIECES):
-                        off = ring_piece_offset(c, warp, groups, lead)
+                    for c in range((st1 - st0) * RING_PIECES):
+                        off = ring_piece_offset(c, warp)
                         src = row * k * 2 + st0 * RING_STAGE_K * 2 + off
-                        at = xs + row * row_stride + off
-                        assert (owner[at:at + RING_PIECE] == -1).all(), "two warps stage one piece"
-                        smem[at:][:RING_PIECE] = x_bytes[src:src + RING_PIECE]
-                        owner[at:at + RING_PIECE] = warp
+                        smem[xs + row * row_stride + off:][:RING_PIECE] = x_bytes[src:src + RING_PIECE]
             for st in range(st0, st1):
                 slot = (i + st) % stages
                 w_at, s_at = r["weights"] + slot * RING_STAGE_BYTES, r["scales"] + slot * RING_STAGE_SCALE_BYTES
                 smem[w_at:w_at + RING_STAGE_BYTES] = w_bytes[ring_weights_at(nb, k, st):][:RING_STAGE_BYTES]
                 smem[s_at:s_at + RING_STAGE_SCALE_BYTES] = s_bytes[ring_scales_at(nb, k, st):][:RING_STAGE_SCALE_BYTES]
-                for unit in range(RING_STAGE_UNITS):   # the slot's group (an even ring): warp unit + 8 x its group
-                    loads.reader = slot % groups * RING_STAGE_UNITS + unit
-                    cur = proj._ring_read(w_at + ring_lane_at(unit, LANES), s_at + ring_unit_scales_at(unit),
+                for warp in range(RING_STAGE_UNITS):
+                    cur = proj._ring_read(w_at + ring_lane_at(warp, LANES), s_at + ring_unit_scales_at(warp),
                                           LANES // 4)
                     xs_lane = proj._xs_lane(xs, LANES, m, row_stride, mn=np.minimum)
-                    u = (st - st0) * RING_STAGE_UNITS + unit
+                    u = (st - st0) * RING_STAGE_UNITS + warp
                     part = np.zeros((16, 8))
                     for b in range(proj.bpu):
                         a_ops = fmt.a_operands(cur[4 * b:4 * b + 4], consts, OPS)
@@ -107,17 +94,14 @@ def ring_tasks(x: torch.Tensor, q, nbs, stages: int, body_bytes: int, tokens: in
     return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize("consumer_warps", [8, 16])
 @pytest.mark.parametrize("k,m,tokens,chunk,stages,nbs", [
     (2048, 1, 1, 0, 3, (0, 2, 1)),     # one row, one chunk; 2 stages per task on 3 slots: the ring wraps mid-task
-    (3072, 1, 1, 0, 4, (1, 0)),        # one row, 3 stages per task: the second task's first stage the other group's
     (1024, 8, 8, 0, 2, (1, 0)),        # eight rows
     (3072, 3, 8, 2, 4, (2, 0)),        # three rows staged in chunks of 2 and 1 stages
     (4096, 5, 8, 1, 3, (1,)),          # five rows, one stage per chunk
-    (5120, 2, 8, 3, 3, (0, 1)),        # chunks of 3 and 2 stages: a chunk's first stage either group's
 ])
 def test_ring_projection_reads_what_the_producer_and_the_staging_wrote(k, m, tokens, chunk, stages, nbs, seeded,
-                                                                       monkeypatch, consumer_warps):
+                                                                       monkeypatch):
     n = 48
     w = torch.randn(n, k, generator=seeded)
     x = torch.randn(m, k, generator=seeded).to(torch.bfloat16)
@@ -125,8 +109,7 @@ def test_ring_projection_reads_what_the_producer_and_the_staging_wrote(k, m, tok
     # a body of `chunk` stages of m rows (0: the whole input at once)
     per = (chunk or k // RING_STAGE_K) * RING_STAGE_K * 2
     body = m * per + (m * 16 if tokens > 1 else 0)
-    stages += stages % 2 if consumer_warps > RING_STAGE_UNITS else 0   # two groups: an even ring
-    got = ring_tasks(x, q, nbs, stages, body, tokens, monkeypatch, consumer_warps)
+    got = ring_tasks(x, q, nbs, stages, body, tokens, monkeypatch)
     ref = (x.double() @ q.dequantize(torch.float64).T).numpy()
     want = np.concatenate([ref[:, nb * 16:(nb + 1) * 16] for nb in nbs], axis=1)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

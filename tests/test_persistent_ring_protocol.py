@@ -7,8 +7,7 @@ task, in the routed order or `lookahead` (the next stage read before this one's 
 the current one re-read). PTX's semantics: a barrier completes a phase when its pending arrivals and transaction
 bytes reach zero; a wait on parity P passes once the phase of parity P has completed (on a fresh barrier, P = 1
 passes at once). Over random interleavings and copy delays: every read finds the stage it expects (no slot refilled
-under a reader, none read before its copy landed) and nothing deadlocks. The tuning space's 16 consumer warps: two
-groups of 8, each slot (an even ring) serving one group, which takes its stages and skips the other's."""
+under a reader, none read before its copy landed) and nothing deadlocks."""
 
 from __future__ import annotations
 
@@ -41,12 +40,9 @@ class MBarrier:
         self._maybe_complete()
 
 
-def run_ring(tasks, stages: int, lookahead: bool, seed: int, release_first: bool = False, groups: int = 1,
-             by_stage: bool = False) -> None:
-    """tasks: per task its chunks' stage counts (e.g. [[2], [7, 7]]); every warp takes every stage (`groups` 2: the
-    stages of its group's slots). `release_first` (a broken consumer, to show the model catches it): the routed order
-    with the arrive before the read; `by_stage` (broken too): two groups taking alternate stages, not slots, which
-    on an odd ring share a slot and wait on each other's phases."""
+def run_ring(tasks, stages: int, lookahead: bool, seed: int, release_first: bool = False) -> None:
+    """tasks: per task its chunks' stage counts (e.g. [[2], [7, 7]]); every warp takes every stage. `release_first`
+    (a broken consumer, to show the model catches it): the routed order with the arrive before the read."""
     rng = random.Random(seed)
     full = [MBarrier(1) for _ in range(stages)]
     empty = [MBarrier(WARPS) for _ in range(stages)]
@@ -69,16 +65,13 @@ def run_ring(tasks, stages: int, lookahead: bool, seed: int, release_first: bool
     def read(slot, i):
         assert content[slot] == i, f"read slot {slot}: stage {content[slot]}, expected {i}"
 
-    def consumer(group: int = 0):
+    def consumer():
         i = 0
         for n_task, chunks in enumerate(tasks):
             for n in chunks:
                 if not lookahead:
                     for _ in range(n):
                         slot, phase = i % stages, (i // stages) % 2
-                        if (i if by_stage else slot) % groups != group:   # the other group's stage
-                            i += 1
-                            continue
                         yield lambda: full[slot].passed(phase)
                         if release_first:
                             empty[slot].arrive()
@@ -100,11 +93,11 @@ def run_ring(tasks, stages: int, lookahead: bool, seed: int, release_first: bool
                     empty[slot].arrive()
                     slot, phase, i = nslot, nphase, i + 1
             at_barrier[0] += 1
-            goal = (n_task + 1) * WARPS * groups
+            goal = (n_task + 1) * WARPS
             yield lambda: at_barrier[0] >= goal
         assert i == total
 
-    actors = [producer()] + [consumer(w // WARPS) for w in range(WARPS * groups)]
+    actors = [producer()] + [consumer() for _ in range(WARPS)]
     waiting: dict = {}
     while actors:
         ready = [a for a in actors if waiting.get(id(a), lambda: True)()]
@@ -129,21 +122,6 @@ TASKS = {
 def test_ring_protocol_reads_each_stage_once_landed_and_never_deadlocks(tasks, stages, lookahead):
     for seed in range(20):
         run_ring(TASKS[tasks], stages, lookahead, seed)
-
-
-@pytest.mark.parametrize("stages", [2, 4, 12])
-@pytest.mark.parametrize("tasks", list(TASKS))
-def test_two_groups_of_consumers_on_an_even_ring(tasks, stages):
-    for seed in range(20):
-        run_ring(TASKS[tasks], stages, False, seed, groups=2)
-
-
-def test_the_model_catches_groups_sharing_a_slot():
-    """Two groups taking alternate stages of an odd ring share its slots: a group's wait then passes on the other
-    group's earlier phase (parity aliasing) and it reads a stage not yet landed, on some interleaving."""
-    with pytest.raises(AssertionError, match="expected"):
-        for seed in range(50):
-            run_ring([[12]], 3, False, seed, groups=2, by_stage=True)
 
 
 def test_the_model_catches_a_release_before_the_read():

@@ -193,18 +193,3 @@ def test_ring_variants_equal_the_routed_ring_bit_for_bit(ring_packed, variant, r
     assert tuned.persistent.variant == variant
     want, got = _run(routed, 1000, rows), _run(tuned, 1000, rows)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("start", [63, 1024])
-def test_ring_with_16_consumer_warps_equals_the_shipped_step(ring_packed, start, rows):
-    """The tuning space's 16 consumer warps (two groups taking alternate stages: other partial sums, so held as the
-    routed ring is, to the shipped step at one row and the emulated reference at several); the small shape's
-    projections of 1 and 3 stages restage their rows for every task (a task's stages odd: the groups trade units)."""
-    from tuning import tuning_space
-
-    tuning_space().register()
-    models = _pair(ring_packed, "int4", rows, emulated=rows > 1, body="ring", variant="c16")
-    assert models[1].persistent.variant == "c16"
-    _check(*models, start=start, rows=rows)
-

@@ -43,7 +43,6 @@
 #   traceg2   scripts/persistent_trace.py --variant g2 / ewg2 ($TRACEVARS): inside the ring layer, (1, 1024)
 #   ringsplit the 8B step at (1, 1024) and (1, 8192) on the ring layer with 4 (auto), 8 and 16 attention splits: does
 #             a shorter partial shorten attention's chain inside the layer (its fixed cost ~4.3 µs)?
-#   ringc16   the 16-consumer-warp ring (tuning variant c16): its step tests and racecheck / synccheck
 #   sanring   compute-sanitizer racecheck / synccheck of the ring (routed, ew, g2) and the tile layer
 #   ncusrc    Nsight Compute on one ring layer launch of the 8B step at (1, 1024) (the routed kernel and g2): warp
 #             state statistics and per-SASS-instruction stall samples, $OUT/ncu-ring-src*.csv
@@ -96,8 +95,6 @@ for part in "$@"; do
                --variant \$v --json $OUT/ring-trace-8b-1024-\$v.json || exit 1; done" ;;
     ringsplit) TAILN=16 step ringsplit 300 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points 1x1024,1x8192 --persistent ring:auto,ring:8,ring:16 --breakdown '' --json $OUT/ring-splits-8b.json ;;
-    ringc16) TAILN=10 step ringc16 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
-               tests/test_persistent_step_gpu.py tests/test_persistent_sanitizer_gpu.py -k "16_consumer or c16" ;;
     sanring) TAILN=12 step sanring 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
                tests/test_persistent_sanitizer_gpu.py ;;
     ncusrc)  for v in "" g2; do

@@ -39,16 +39,15 @@ def ring_key(cache: str, head_dim: int = HEAD_DIM, tokens: int = 1, trace: bool 
 
 # the ring layer's tuning space (scripts/tuning_space.py; PersistentStep(body="ring", variant=...)): the consumers
 # reading each stage one ahead of its math, shallower rings (the routed kernel takes as many stages as fit), an
-# epilogue warp, the consumers taking 2 or 4 stages at a time (their units' math in one basic block), 16 consumer
-# warps in two groups taking alternate stages (four per scheduler; attention on the first 8)
+# epilogue warp, the consumers taking 2 or 4 stages at a time (their units' math in one basic block)
 RING_TUNING = {"la": (("lookahead", True),), "s4": (("stages", 4),), "s8": (("stages", 8),),
                "ew": (("epilogue_warp", True),), "g2": (("group", 2),), "g4": (("group", 4),),
-               "ewg2": (("epilogue_warp", True), ("group", 2)), "c16": (("consumer_warps", 16),)}
+               "ewg2": (("epilogue_warp", True), ("group", 2))}
 # diagnostic, wrong outputs: the consumers take and release every stage without its arithmetic (the layer at what the
 # stream, the dependencies and attention allow; scripts/bench_ring_variants.py times it beside the others)
 RING_TUNING["nm"] = (("no_math", True),)
 RING_DIAGNOSTIC = ("nm",)
-RING_TRACED_TUNING = ("g2", "ewg2", "nm", "c16")   # also built traced (one row), for scripts/persistent_trace.py --variant
+RING_TRACED_TUNING = ("g2", "ewg2", "nm")   # also built traced (one row), for scripts/persistent_trace.py --variant
 
 
 def ring_spec(cache: str, tokens: int = 1, trace: bool = False, variant: str = "") -> KernelSpec:
