@@ -124,9 +124,9 @@ class PersistentStep:
         the attention op's choice per row count); max_rows: the most rows a step takes (default the model's
         max_rows, at most what fits); body: "tiles" (the tile GEMV bodies) or "ring" (a producer warp
         streams the weights); trace: the ring's traced kernel, each step's task timestamps kept in
-        `tables(1)["trace"]` (futx.engine.persistent_trace reads them); variant: a ring tuning-space kernel (those in
-        RING_DIAGNOSTIC compute wrong outputs, for timing only: `diagnostic=True` asks for them)
-        (futx.runtime.catalog.persistent.RING_TUNING; scripts/tuning_space.py registers them)."""
+        `tables(1)["trace"]` (futx.engine.persistent_trace reads them); variant: a ring tuning-space kernel
+        (futx.runtime.catalog.persistent.RING_TUNING; scripts/tuning_space.py registers them); diagnostic: allow the
+        variants in RING_DIAGNOSTIC, which compute wrong outputs (timing only)."""
         from futx.hardware import sm_count
 
         c, dev = model.config, model.device
