@@ -318,8 +318,13 @@ class RingProjection(GemvTile):
         if cutlass.const_expr(self.tokens > 1):
             self._epilogue_rows(lane, nb, red, red_ss, r, y, x.shape[0], k, eps, threads=WARP)
         else:
-            factor = self._norm_factor(red_ss, k, eps) if cutlass.const_expr(self.norm) else None
-            self._epilogue(lane, nb, red, r, y, factor)
+            # (GemvTile._epilogue restated: calling it computes the factor on every lane, other SASS, which the
+            # bit-for-bit GPU test of `.ew` has not run on yet)
+            cols = 16 // self.epi.rows_per_output
+            if lane < cols:
+                sums = tuple(self._row_sum(red, row) for row in self.epi.rows(lane))
+                factor = self._norm_factor(red_ss, k, eps) if cutlass.const_expr(self.norm) else None
+                self._finish(sums, Int64(nb) * cols + lane, r, y.iterator.toint(), factor)
         cute.arch.mbarrier_arrive(empty)   # this thread's reads of the buffer done
 
 
