@@ -58,3 +58,19 @@ def test_summary_refuses_a_trace_that_did_not_run():
         summarize(table, bad)
     with pytest.raises(ValueError, match="does not match"):
         summarize(table, trace[:, :, :3])
+
+
+def test_ring_layer_model_prices_the_measured_costs():
+    """scripts/ring_layer_model.py: the simulator under the ring's measured costs gives a layer above its bytes floor,
+    and taking a cost away never makes it longer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import ring_layer_model as rlm
+
+    span, floor = rlm.layer_us(1024)
+    assert 25.0 < floor < 27.0 and span > floor
+    assert rlm.layer_us(1024, task_us=0.0)[0] <= span
+    assert rlm.layer_us(1024, handoff_us=0.0)[0] <= span
+    assert rlm.layer_us(1024, partial_us=2.0, combine_us=0.5)[0] <= span
