@@ -68,8 +68,9 @@ def ring_threads(epilogue_warp: bool = False) -> int:
     return 32 * (RING_CONSUMER_WARPS + 1 + int(epilogue_warp))
 
 
-def _per_warp(tokens: int) -> int:
-    return TOKENS if tokens > 1 else 1   # token columns a warp's partials hold
+def ring_per_warp(tokens: int) -> int:
+    """Token columns a warp's partials and sums of squares hold: TOKENS for the multi-token kernel, else 1."""
+    return TOKENS if tokens > 1 else 1
 
 
 def ring_regions(stages: int, tokens: int = 1, red_bufs: int = 1) -> dict:
@@ -83,20 +84,24 @@ def ring_regions(stages: int, tokens: int = 1, red_bufs: int = 1) -> dict:
     red_bars = 16 * stages + 2 * RING_ROW_BYTES
     if not 2 <= stages <= RING_MAX_STAGES or red_bars + 16 * red_bufs > RING_HEADER:
         raise ValueError(f"the ring takes 2..{RING_MAX_STAGES} stages, got {stages}")
-    per = _per_warp(tokens)
     w = RING_HEADER
     s = w + stages * RING_STAGE_UNITS * UNIT_BYTES
     red = s + stages * RING_STAGE_UNITS * UNIT_SCALE_BYTES
     ss = red + red_bufs * ring_red_bytes(tokens)
-    red_ss = ss + RING_CONSUMER_WARPS * per * 4
-    body = -(-(red_ss + (red_bufs * RING_CONSUMER_WARPS * per * 4 if red_bufs > 1 else 0)) // ALIGN) * ALIGN
+    red_ss = ss + ring_ss_bytes(tokens)
+    body = -(-(red_ss + (red_bufs * ring_ss_bytes(tokens) if red_bufs > 1 else 0)) // ALIGN) * ALIGN
     return {"bars": 0, "rows": 16 * stages, "red_bars": red_bars, "weights": w, "scales": s, "red": red, "ss": ss,
             "red_ss": red_ss, "body": body}
 
 
 def ring_red_bytes(tokens: int = 1) -> int:
     """One task's partials: [warps][16 channels][token columns] float32."""
-    return RING_CONSUMER_WARPS * 16 * _per_warp(tokens) * 4
+    return RING_CONSUMER_WARPS * 16 * ring_per_warp(tokens) * 4
+
+
+def ring_ss_bytes(tokens: int = 1) -> int:
+    """One task's sums of squares of its staged rows: [warps][token columns] float32."""
+    return RING_CONSUMER_WARPS * ring_per_warp(tokens) * 4
 
 
 def ring_chunk_stages(body_bytes, rows, tokens: int = 1):

@@ -50,8 +50,9 @@ from decode.persistent_layer import ATTN, PROJ, LayerCall
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_RED_BUFS, RING_ROW_BYTES,
                                     RING_STAGE_BYTES, RING_STAGE_K, RING_STAGE_SCALE_BYTES, RING_STAGE_UNITS,
                                     TRACE_FIELDS, layer_plan, ring_chunk_stages, ring_kernel_stages, ring_lane_at,
-                                    ring_piece_offset, ring_red_bytes, ring_regions, ring_row_stride, ring_scales_at,
-                                    ring_threads, ring_unit_scales_at, ring_weights_at)
+                                    ring_per_warp, ring_piece_offset, ring_red_bytes, ring_regions, ring_row_stride,
+                                    ring_scales_at, ring_ss_bytes, ring_threads, ring_unit_scales_at,
+                                    ring_weights_at)
 
 CONSUMERS = RING_CONSUMER_WARPS * WARP   # threads of the consumers' named barrier
 PRODUCER_WARP = RING_CONSUMER_WARPS
@@ -103,6 +104,7 @@ class RingProjection(GemvTile):
         self.no_math = no_math   # diagnostic: the stages waited for and released, their units not multiplied
         self.stages, self.body_bytes = stages, body_bytes
         self.red_bufs = red_bufs   # > 1: the partials go to the epilogue warp through that many buffers
+        self.per = ring_per_warp(tokens)   # token columns of a warp's partials and sums of squares
         self.r = ring_regions(stages, tokens, red_bufs)
 
     def _xs_lane(self, xs, lane, m, row_stride, mn=cutlass.min):
@@ -121,7 +123,7 @@ class RingProjection(GemvTile):
         their sums of squares per row into ss_out[warp][row] (`first`: set, else added: a task's later chunks)."""
         x_base = x.iterator.toint()
         k = x.shape[1]
-        per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
+        per = self.per
         n = (st1 - st0) * RING_PIECES
         for row in cutlass.range(x.shape[0], unroll=1):
             for c in cutlass.range(lane, n, WARP, unroll=1):
@@ -269,7 +271,6 @@ class RingProjection(GemvTile):
             ptx.stg_bf16(y.iterator.toint() + at * 2, self.epi.finish(sums, lambda: res))
         return i0 + n_st
 
-
     @cute.jit
     def _store_partials(self, red, acc, warp, lane) -> None:
         """The warp's accumulator -> red[warp]: rows g and g + 8 of the n-block; several rows: token columns 2t and
@@ -288,10 +289,9 @@ class RingProjection(GemvTile):
         """The partial buffer of the CTA's seq-th projection task: (its partials, its sums of squares, its full
         mbarrier, its empty mbarrier, the phase of this use)."""
         b = seq % self.red_bufs
-        per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
         rb = bars + self.r["red_bars"] // 8
         return (base + self.r["red"] + b * ring_red_bytes(self.tokens),
-                base + self.r["red_ss"] + b * (RING_CONSUMER_WARPS * per * 4),
+                base + self.r["red_ss"] + b * ring_ss_bytes(self.tokens),
                 rb + b, rb + self.red_bufs + b, (seq // self.red_bufs) % 2)
 
     @cute.jit
@@ -302,9 +302,8 @@ class RingProjection(GemvTile):
         cute.arch.mbarrier_wait(empty, phase ^ 1)
         self._store_partials(red, acc, warp, lane)
         if cutlass.const_expr(self.norm):
-            per = TOKENS if cutlass.const_expr(self.tokens > 1) else 1
-            if lane < per:   # lane 0 stored them at staging; the chunk loop's warp sync ordered that
-                at = (warp * per + lane) * 4
+            if lane < self.per:   # lane 0 stored them at staging; the chunk loop's warp sync ordered that
+                at = (warp * self.per + lane) * 4
                 ptx.sts_f32(red_ss + at, ptx.lds_f32(base + self.r["ss"] + at))
         cute.arch.mbarrier_arrive(full)
 

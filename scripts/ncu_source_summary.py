@@ -46,17 +46,16 @@ def report(ins: list, top: int = 25, groups: int = 12) -> str:
     for off, src, n, ex, st in sorted(ins, key=lambda i: -i[2])[:top]:
         why = ", ".join(f"{k} {v}" for k, v in sorted(st.items(), key=lambda kv: -kv[1])[:2] if v)
         lines.append(f"  {off:6x} {100 * n / total:5.1f}% {ex:8d}  {src[:58]:58s} {why}")
-    by = collections.defaultdict(lambda: [0, 0, 0, 1 << 62, 0, collections.Counter()])
+    by = collections.defaultdict(lambda: [0, 0, 1 << 62, 0, collections.Counter()])
     for off, src, n, ex, st in ins:
         g = by[ex]
         g[0] += n
         g[1] += 1
-        g[2] += ex
-        g[3], g[4] = min(g[3], off), max(g[4], off)
-        g[5].update(st)
+        g[2], g[3] = min(g[2], off), max(g[3], off)
+        g[4].update(st)
     lines.append(f"by times run (the {groups} groups with the most samples: times, instructions, share, offsets, "
                  "top reasons):")
-    for ex, (n, k, _, lo, hi, st) in sorted(by.items(), key=lambda kv: -kv[1][0])[:groups]:
+    for ex, (n, k, lo, hi, st) in sorted(by.items(), key=lambda kv: -kv[1][0])[:groups]:
         why = ", ".join(f"{r} {100 * v / max(1, n):.0f}%" for r, v in st.most_common(3))
         lines.append(f"  {ex:8d} x {k:5d} instr {100 * n / total:5.1f}%  {lo:6x}..{hi:6x}  {why}")
     return "\n".join(lines)
