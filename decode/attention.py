@@ -38,7 +38,7 @@ from decode import hadamard_warp as hw
 from decode import mirror_row
 from decode import rope_warp
 from decode.attn_plan import (ATTN_TENSORS, E4M3_PAIR_SELECTORS, MAX_GROUP, AttnPlan, default_plan,
-                              int4_value_pairs)
+                              int4_value_pairs, new_row_prologue_stage)
 from decode.splitkv_combine import merge_splits, merge_warps
 
 LOG2E = math.log2(math.e)
@@ -115,9 +115,10 @@ class DecodeAttention:
     # ---- host side ----------------------------------------------------------------------------------
     @cute.jit
     def launch(self, t: AttnTensors, softmax_scale: Float32, stream):
+        pdl = {"use_pdl": True} if self.p.pdl else {}   # (the plain launch keeps its arguments as they were)
         self.kernel(t, softmax_scale * Float32(LOG2E)).launch(
             grid=(t.ws_o.shape[2], t.k_cache.shape[1], t.out.shape[0]), block=(32 * self.p.warps, 1, 1),
-            stream=stream)
+            stream=stream, **pdl)
 
     # ---- device side --------------------------------------------------------------------------------
     @cute.kernel
@@ -127,6 +128,8 @@ class DecodeAttention:
         nsplit, _, _ = cute.arch.grid_dim()
         smem = cmem.SmemAllocator()
         base = smem.allocate(self.p.smem_bytes, byte_alignment=1024).toint()
+        if cutlass.const_expr(self.p.pdl):
+            cute.arch.griddepcontrol_launch_dependents()   # the O projection may start streaming its weights
         self.partial(t, scale_log2, split, kvh, b, nsplit, base, tidx, True)
 
     def extent(self, t: AttnTensors, b, nsplit):
@@ -158,7 +161,12 @@ class DecodeAttention:
         split's tokens; with one split holding tiles the finished rows, else the partial into the workspace.
         arrive: the last split to arrive merges the partials (self-resetting counter; the standalone launch);
         otherwise a separate `combine` does (the persistent kernel's combine task). `base`: shared memory of
-        plan.smem_bytes, 1024-byte aligned."""
+        plan.smem_bytes, 1024-byte aligned.
+
+        A dependent launch (plan.pdl) reads before griddepcontrol.wait only what was written before the decode step
+        began: positions, slots, the block table, the cache rows before each row's position (its first tiles, the
+        new row's position zero-filled: `prefetch`) and the INT4 table; everything else (the QKV projection's
+        output, the new row, the output, the workspace and the counters) after it."""
         p = self.p
         mSlot, mKc, mOut = t.slots, t.k_cache, t.out
         mWsO, mWsML, mCnt = t.ws_o, t.ws_ml, t.counters
@@ -188,6 +196,14 @@ class DecodeAttention:
         s_ring = s_q + p.q_bytes
         s_flag = s_ring + p.ring_bytes
 
+        if cutlass.const_expr(p.pdl):
+            split_begin = split * per_split   # (attend's t_begin, t_end)
+            self.prefetch(t, s_ring, slot, kvh, ctx, split_begin, cutlass.min(tiles, split_begin + per_split), warp,
+                          lane, pages, split < n_active)
+            if split < n_active:
+                self.setup_tables(t, s_lut, s_flag, tidx, lane)
+            cute.arch.griddepcontrol_wait()   # the QKV projection's output is complete from here on
+
         if bad:
             if split == 0:
                 for idx in range(tidx, group * D, 32 * NW):
@@ -199,19 +215,15 @@ class DecodeAttention:
                     self.write_row(t, k_head, b, kvh, row_page, row_off, pos, lane, True)
                 if warp == 1:
                     self.write_row(t, v_head, b, kvh, row_page, row_off, pos, lane, False)
-            if cutlass.const_expr(p.uses_lut):
-                self.fill_lut(t.lut, s_lut, tidx, lane)
-            if cutlass.const_expr(p.uses_pair):
-                if tidx == 0:  # the "pair" constants, read back in attend() (see there)
-                    ptx.sts32(s_flag + PAIR_CONST_OFFSET, Uint32(ptx.ALU_CONSTANTS["p_lo"]))
-                    ptx.sts32(s_flag + PAIR_CONST_OFFSET + 4, Uint32(ptx.ALU_CONSTANTS["p_hi"]))
+            if cutlass.const_expr(not p.pdl):   # (a dependent launch set them up before its wait)
+                self.setup_tables(t, s_lut, s_flag, tidx, lane)
             for j in range(warp, MAX_GROUP, NW):
                 self.stage_query(mQ, t.rope, pos, s_q, b, kvh, group, j, lane, scale_log2)
             self._sync()  # new row in global memory, table and query in shared memory
 
             t_begin = split * per_split
             t_end = cutlass.min(tiles, t_begin + per_split)
-            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages)
+            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages, p.pdl)
             self._sync()  # scratch (the ring) holds every warp's partial
 
             for h in range(warp, group, NW):
@@ -305,6 +317,18 @@ class DecodeAttention:
                                  rotate=p.rotate, head_dim=p.head_dim, is_key=is_key)
 
     @cute.jit
+    def setup_tables(self, t: AttnTensors, s_lut, s_flag, tidx, lane):
+        """The INT4 dequantization's shared-memory constants: the byte table (plan.uses_lut) and the "pair"
+        constants, read back in attend() (see there)."""
+        p = self.p
+        if cutlass.const_expr(p.uses_lut):
+            self.fill_lut(t.lut, s_lut, tidx, lane)
+        if cutlass.const_expr(p.uses_pair):
+            if tidx == 0:
+                ptx.sts32(s_flag + PAIR_CONST_OFFSET, Uint32(ptx.ALU_CONSTANTS["p_lo"]))
+                ptx.sts32(s_flag + PAIR_CONST_OFFSET + 4, Uint32(ptx.ALU_CONSTANTS["p_hi"]))
+
+    @cute.jit
     def fill_lut(self, mLut, s_lut, tidx, lane):
         """Copy the 256-entry byte -> f16x2 table into shared memory, 32 copies interleaved so that
         lane l reads entry e at word 32 e + l: every lookup of a warp hits 32 different banks."""
@@ -344,12 +368,46 @@ class DecodeAttention:
                 ptx.sts32(row + 4 * e, ptx.pack_bf16x2(x[2 * e], x[2 * e + 1]))
 
     # ---- main loop ------------------------------------------------------------------------------------
+    def ring_start(self, t: AttnTensors, s_ring, slot, kvh, t_begin, t_end, warp):
+        """(ring, first, n_my, globs): this warp's ring in shared memory, its first tile, how many of
+        [t_begin, t_end) it runs, and the slot's region bases (fixed for the whole loop; paged: None, each tile's
+        own in issue_tile)."""
+        p = self.p
+        globs = None
+        if cutlass.const_expr(not p.paged):
+            globs = self.region_bases(t, slot, kvh)
+        ring = s_ring + warp * (p.stages * p.stage_bytes)
+        first = t_begin + warp
+        left = t_end - first
+        n_my = cutlass.select_(left > 0, (left + p.warps - 1) // p.warps, 0)
+        return ring, first, n_my, globs
+
+    @cute.jit
+    def ring_prologue(self, ring, t: AttnTensors, first, n_my, pages, kvh, ctx, lane, globs):
+        """Request this warp's first stages - 1 tiles (those it has), one commit group each."""
+        p = self.p
+        for i in cutlass.range_constexpr(p.stages - 1):
+            if i < n_my:
+                self.issue_tile(ring + i * p.stage_bytes, t, first + i * p.warps, pages[i] if p.paged else None, kvh,
+                                ctx, lane, globs)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def prefetch(self, t: AttnTensors, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, pages, live):
+        """A dependent launch's ring prologue, before griddepcontrol.wait: the first tiles of the cached positions
+        (the new row's position ctx - 1 zero-filled: it is written after the wait, and attend() requests its tile
+        again); nothing where `live` is false (a split without tiles, a bad row)."""
+        ring, first, n_my, globs = self.ring_start(t, s_ring, slot, kvh, t_begin, t_end, warp)
+        self.ring_prologue(ring, t, first, cutlass.select_(live, n_my, 0), pages, kvh, ctx - 1, lane, globs)
+
     @cute.jit
     def attend(self, t: AttnTensors, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2,
-               pages=None):
+               pages=None, prefetched: bool = False):
         """This warp's tiles first + warp, first + warp + NW, ... of [t_begin, t_end) through a
         `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch). Paged: `pages`
-        holds the block-table entries of the warp's first `stages` tiles."""
+        holds the block-table entries of the warp's first `stages` tiles. prefetched: a dependent launch, whose
+        ring prologue `prefetch` requested before the wait, the new row's tile without the new row (its ring state is
+        recomputed here rather than kept live across the wait: fewer registers)."""
         p = self.p
         D, TT, NS, NW, SB = p.head_dim, p.tile_tokens, p.stages, p.warps, p.stage_bytes
         qa = self.query_fragments(s_q, lane)
@@ -360,20 +418,17 @@ class DecodeAttention:
             s_flag = s_ring + p.ring_bytes
             self.consts["p_lo"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET)
             self.consts["p_hi"] = ptx.lds32(s_flag + PAIR_CONST_OFFSET + 4)
-        # the slot's region bases, fixed for the whole loop; paged: each tile's own (issue_tile)
-        globs = None
-        if cutlass.const_expr(not p.paged):
-            globs = self.region_bases(t, slot, kvh)
-
-        ring = s_ring + warp * (NS * SB)
-        first = t_begin + warp
-        left = t_end - first
-        n_my = cutlass.select_(left > 0, (left + NW - 1) // NW, 0)
-        for i in cutlass.range_constexpr(NS - 1):
-            if i < n_my:
-                self.issue_tile(ring + i * SB, t, first + i * NW, pages[i] if p.paged else None, kvh, ctx, lane,
-                                globs)
-            cute.arch.cp_async_commit_group()
+        ring, first, n_my, globs = self.ring_start(t, s_ring, slot, kvh, t_begin, t_end, warp)
+        if cutlass.const_expr(not prefetched):
+            self.ring_prologue(ring, t, first, n_my, pages, kvh, ctx, lane, globs)
+        else:
+            last = (ctx - 1) // TT   # the tile holding the new row, written since the prologue was requested
+            held, stage = new_row_prologue_stage(first, last, NW, NS, n_my)
+            if held:
+                cute.arch.cp_async_wait_group(0)   # the stage's first copy has landed: never two in flight to it
+                self.issue_tile(ring + stage * SB, t, last, self.tile_page(t, slot, last), kvh, ctx, lane, globs)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)   # (an extra group: the loop's group count no longer covers it)
         # paged: the page of the next tile to issue, looked up one issue ahead (below) so that the table load's
         # latency hides behind a tile's math instead of stalling the refill
         nxt = pages[NS - 1] if p.paged else None
@@ -855,11 +910,11 @@ def fake_args(plan: AttnPlan):
 def compile_target(fmt: str = "int4", head_dim: int = 128, rotate: bool = False, k_dequant: str | None = None,
                    v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
                    lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0,
-                   mirror_only: bool = False):
+                   mirror_only: bool = False, pdl: bool = False):
     """Registry factory (docs/kernel-contract.md): (jit function, fake arguments) of one variant
     (saturating_warps only steers the host's split choice; it is a parameter so that variants that
     differ in it are distinct registry entries; page_size > 0: the paged cache's entry; mirror_only: its twin
-    for a main copy of staging pages only)."""
+    for a main copy of staging pages only; pdl: the engine entry's dependent launch)."""
     plan = default_plan(fmt, head_dim, rotate, k_dequant, v_dequant, warps, stages, saturating_warps,
-                        lean_issue, fused_qkv, page_size, mirror_only)
+                        lean_issue, fused_qkv, page_size, mirror_only, pdl)
     return make_entry(plan), fake_args(plan)

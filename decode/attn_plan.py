@@ -143,6 +143,18 @@ def entry_tensors(fmt: str, fused_qkv: bool, paged: bool = False) -> tuple[str, 
             *(("rope",) if fused_qkv else ()), "out", "ws_o", "ws_ml", "counters")
 
 
+def new_row_prologue_stage(first, last_tile, warps: int, stages: int, n_my):
+    """(held, stage) for a dependent launch (AttnPlan.pdl): a warp whose tiles are first, first + warps, ... (n_my of
+    them) requests its first stages - 1 before griddepcontrol.wait, with the new row's position still zero-filled (it
+    is written after the wait). held: one of those is the sequence's last tile `last_tile`, the one holding the new
+    row, at ring stage `stage`, so the warp requests it again once the row is written. Works on ints and DSL
+    integers (the kernel's formula; the CPU test replays every warp's ring with it)."""
+    d = last_tile - first
+    stage = d // warps
+    held = (d >= 0) & (d % warps == 0) & (stage < stages - 1) & (stage < n_my)
+    return held, stage
+
+
 @dataclass(frozen=True)
 class AttnPlan:
     fmt: str                 # cache the kernel reads: "int4" | "e4m3" (mirrors) | "bf16" (main copy)
@@ -162,6 +174,10 @@ class AttnPlan:
                                # cache tensors' slot mode holds pages of P positions, reached through a block table
     mirror_only: bool = False  # paged mirror formats: the new row goes to the mirror only (the main copy holds only
                                # the staging pages of futx.paging, fewer than the mirror: the INT4-only cache)
+    pdl: bool = False          # programmatic dependent launch (the engine's decode step, fused_qkv only): releases
+                               # its dependents (the O projection) at its start and requests its first tiles of the
+                               # cached positions before griddepcontrol.wait; see DecodeAttention.partial for what
+                               # it reads before the wait
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -185,6 +201,8 @@ class AttnPlan:
                                  f"{self.tile_tokens}-token tile")
         if self.mirror_only and not (self.page_size and self.fmt != "bf16"):
             raise ValueError("decode attention: a mirror-only kernel needs a paged cache with a mirror (int4 / e4m3)")
+        if self.pdl and not self.fused_qkv:
+            raise ValueError("decode attention: the dependent launch (pdl) is the engine's fused-QKV entry only")
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -434,21 +452,22 @@ class AttnPlan:
 def default_plan(fmt: str, head_dim: int, rotate: bool = False, k_dequant: str | None = None,
                  v_dequant: str | None = None, warps: int = 4, stages: int = 3, saturating_warps: int = 8,
                  lean_issue: bool | None = None, fused_qkv: bool = False, page_size: int = 0,
-                 mirror_only: bool = False) -> AttnPlan:
+                 mirror_only: bool = False, pdl: bool = False) -> AttnPlan:
     """Tile rule: 32-token tiles for INT4 (4.9 KB per stage at D=128) and E4M3 at D=64, 16 for E4M3 at
     D=128 and BF16 (~8.5 KB); three stages and four warps, so two CTAs (~24 tiles in flight) fit per SM.
     INT4 keys and values by "pair" dequantization (no shared-memory table) with lean issue: the fastest INT4
     kernel, or within 2.5%, at every measured batch and context (docs/routing.md A1-A2; numbers in
     docs/results-decode-attention.md). None = that default; the keywords after `rotate` are the tuning
     variants' overrides (futx.runtime.catalog.decode_attention.VARIANTS); page_size > 0 the paged cache's kernel
-    (same tiles: every page size divides into whole tiles); mirror_only its twin that stores no main-copy row."""
+    (same tiles: every page size divides into whole tiles); mirror_only its twin that stores no main-copy row; pdl
+    the engine entry's programmatic dependent launch (same arithmetic, the first tiles requested before the wait)."""
     int4 = fmt == "int4"
     tt = 16 if fmt == "bf16" or (fmt == "e4m3" and head_dim == 128) else 32
     return AttnPlan(fmt=fmt, head_dim=head_dim, rotate=rotate, tile_tokens=tt, stages=stages, warps=warps,
                     k_dequant=k_dequant or ("pair" if int4 else "lut"),
                     v_dequant=v_dequant or ("pair" if int4 else "alu"), saturating_warps=saturating_warps,
                     lean_issue=int4 if lean_issue is None else lean_issue, fused_qkv=fused_qkv, page_size=page_size,
-                    mirror_only=mirror_only)
+                    mirror_only=mirror_only, pdl=pdl)
 
 
 SMEM_PER_SM = SMEM_PER_CTA  # residency budget: the per-CTA cap, a conservative bound on what an SM holds

@@ -92,11 +92,13 @@ def decode_cache(cfg, fmt: str, batch: int, capacity: int, device, main: str = "
     return cache, {"pages": batch * per, "page_size": size, "staging": per, "capacity": per * size}
 
 
-def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, context: int, persistent=False):
+def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, context: int, persistent=False,
+                    pdl_attention: bool = False):
     """One point's model ready to replay (the diagnostics' set-up): `shape`'s config with random `weights`, a
     randomized contiguous cache, `batch` rows loaded at `context` tokens and their CUDA graphs. `persistent`:
-    DecodeModel's argument, or a function of the model giving its persistent step (set before the graphs).
-    Returns (config, model, graphs)."""
+    DecodeModel's argument, or a function of the model giving its persistent step (set before the graphs);
+    `pdl_attention`: the step's attention as a dependent launch (rule E5 on at this batch). Returns (config, model,
+    graphs)."""
     from futx.engine import DecodeModel, random_packed
     from futx.engine.graphs import GraphSteps
 
@@ -108,6 +110,8 @@ def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, contex
                     capacity=cap, persistent=False if callable(persistent) else persistent, **kw)
     if callable(persistent):
         m.persistent = persistent(m)
+    if pdl_attention:
+        m.ops.pdl_attention_rows = batch
     g = GraphSteps(m, buckets=[batch])
     m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
     return cfg, m, g
@@ -241,6 +245,12 @@ def split_counts(value: str) -> list:
     return out
 
 
+def split_list(value: str) -> list[int]:
+    """--attention-splits: split-KV counts 1..64 (the attention op's range), comma-separated."""
+    count = validators.int_in(1, ATTENTION_MAX_SPLITS)
+    return [count(v.strip()) for v in value.split(",") if v.strip()]
+
+
 def peer_list(value: str) -> list[str]:
     return validators.choice_list(PEERS)(value) if value else []
 
@@ -311,6 +321,13 @@ def build_parser(prog: str | None = None) -> Parser:
                    "from R rows) and a final $V (skinny variant V where the router picks the skinny kernel), e.g. "
                    "'/s1', '@3/s2', ':', '^8r', '#24>8192', ':#24+nb', '-rnb', '%%8', '~3', '$rw': also "
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
+    p.add_argument("--pdl-attention", action="store_true", help="also each weights/cache pair's step with its "
+                   "attention launched as a programmatic dependent of the QKV projection (routing rule E5 on: "
+                   "decode.attn.*.qkv*.pdl, futx.engine.backends.PDL_ATTENTION_MAX_ROWS); the --tile-variants and "
+                   "--attention-splits candidates then both ways")
+    p.add_argument("--attention-splits", type=split_list, default=[], help="also the int4/int4 step with its "
+                   "attention forced to each of these split-KV counts (comma-separated, 1..64; with --pdl-attention "
+                   "both launches), e.g. 2,4,16")
     p.add_argument("--persistent", type=split_counts, default="", help="also the step on the persistent layer kernel "
                    "(futx.engine.persistent; INT4 weights, INT4/E4M3 caches, batch 1..8 where its shared memory fits "
                    "the rows): comma-separated split counts, "
@@ -415,6 +432,20 @@ def run(a: argparse.Namespace) -> int:
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 models[(wf, cf)] = m
                 cands[f"{wf}/{cf}"] = (lambda g=g: g.replay(batch))
+                if a.pdl_attention:   # the same step with rule E5 on at this batch (same weights and cache)
+                    m = DecodeModel(packed[wf], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])
+                    m.ops.pdl_attention_rows = batch
+                    g = GraphSteps(m, buckets=[batch])
+                    m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                    cands[f"{wf}/{cf} pdl-attention"] = (lambda g=g: g.replay(batch))
+        for sp in a.attention_splits if ("int4", "int4") in models else []:
+            for pdl in (False, True) if a.pdl_attention else (False,):
+                m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], **kw["int4"])
+                m.ops.attention_splits = sp
+                m.ops.pdl_attention_rows = batch if pdl else 0
+                g = GraphSteps(m, buckets=[batch])
+                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                cands[f"int4/int4{' pdl-attention' if pdl else ''} splits {sp}"] = (lambda g=g: g.replay(batch))
         if a.glue:
             for glue, name in (("norm-kernel", "int4/int4 row factor as its own kernel"),
                                ("torch", "int4/int4 unfused glue")):
@@ -441,15 +472,20 @@ def run(a: argparse.Namespace) -> int:
                 cands[f"int4/{cf} {name} s{splits}"] = lambda g=g: g.replay(batch)
         variant_models = {}
         for v in tile_variants:
-            route(v)
-            try:
-                m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], **kw["int4"])
-                g = GraphSteps(m, buckets=[batch])
-                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-            finally:
-                plan.route_tile_variant("")
-            variant_models[v] = m
-            cands[f"int4/int4 tile {v}"] = lambda g=g: g.replay(batch)
+            for pdl in (False, True) if a.pdl_attention else (False,):   # (with E5: e.g. the ring pipeline, whose
+                route(v)                                                  # weights are all requested before the wait)
+                try:
+                    m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], **kw["int4"])
+                    m.ops.pdl_attention_rows = batch if pdl else 0
+                    g = GraphSteps(m, buckets=[batch])
+                    m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                finally:
+                    plan.route_tile_variant("")
+                if pdl:
+                    cands[f"int4/int4 pdl-attention tile {v}"] = lambda g=g: g.replay(batch)
+                    continue
+                variant_models[v] = m
+                cands[f"int4/int4 tile {v}"] = lambda g=g: g.replay(batch)
         t = timer.run(cands)
         point = {"batch": batch, "context": context, "rows": []}
         for name, r in t.items():

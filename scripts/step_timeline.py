@@ -87,6 +87,8 @@ def main() -> int:
     p.add_argument("--persistent", action="store_true", help="the step (1..8 rows) on the persistent layer kernel")
     p.add_argument("--ring", action="store_true", help="the step (1..8 rows) on the persistent ring layer kernel "
                    "(decode/persistent_ring.py)")
+    p.add_argument("--pdl-attention", action="store_true", help="the step's attention as a programmatic dependent "
+                   "launch of its QKV projection (routing rule E5 on)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch
@@ -97,7 +99,8 @@ def main() -> int:
     from scripts.bench_engine import replaying_model
 
     persistent = "ring" if a.ring else a.persistent
-    cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent)
+    cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent,
+                                pdl_attention=a.pdl_attention)
     for _ in range(3):
         g.replay(a.batch)
     torch.cuda.synchronize()
@@ -119,9 +122,11 @@ def main() -> int:
         return 1
     best = sorted(steps, key=lambda s: s["span_us"])[len(steps) // 2]   # the median step
     out = {"device": torch.cuda.get_device_name(), "shape": cfg.name, "batch": a.batch, "context": a.context,
-           "weights": a.weights, "cache": a.cache, "persistent": persistent, "steps_traced": len(steps),
+           "weights": a.weights, "cache": a.cache, "persistent": persistent, "pdl_attention": a.pdl_attention,
+           "steps_traced": len(steps),
            "median_step": best, "spans_us": [s["span_us"] for s in steps]}
-    label = {"ring": " persistent ring", True: " persistent"}.get(persistent, "")
+    label = {"ring": " persistent ring", True: " persistent"}.get(persistent, "") \
+        + (" pdl-attention" if a.pdl_attention else "")
     print(f"{cfg.name} ({a.weights}/{a.cache}) B={a.batch} ctx={a.context}{label}: "
           f"{best['kernels']} kernels, span {best['span_us']:.1f} us, kernels busy {best['busy_us']:.1f} us, "
           f"idle {best['idle_us']:.1f} us in {best['idle_gaps']} gaps (mean {best['mean_idle_gap_us']:.2f} us), "

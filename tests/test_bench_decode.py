@@ -80,7 +80,12 @@ def test_bench_options_are_checked_without_torch_or_a_gpu():
     a = bench_engine.build_parser().parse_args(["--points", "1x1024,64x1024", "--weights", "int4", "--cache",
                                                 "int4,bf16", "--peers", "gptfast-int4,transformers"])
     assert a.points == [(1, 1024), (64, 1024)] and a.weights == ["int4"] and a.cache == ["int4", "bf16"]
-    assert a.peers == ["gptfast-int4", "transformers"] and a.breakdown == "int4/int4"
+    assert a.peers == ["gptfast-int4", "transformers"] and a.breakdown == "int4/int4" and not a.pdl_attention
+    assert bench_engine.build_parser().parse_args(["--pdl-attention"]).pdl_attention   # rule E5's comparison
+    assert bench_engine.build_parser().parse_args(["--attention-splits", "1,4, 16"]).attention_splits == [1, 4, 16]
+    for bad in ("0", "65", "x"):
+        with pytest.raises(SystemExit):
+            bench_engine.build_parser().parse_args(["--attention-splits", bad])
 
 
 @pytest.mark.gpu

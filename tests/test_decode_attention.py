@@ -71,8 +71,9 @@ def test_every_variant_has_consistent_maps(spec):
     assert plan.page_size == page and ("page_size" in spec.param_dict) == (page > 0)
     if p.pop("fused_qkv", False):  # the engine's entry: the default plan, q/k/v from the QKV output
         mirror_only = p.pop("mirror_only", False)   # its INT4-only cache twin (no main-copy row)
-        assert plan.mirror_only == mirror_only and (not mirror_only or (page and fmt != "bf16"))
-        assert not p and spec.key == qkv_key(fmt, d, rotate, page, mirror_only) and spec in SPECS
+        pdl = p.pop("pdl", False)                   # the decode step's dependent launch (rule E5)
+        assert plan.mirror_only == mirror_only and (not mirror_only or (page and fmt != "bf16")) and plan.pdl == pdl
+        assert not p and spec.key == qkv_key(fmt, d, rotate, page, mirror_only, pdl) and spec in SPECS
         return
     variant = [k for k, v in VARIANTS.items() if v == p]
     assert len(variant) == 1 and attn_key(fmt, d, rotate, variant[0], page) == spec.key
@@ -100,13 +101,16 @@ def test_registry_is_exactly_what_the_op_launches():
     # the engine's entry on the INT4-only cache (a main copy of fewer pages than the mirror) for its mirror formats
     launched |= {qkv_key(fmt, d, rotate, 128, mirror_only=True) for fmt, rotate in ENGINE_CACHES if fmt != "bf16"
                  for d in (64, 128)}
+    # the engine's head-dim-128 entries again as the decode step's dependent launch (futx.engine.backends, rule E5)
+    launched |= {key + ".pdl" for key in launched if ".qkv" in key and ".d128." in key}
     assert {s.key for s in SPECS} == launched and PAGE_SIZES == (128, 256)
     tuning = {s.key for s in TUNING_SPECS}
     assert {s.key for s in select("decode.attn*")} - tuning == {s.key for s in SPECS}  # the package registry
     assert tuning == {attn_key("int4", 128, True, v) for v in TUNING} and not tuning & launched
-    assert len(SPECS) == 2 * 16 + 2 + 4  # (10 default kernels + the engine's 3 cache formats x 2 head dims) x
+    assert len(SPECS) == 2 * 16 + 2 + 4 + 9  # (10 default kernels + the engine's 3 cache formats x 2 head dims) x
     #                                      (contiguous, 128-position pages) + the 8B INT4 pair at 256 + the
-    #                                      engine's mirror-only entries (INT4 / E4M3 x 2 head dims)
+    #                                      engine's mirror-only entries (INT4 / E4M3 x 2 head dims) + the 9 head-dim-128
+    #                                      engine entries' dependent-launch twins
 
 
 @pytest.mark.parametrize("spec", list(SPECS) + TUNING_SPECS, ids=lambda s: s.key)

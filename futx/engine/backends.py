@@ -18,6 +18,7 @@ import torch
 from futx.config import LlamaConfig
 from futx.quant.fold import rms_row_factor
 from futx.rope import apply_rope, cos_sin
+from futx.runtime.catalog.decode_attention import PDL_HEAD_DIMS
 
 from .cache import EngineCache
 from .packed import Weight, dequantize_weight
@@ -116,8 +117,9 @@ class EmulatedOps:
         return y.to(torch.bfloat16)
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
-                  layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """RoPE on q and k, new K/V row into the cache, GQA attention over positions [0, pos] -> out [M, Hq, D]."""
+                  layer: int, table: torch.Tensor, out: torch.Tensor, step: bool = True) -> torch.Tensor:
+        """RoPE on q and k, new K/V row into the cache, GQA attention over positions [0, pos] -> out [M, Hq, D]
+        (step: KernelOps.attention's launch choice; the same arithmetic either way)."""
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         m = qkv.shape[0]
@@ -156,6 +158,13 @@ def check_kernel_cache(cache: EngineCache) -> None:
 
 BLOCK_ATTENTION = ("prewrite", "kernel", "columns")   # KernelOps.attention_block's ways
 
+# Routing rule E5 (docs/routing.md): the decode step's attention as a programmatic dependent launch of its QKV
+# projection (decode.attn_plan.AttnPlan.pdl: its first cache tiles requested while the projection finishes, the O
+# projection released at its start) for steps of at most this many rows, at the head dims its kernels are built for
+# (futx.runtime.catalog.decode_attention.PDL_HEAD_DIMS). 0: never, until the H200 measures it (`futx bench decode
+# --pdl-attention` times both in one process).
+PDL_ATTENTION_MAX_ROWS = 0
+
 
 def cache_paging(cache: EngineCache) -> tuple:
     """(block table, page size) of a paged engine cache (`cache.layout` a futx.paging.PageLayout, `cache.table` its
@@ -184,6 +193,8 @@ class KernelOps:
         self._dl = dl
         self._padded_heads: dict = {}
         self.block_attention = "kernel"   # or "prewrite", "columns": see attention_block (BLOCK_ATTENTION)
+        self.pdl_attention_rows = PDL_ATTENTION_MAX_ROWS   # rule E5; set before capturing the step's graphs
+        self.attention_splits = 0   # 0: the op's split rule (decode.attn_plan.choose_splits); n: n splits (benchmarks)
 
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         if self.glue == "torch":
@@ -218,15 +229,19 @@ class KernelOps:
         return self._dl.decode_linear_bf16(h, padded)[:, :n]
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache,
-                  layer: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                  layer: int, table: torch.Tensor, out: torch.Tensor, step: bool = True) -> torch.Tensor:
+        """step: the decode step's attention, right after its QKV projection (rule E5 may launch it as a dependent);
+        False where the rows' K/V were just written by the kernels before it (attention_block)."""
         check_kernel_cache(cache)
         c = cache.config
         lc = cache.layers[layer]
         block_table, page_size = cache_paging(cache)   # a paged cache: the kernel reads through its table
         if self.glue != "torch":
             x = qkv.view(qkv.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim)
+            pdl = step and qkv.shape[0] <= self.pdl_attention_rows and c.head_dim in PDL_HEAD_DIMS
             torch.ops.futx.decode_attention_qkv_(x, positions, slots, *lc.tensors(), table, out, cache.fmt,
-                                                 cache.rotate, 0.0, 0, 0, False, block_table, page_size)
+                                                 cache.rotate, 0.0, self.attention_splits, 0, False, block_table,
+                                                 page_size, pdl)
             return out
         q, k, v = split_rope(qkv, c, table, positions)
         torch.ops.futx.decode_attention_(q, k, v.contiguous(), positions, slots, *lc.tensors(), out, cache.fmt,
@@ -261,13 +276,13 @@ class KernelOps:
             for j in range(width):
                 o = torch.empty_like(o3[:, j])
                 self.attention(x3[:, j].contiguous(), positions.view(-1, width)[:, j].contiguous(),
-                               slots.view(-1, width)[:, j].contiguous(), cache, layer, table, o)
+                               slots.view(-1, width)[:, j].contiguous(), cache, layer, table, o, step=False)
                 o3[:, j].copy_(o)
             return out
         if self.block_attention not in BLOCK_ATTENTION:
             raise ValueError(f"block_attention must be one of {BLOCK_ATTENTION}, got {self.block_attention!r}")
         self.prewrite_rows(qkv, positions, slots, cache, layer, table, kernel=self.block_attention == "kernel")
-        return self.attention(qkv, positions, slots, cache, layer, table, out)
+        return self.attention(qkv, positions, slots, cache, layer, table, out, step=False)
 
     @staticmethod
     def prewrite_rows(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: EngineCache, layer: int,

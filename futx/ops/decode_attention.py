@@ -31,7 +31,7 @@ from futx.ops import checks
 from futx.ops.registration import futx_op
 from futx.quant import layouts
 from futx.runtime import get_kernel
-from futx.runtime.catalog.decode_attention import VARIANTS, attn_key, qkv_key
+from futx.runtime.catalog.decode_attention import PDL_HEAD_DIMS, VARIANTS, attn_key, qkv_key
 
 FORMATS = ("bf16", "int4", "e4m3")
 MAX_SPLITS = 64  # choose_splits never asks for more; a larger explicit count is a caller error
@@ -232,9 +232,10 @@ def resolve(cache_format: str, head_dim: int, rotate: bool, variant: str, page_s
 
 def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale,
             cache_format, rotate, softmax_scale, num_splits, max_context, check_positions_on_host, variant,
-            out, qkv=None, rope=None, block_table=None, page_size=0) -> None:
+            out, qkv=None, rope=None, block_table=None, page_size=0, pdl=False) -> None:
     """Validate, size the split-KV workspace and launch. With `qkv` (and `rope`) the fused entry of the engine
-    runs: q, k_new, v_new are None and come from qkv's heads. With `block_table` the paged cache's kernel."""
+    runs: q, k_new, v_new are None and come from qkv's heads. With `block_table` the paged cache's kernel. pdl: the
+    fused entry's programmatic dependent launch (decode_attention_qkv_)."""
     # a paged cache whose mirror holds more pages than its main copy (staging pages: the INT4-only cache) runs the
     # fused entry's mirror-only kernel, which writes no main-copy row
     mirror_only = qkv is not None and block_table is not None and cache_format != "bf16" \
@@ -270,7 +271,7 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
     ws_o = torch.empty(b, hkv, num_splits, MAX_GROUP, d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(b, hkv, num_splits, MAX_GROUP, 2, dtype=torch.float32, device=q.device)
     fused = qkv is not None
-    key = qkv_key(cache_format, d, rotate, plan.page_size, mirror_only) if fused else \
+    key = qkv_key(cache_format, d, rotate, plan.page_size, mirror_only, pdl) if fused else \
         attn_key(cache_format, d, rotate, variant, plan.page_size)
     given = dict(q=q, k_new=k_new, v_new=v_new, qkv=qkv, rope=rope, positions=positions, slots=slots,
                  block_table=block_table, k_cache=k_cache, v_cache=v_cache, k_mirror=k_mirror, k_scale=k_scale,
@@ -321,21 +322,30 @@ def decode_attention_qkv_(qkv: torch.Tensor, positions: torch.Tensor, slots: tor
                           v_mirror: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], rope: torch.Tensor,
                           out: torch.Tensor, cache_format: str, rotate: bool = False, softmax_scale: float = 0.0,
                           num_splits: int = 0, max_context: int = 0, check_positions_on_host: bool = True,
-                          block_table: Optional[torch.Tensor] = None, page_size: int = 0) -> None:
+                          block_table: Optional[torch.Tensor] = None, page_size: int = 0, pdl: bool = False) -> None:
     """decode_attention_ for the decode engine: q, k_new, v_new are heads [0, Hq), [Hq, Hq + Hkv) and
     [Hq + Hkv, Hq + 2 Hkv) of qkv [B, Hq + 2 Hkv, D] (the QKV projection's output, viewed), and the kernel
     applies rotate-half RoPE to q and the new k row with rope[position] = (cos of the D/2 angles, their sin),
     rounding them to bf16 as an unfused RoPE would store them. out [B, Hq, D] bf16. block_table, page_size: a
-    paged cache (module docstring)."""
+    paged cache (module docstring).
+
+    pdl: launch as a programmatic dependent of the kernel before it (the `.pdl` kernels: the same results, its
+    first cache tiles requested while that kernel finishes, the kernel after it released at its start). Only where
+    the cache rows before every row's position, positions, slots and the block table were written before the
+    step's first kernel began: the decode step, never a block (verify) step, whose rows' K/V are written just
+    before (futx.engine.backends, rule E5)."""
+    if pdl and out.shape[-1] not in PDL_HEAD_DIMS:
+        raise ValueError(f"decode_attention_qkv_: the dependent launch (pdl=True) is built for head dims {PDL_HEAD_DIMS}, "
+                         f"got {out.shape[-1]}")
     _launch(None, None, None, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, cache_format,
             rotate, softmax_scale, num_splits, max_context, check_positions_on_host, "", out, qkv, rope, block_table,
-            page_size)
+            page_size, pdl)
 
 
 @decode_attention_qkv_.register_fake
 def _(qkv, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, rope, out, cache_format,
       rotate=False, softmax_scale=0.0, num_splits=0, max_context=0, check_positions_on_host=True, block_table=None,
-      page_size=0):
+      page_size=0, pdl=False):
     return None
 
 

@@ -70,19 +70,25 @@ def attn_spec(fmt: str, head_dim: int, rotate: bool, variant: str = "", page_siz
 ENGINE_CACHES = (("int4", True), ("e4m3", False), ("bf16", False))
 
 
-def qkv_key(fmt: str, head_dim: int, rotate: bool, page_size: int = 0, mirror_only: bool = False) -> str:
-    return attn_key(fmt, head_dim, rotate) + ".qkv" + _paged(page_size) + (".mo" if mirror_only else "")
+def qkv_key(fmt: str, head_dim: int, rotate: bool, page_size: int = 0, mirror_only: bool = False,
+            pdl: bool = False) -> str:
+    return attn_key(fmt, head_dim, rotate) + ".qkv" + _paged(page_size) + (".mo" if mirror_only else "") \
+        + (".pdl" if pdl else "")
 
 
-def _qkv_spec(fmt: str, head_dim: int, rotate: bool, page_size: int = 0, mirror_only: bool = False) -> KernelSpec:
-    return KernelSpec(key=qkv_key(fmt, head_dim, rotate, page_size, mirror_only), module="decode.attention",
+def _qkv_spec(fmt: str, head_dim: int, rotate: bool, page_size: int = 0, mirror_only: bool = False,
+              pdl: bool = False) -> KernelSpec:
+    return KernelSpec(key=qkv_key(fmt, head_dim, rotate, page_size, mirror_only, pdl), module="decode.attention",
                       params=(("fmt", fmt), ("head_dim", head_dim), ("rotate", rotate), ("fused_qkv", True))
-                      + _page_params(page_size) + ((("mirror_only", True),) if mirror_only else ()),
+                      + _page_params(page_size) + ((("mirror_only", True),) if mirror_only else ())
+                      + ((("pdl", True),) if pdl else ()),
                       sources=SOURCES, expect_sass=("HMMA",),
                       doc=f"decode attention of the engine over the {fmt} cache, head dim {head_dim}: q/k/v from the "
                           "QKV projection output, RoPE in the kernel, new K/V row written" + _page_doc(page_size)
                           + ("; the mirror row only (the main copy holds staging pages only: the INT4-only cache)"
-                             if mirror_only else ""))
+                             if mirror_only else "")
+                          + ("; programmatic dependent launch (the decode step: its first tiles requested before the "
+                             "wait, the O projection released at its start)" if pdl else ""))
 
 
 # The paged cache (futx.paging): every shipped entry at the default page size, and the 8B INT4 entries at 256
@@ -102,5 +108,15 @@ def _entries(page_size: int) -> list[KernelSpec]:
 MIRROR_ONLY = [_qkv_spec(fmt, d, rot, 128, mirror_only=True) for fmt, rot in ENGINE_CACHES if fmt != "bf16"
                for d in (64, 128)]
 
-SPECS = _entries(0) + _entries(128) + [attn_spec("int4", 128, True, page_size=256),
-                                       _qkv_spec("int4", 128, True, 256)] + MIRROR_ONLY
+_PLAIN = _entries(0) + _entries(128) + [attn_spec("int4", 128, True, page_size=256),
+                                        _qkv_spec("int4", 128, True, 256)] + MIRROR_ONLY
+
+# The engine's head-dim-128 entries (the Llama 8B / 70B shapes) again as a programmatic dependent launch
+# (AttnPlan.pdl): the decode step's attention after its QKV projection (routing rule E5, futx.engine.backends); the
+# block (verify) step and the op keep the plain launch. (At head dim 64 the E4M3 mirror-only twin spills a register
+# held across the wait: not built.)
+PDL_HEAD_DIMS = (128,)
+PDL = [_qkv_spec(**{k: v for k, v in s.param_dict.items() if k != "fused_qkv"}, pdl=True) for s in _PLAIN
+       if s.param_dict.get("fused_qkv") and s.param_dict["head_dim"] in PDL_HEAD_DIMS]
+
+SPECS = _PLAIN + PDL
