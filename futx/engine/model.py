@@ -124,6 +124,7 @@ class DecodeModel:
             self.cache = EngineCache(self.config, cache, max_batch, self.capacity, self.device,
                                      keep_values=backend == "emulated", layout=layout)
         self.rope = rope_table(self.config, self.capacity, self.device)
+        self._final_gain = self.packed.final_norm.to(torch.bfloat16)   # once, not a conversion kernel every step
         self.buffers = StepBuffers.allocate(max_rows, self.config.hidden_size, self.device,
                                             self.config.vocab_size if keep_logits else None)
         c = self.config
@@ -154,7 +155,7 @@ class DecodeModel:
         logits = self.logits(x)
         if b.logits is not None:
             b.logits[:rows].copy_(logits)
-        b.next_tokens[:rows].copy_(logits.argmax(dim=-1))
+        torch.argmax(logits, dim=-1, out=b.next_tokens[:rows])   # (written in place: no copy kernel)
 
     def layer(self, i: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               width: int = 1) -> torch.Tensor:
@@ -172,7 +173,7 @@ class DecodeModel:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V] of the final residual stream x (final RMSNorm with its gain, BF16 LM head)."""
-        h = rms_norm(x, self.packed.final_norm.to(torch.bfloat16), self.config.rms_norm_eps)
+        h = rms_norm(x, self._final_gain, self.config.rms_norm_eps)
         return self.ops.head(h, self.packed.lm_head)
 
     # ---- host-side convenience ---------------------------------------------------------------------
