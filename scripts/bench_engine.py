@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -93,12 +94,11 @@ def decode_cache(cfg, fmt: str, batch: int, capacity: int, device, main: str = "
 
 
 def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, context: int, persistent=False,
-                    pdl_attention: bool = False):
+                    rules: Optional[dict] = None):
     """One point's model ready to replay (the diagnostics' set-up): `shape`'s config with random `weights`, a
     randomized contiguous cache, `batch` rows loaded at `context` tokens and their CUDA graphs. `persistent`:
     DecodeModel's argument, or a function of the model giving its persistent step (set before the graphs);
-    `pdl_attention`: the step's attention as a dependent launch (rule E5 on at this batch). Returns (config, model,
-    graphs)."""
+    `rules`: KernelOps attributes to set first (engine_rules: E5, E6 on). Returns (config, model, graphs)."""
     from futx.engine import DecodeModel, random_packed
     from futx.engine.graphs import GraphSteps
 
@@ -110,8 +110,8 @@ def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, contex
                     capacity=cap, persistent=False if callable(persistent) else persistent, **kw)
     if callable(persistent):
         m.persistent = persistent(m)
-    if pdl_attention:
-        m.ops.pdl_attention_rows = batch
+    for attr, value in (rules or {}).items():
+        setattr(m.ops, attr, value)
     g = GraphSteps(m, buckets=[batch])
     m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
     return cfg, m, g
@@ -245,6 +245,19 @@ def split_counts(value: str) -> list:
     return out
 
 
+def engine_rules(a: argparse.Namespace, batch: int) -> list:
+    """(candidate name, KernelOps attributes) of the engine rules not yet routed that --pdl-attention (E5) and
+    --final-norm-kernel (E6) ask to time at this batch, and both together when both are asked for."""
+    rules = []
+    if a.pdl_attention:
+        rules.append(("pdl-attention", {"pdl_attention_rows": batch}))
+    if a.final_norm_kernel:
+        rules.append(("final-norm-kernel", {"final_norm_kernel": True}))
+    if len(rules) == 2:
+        rules.append(("pdl-attention+final-norm-kernel", {**rules[0][1], **rules[1][1]}))
+    return rules
+
+
 def split_list(value: str) -> list[int]:
     """--attention-splits: split-KV counts 1..64 (the attention op's range), comma-separated."""
     count = validators.int_in(1, ATTENTION_MAX_SPLITS)
@@ -325,6 +338,9 @@ def build_parser(prog: str | None = None) -> Parser:
                    "attention launched as a programmatic dependent of the QKV projection (routing rule E5 on: "
                    "decode.attn.*.qkv*.pdl, futx.engine.backends.PDL_ATTENTION_MAX_ROWS); the --tile-variants and "
                    "--attention-splits candidates then both ways")
+    p.add_argument("--final-norm-kernel", action="store_true", help="also each weights/cache pair's step with the "
+                   "final RMSNorm as one kernel (routing rule E6 on: engine.rms_rows.gain, "
+                   "futx.engine.backends.FINAL_NORM_KERNEL); with --pdl-attention both rules together too")
     p.add_argument("--attention-splits", type=split_list, default=[], help="also the int4/int4 step with its "
                    "attention forced to each of these split-KV counts (comma-separated, 1..64; with --pdl-attention "
                    "both launches), e.g. 2,4,16")
@@ -432,12 +448,13 @@ def run(a: argparse.Namespace) -> int:
                 m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 models[(wf, cf)] = m
                 cands[f"{wf}/{cf}"] = (lambda g=g: g.replay(batch))
-                if a.pdl_attention:   # the same step with rule E5 on at this batch (same weights and cache)
-                    m = DecodeModel(packed[wf], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])
-                    m.ops.pdl_attention_rows = batch
+                for name, rules in engine_rules(a, batch):   # the same step with rules E5 / E6 on (same weights and
+                    m = DecodeModel(packed[wf], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])   # cache)
+                    for attr, value in rules.items():
+                        setattr(m.ops, attr, value)
                     g = GraphSteps(m, buckets=[batch])
                     m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-                    cands[f"{wf}/{cf} pdl-attention"] = (lambda g=g: g.replay(batch))
+                    cands[f"{wf}/{cf} {name}"] = (lambda g=g: g.replay(batch))
         for sp in a.attention_splits if ("int4", "int4") in models else []:
             for pdl in (False, True) if a.pdl_attention else (False,):
                 m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], **kw["int4"])

@@ -89,6 +89,7 @@ def main() -> int:
                    "(decode/persistent_ring.py)")
     p.add_argument("--pdl-attention", action="store_true", help="the step's attention as a programmatic dependent "
                    "launch of its QKV projection (routing rule E5 on)")
+    p.add_argument("--final-norm-kernel", action="store_true", help="the final RMSNorm as one kernel (rule E6 on)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch
@@ -99,8 +100,10 @@ def main() -> int:
     from scripts.bench_engine import replaying_model
 
     persistent = "ring" if a.ring else a.persistent
-    cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent,
-                                pdl_attention=a.pdl_attention)
+    from scripts.bench_engine import engine_rules
+
+    rules = {k: v for _, r in engine_rules(a, a.batch) for k, v in r.items()}
+    cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent, rules=rules)
     for _ in range(3):
         g.replay(a.batch)
     torch.cuda.synchronize()
@@ -122,11 +125,11 @@ def main() -> int:
         return 1
     best = sorted(steps, key=lambda s: s["span_us"])[len(steps) // 2]   # the median step
     out = {"device": torch.cuda.get_device_name(), "shape": cfg.name, "batch": a.batch, "context": a.context,
-           "weights": a.weights, "cache": a.cache, "persistent": persistent, "pdl_attention": a.pdl_attention,
+           "weights": a.weights, "cache": a.cache, "persistent": persistent, "rules": rules,
            "steps_traced": len(steps),
            "median_step": best, "spans_us": [s["span_us"] for s in steps]}
     label = {"ring": " persistent ring", True: " persistent"}.get(persistent, "") \
-        + (" pdl-attention" if a.pdl_attention else "")
+        + "".join(f" {n}" for n, _ in engine_rules(a, a.batch)[:2])
     print(f"{cfg.name} ({a.weights}/{a.cache}) B={a.batch} ctx={a.context}{label}: "
           f"{best['kernels']} kernels, span {best['span_us']:.1f} us, kernels busy {best['busy_us']:.1f} us, "
           f"idle {best['idle_us']:.1f} us in {best['idle_gaps']} gaps (mean {best['mean_idle_gap_us']:.2f} us), "

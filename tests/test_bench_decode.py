@@ -83,6 +83,10 @@ def test_bench_options_are_checked_without_torch_or_a_gpu():
     assert a.peers == ["gptfast-int4", "transformers"] and a.breakdown == "int4/int4" and not a.pdl_attention
     assert bench_engine.build_parser().parse_args(["--pdl-attention"]).pdl_attention   # rule E5's comparison
     assert bench_engine.build_parser().parse_args(["--attention-splits", "1,4, 16"]).attention_splits == [1, 4, 16]
+    both = bench_engine.build_parser().parse_args(["--pdl-attention", "--final-norm-kernel"])
+    assert [n for n, _ in bench_engine.engine_rules(both, 8)] == ["pdl-attention", "final-norm-kernel",
+                                                                  "pdl-attention+final-norm-kernel"]
+    assert bench_engine.engine_rules(both, 8)[2][1] == {"pdl_attention_rows": 8, "final_norm_kernel": True}
     for bad in ("0", "65", "x"):
         with pytest.raises(SystemExit):
             bench_engine.build_parser().parse_args(["--attention-splits", bad])

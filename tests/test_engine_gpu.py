@@ -139,6 +139,42 @@ def test_rms_rows_kernel(seeded):
         assert (y.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
+def test_rms_rows_with_gain_is_the_reference_rms_norm(seeded):
+    """engine.rms_rows.gain (rule E6's final norm) against futx.reference.rms_norm: the same roundings, the sum of
+    squares in the kernel's order, so at most a rare one-ulp flip of the bf16 result."""
+    import futx.ops  # noqa: F401
+    from futx.reference import rms_norm
+
+    for m, k in ((1, 4096), (3, 576), (8, 8192), (5, 64)):
+        x = (torch.randn(m, k, generator=seeded) * 3).to(torch.bfloat16).cuda()
+        g = (torch.rand(k, generator=seeded) + 0.5).to(torch.bfloat16).cuda()
+        y = torch.full_like(x, float("nan"))
+        torch.ops.futx.rms_rows_(x, y, 1e-5, g)
+        want = rms_norm(x, g, 1e-5)
+        assert torch.isfinite(y).all()
+        assert bool(((y.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-30).all())
+        assert float((y != want).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("cf", FORMATS)
+def test_step_with_the_final_norm_kernel(weights, cf):
+    """Rule E6 on: the hidden states bit for bit (it runs after them), the logits within the norm's rare flips."""
+    toks = torch.randint(0, 512, (3, 6), generator=torch.Generator().manual_seed(6))
+    out = []
+    for kernel in (False, True):
+        m = DecodeModel(pack_model(weights, "int4", progress=False), cf, max_batch=3, capacity=96, device="cuda",
+                        keep_logits=True)
+        m.ops.final_norm_kernel = kernel
+        steps = []
+        for s in range(toks.shape[1]):
+            m.step(m.load_inputs(toks[:, s].tolist(), [2 + s, 9 + s, 30 + s], [0, 1, 2]))
+            steps.append((m.buffers.hidden[:3].clone(), m.buffers.logits[:3].clone()))
+        out.append(steps)
+    for (h0, l0), (h1, l1) in zip(*out):
+        assert torch.equal(h1, h0)
+        assert torch.isfinite(l1).all() and _rel(l1, l0) < 1e-2
+
+
 def test_graph_replay_equals_eager(weights):
     toks = torch.randint(0, 512, (3, 10), generator=torch.Generator().manual_seed(3))
     eager = _steps(_model(weights, "int4", "int4", batch=4), toks, [0, 2, 4], rows=4)

@@ -17,6 +17,7 @@ import torch
 
 from futx.config import LlamaConfig
 from futx.quant.fold import rms_row_factor
+from futx.reference import rms_norm
 from futx.rope import apply_rope, cos_sin
 from futx.runtime.catalog.decode_attention import PDL_HEAD_DIMS
 
@@ -101,6 +102,10 @@ class EmulatedOps:
             return self._finish(y, epilogue)
         return self.linear(self.rms_rows(x, eps), w, epilogue)
 
+    def final_norm(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        """The final RMSNorm before the LM head, with its bf16 gain (futx.reference.rms_norm)."""
+        return rms_norm(x, gain, eps)
+
     def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V]."""
         return h @ lm_head.T
@@ -165,6 +170,11 @@ BLOCK_ATTENTION = ("prewrite", "kernel", "columns")   # KernelOps.attention_bloc
 # --pdl-attention` times both in one process).
 PDL_ATTENTION_MAX_ROWS = 0
 
+# Routing rule E6 (docs/routing.md): the final RMSNorm as one kernel (`engine.rms_rows.gain`) instead of the
+# reference's ~8 elementwise torch kernels a step. False until the H200 measures it (`futx bench decode
+# --final-norm-kernel`).
+FINAL_NORM_KERNEL = False
+
 
 def cache_paging(cache: EngineCache) -> tuple:
     """(block table, page size) of a paged engine cache (`cache.layout` a futx.paging.PageLayout, `cache.table` its
@@ -195,6 +205,7 @@ class KernelOps:
         self.block_attention = "kernel"   # or "prewrite", "columns": see attention_block (BLOCK_ATTENTION)
         self.pdl_attention_rows = PDL_ATTENTION_MAX_ROWS   # rule E5; set before capturing the step's graphs
         self.attention_splits = 0   # 0: the op's split rule (decode.attn_plan.choose_splits); n: n splits (benchmarks)
+        self.final_norm_kernel = FINAL_NORM_KERNEL   # rule E6
 
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         if self.glue == "torch":
@@ -210,6 +221,16 @@ class KernelOps:
         if self.glue != "fused":
             return self.linear(self.rms_rows(x, eps), w, epilogue)
         return self._dl.decode_norm_linear(x, w, epilogue, eps)
+
+    def final_norm(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        """The final RMSNorm with its bf16 gain: with rule E6 one kernel (`engine.rms_rows.gain`, PDL: the LM head's
+        weights start streaming while it runs), else futx.reference.rms_norm's chain of torch kernels. The same
+        rounding; the row's sum of squares in the kernel's order."""
+        if self.final_norm_kernel and self.glue != "torch":
+            y = torch.empty_like(x)
+            torch.ops.futx.rms_rows_(x, y, eps, gain)
+            return y
+        return rms_norm(x, gain, eps)
 
     def head(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V]: up to GEMV_HEAD_ROWS rows on futx's BF16 decode GEMV (as fast as cuBLAS there, and

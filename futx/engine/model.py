@@ -32,7 +32,6 @@ from typing import Optional, Sequence, Union
 import torch
 
 from futx import paging
-from futx.reference import rms_norm
 
 from .backends import make_ops, rope_table
 from .cache import EngineCache
@@ -173,7 +172,7 @@ class DecodeModel:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """BF16 logits [M, V] of the final residual stream x (final RMSNorm with its gain, BF16 LM head)."""
-        h = rms_norm(x, self._final_gain, self.config.rms_norm_eps)
+        h = self.ops.final_norm(x, self._final_gain, self.config.rms_norm_eps)
         return self.ops.head(h, self.packed.lm_head)
 
     # ---- host-side convenience ---------------------------------------------------------------------

@@ -49,9 +49,10 @@
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
 #             persistent launch vs the four standalone tile GEMVs: $OUT/ncu_persistent.csv
 #   pdltests  the shipped step's attention as a dependent launch of its QKV projection (decode.attn.*.qkv*.pdl, rule
-#             E5): tests/test_attention_pdl_gpu.py, bit for bit against the plain kernel (op and engine step)
-#   pdlbench  futx bench decode --pdl-attention: the 8B step (INT4 weights, INT4 / E4M3 caches) at (1, 1024),
-#             (1, 8192), (4, 1024), (8, 1024), (32, 4096) with and without it, one process
+#             E5): tests/test_attention_pdl_gpu.py, bit for bit against the plain kernel (op and engine step); the
+#             final norm as one kernel (engine.rms_rows.gain, rule E6): its tests in tests/test_engine_gpu.py
+#   pdlbench  futx bench decode --pdl-attention --final-norm-kernel: the 8B step (INT4 weights, INT4 / E4M3 caches)
+#             at (1, 1024), (1, 8192), (4, 1024), (8, 1024), (32, 4096) with E5, E6, both and neither, one process
 #   pdl70     the same for the 70B at (1, 1024) and (4, 1024)
 #   pdlsplit  the 8B INT4/INT4 step at (1, 1024), (1, 8192), (8, 1024) with attention forced to 2, 4, 16, 32 splits,
 #             plain and dependent launch (item 2: which split size makes attention shortest inside the step)
@@ -121,16 +122,17 @@ for part in "$@"; do
                python3 scripts/bench_persistent_layer.py --once > $OUT/ncu_persistent.csv 2> $LOGS/ncu_persistent.err
              echo "ncu rc=$? $(wc -l < $OUT/ncu_persistent.csv) lines" ;;
     pdltests) TAILN=12 step pdl_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
-               tests/test_attention_pdl_gpu.py ;;
-    pdlbench) TAILN=30 step pdlbench 420 python3 -m futx.cli bench decode --weights int4 --cache int4,e4m3 \
-               --points 1x1024,1x8192,4x1024,8x1024,32x4096 --pdl-attention --breakdown '' --json $OUT/pdl-attention-8b.json ;;
+               tests/test_attention_pdl_gpu.py tests/test_engine_gpu.py -k "pdl or gain or final_norm" ;;
+    pdlbench) TAILN=40 step pdlbench 540 python3 -m futx.cli bench decode --weights int4 --cache int4,e4m3 \
+               --points 1x1024,1x8192,4x1024,8x1024,32x4096 --pdl-attention --final-norm-kernel --breakdown '' \
+               --json $OUT/pdl-attention-8b.json ;;
     pdl70)   TAILN=12 step pdl70 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 --cache int4 \
-               --points 1x1024,4x1024 --pdl-attention --breakdown '' --json $OUT/pdl-attention-70b.json ;;
+               --points 1x1024,4x1024 --pdl-attention --final-norm-kernel --breakdown '' --json $OUT/pdl-attention-70b.json ;;
     pdlsplit) TAILN=40 step pdlsplit 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points 1x1024,1x8192,8x1024 --pdl-attention --attention-splits 2,4,16,32 --breakdown '' \
                --json $OUT/pdl-attention-splits-8b.json ;;
-    pdltime) TAILN=30 step pdltime 240 bash -c "for b in 1 8; do for f in '' --pdl-attention; do \
-               python3 scripts/step_timeline.py --batch \$b \$f --json $OUT/timeline-8b-\${b}x1024\${f:+-pdl}.json \
+    pdltime) TAILN=30 step pdltime 240 bash -c "for b in 1 8; do for f in '' '--pdl-attention --final-norm-kernel'; do \
+               python3 scripts/step_timeline.py --batch \$b \$f --json $OUT/timeline-8b-\${b}x1024\${f:+-e5e6}.json \
                || exit 1; done; done" ;;
     *) echo "unknown part $part" ;;
   esac

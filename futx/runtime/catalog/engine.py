@@ -1,4 +1,5 @@
-"""Small kernels that sit between the engine's projections (its glue): the decode step's RMSNorm row factor, the
+"""Small kernels that sit between the engine's projections (its glue): the decode step's RMSNorm row factor (and its
+final norm with the gain), the
 prefill's mirror writer, per-row E4M3 quantization, the verify step's block-rows writer and the INT4-only cache's
 main-copy rows from the mirror."""
 
@@ -28,6 +29,9 @@ SPECS = [
     KernelSpec(key="engine.rms_rows", module="decode.rms_rows",
                sources=("decode/rms_rows.py", "decode/block_reduce.py"),
                doc="RMSNorm row factor of bf16 rows (gain folded into the next projection)"),
+    KernelSpec(key="engine.rms_rows.gain", module="decode.rms_rows", params=(("gain", True),),
+               sources=("decode/rms_rows.py", "decode/block_reduce.py"),
+               doc="RMSNorm of bf16 rows with its bf16 gain (the final norm before the LM head: rule E6)"),
     KernelSpec(key="engine.row_quant_e4m3", module="futx.prefill.row_quant",
                sources=("futx/prefill/row_quant.py", "decode/ptx.py", "decode/block_reduce.py"),
                doc="per-row dynamic E4M3 quantization of bf16 activations (the prefill block's glue)"),
