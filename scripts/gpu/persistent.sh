@@ -54,6 +54,9 @@
 #   pdlbench  futx bench decode --pdl-attention --final-norm-kernel: the 8B step (INT4 weights, INT4 / E4M3 caches)
 #             at (1, 1024), (1, 8192), (4, 1024), (8, 1024), (32, 4096) with E5, E6, both and neither, one process
 #   pdl70     the same for the 70B at (1, 1024) and (4, 1024)
+#   pdlring   the 8B INT4/INT4 step at (1, 1024) with E5 and the tile GEMV's ring pipeline (whole weight
+#             share requested before the wait; tuning space staged: python scripts/tuning_space.py build --out .gpu/aot
+#             --only 'decode.gemv.int4.m1.*ring*' --no-runtime, then stage.sh)
 #   pdlsplit  the 8B INT4/INT4 step at (1, 1024), (1, 8192), (8, 1024) with attention forced to 2, 4, 16, 32 splits,
 #             plain and dependent launch (item 2: which split size makes attention shortest inside the step)
 #   pdltime   scripts/step_timeline.py --pdl-attention: the 8B step at (1, 1024) and (8, 1024), its kernels traced
@@ -128,6 +131,9 @@ for part in "$@"; do
                --json $OUT/pdl-attention-8b.json ;;
     pdl70)   TAILN=12 step pdl70 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 --cache int4 \
                --points 1x1024,4x1024 --pdl-attention --final-norm-kernel --breakdown '' --json $OUT/pdl-attention-70b.json ;;
+    pdlring) TAILN=30 step pdlring 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+               --points 1x1024 --pdl-attention --tile-variants ring4,ring8 --breakdown '' \
+               --json $OUT/pdl-attention-ring-8b.json ;;
     pdlsplit) TAILN=40 step pdlsplit 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points 1x1024,1x8192,8x1024 --pdl-attention --attention-splits 2,4,16,32 --breakdown '' \
                --json $OUT/pdl-attention-splits-8b.json ;;
