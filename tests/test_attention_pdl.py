@@ -55,6 +55,60 @@ def test_new_row_stage_over_every_warps_ring(warps, stages, tile):
             _replay(ctx, nsplit, warps, stages, tile)
 
 
+def _ring_trace(n_my: int, stages: int, held_stage):
+    """A warp's cp.async ring as attend() runs it, under wait_group's worst case (a group completes only when a wait
+    forces it): (prologue, the dependent launch's re-request of `held_stage` if not None, then the loop). Asserts
+    that every tile is consumed from its own latest copy, landed, and that no copy is issued to a stage while
+    another copy to it is in flight."""
+    groups = []          # per commit group: list of (stage, tile, copy id)
+    pending = []         # open group's copies
+    landed, latest = set(), {}
+    copy_id = iter(range(10 ** 6))
+
+    def issue(stage, tile):
+        in_flight = [c for g in groups for (st, _, c) in g if st == stage and c not in landed]
+        assert not in_flight and not [c for st, _, c in pending if st == stage], "two copies to one stage in flight"
+        c = next(copy_id)
+        pending.append((stage, tile, c))
+        latest[stage] = (tile, c)
+
+    def commit():
+        groups.append(list(pending))
+        pending.clear()
+
+    def wait_group(n):
+        for g in groups[:max(0, len(groups) - n)]:
+            landed.update(c for _, _, c in g)
+
+    for i in range(stages - 1):
+        if i < n_my:
+            issue(i, i)
+        commit()
+    if held_stage is not None:
+        wait_group(0)
+        issue(held_stage, held_stage)
+        commit()
+        wait_group(0)
+    for it in range(n_my):
+        ahead = it + stages - 1
+        if ahead < n_my:
+            issue(ahead % stages, ahead)
+        commit()
+        wait_group(stages - 1)
+        tile, c = latest[it % stages]
+        assert tile == it and c in landed, f"tile {it} consumed before its copy landed"
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_the_re_request_keeps_the_rings_group_count(stages):
+    """The re-requested tile's extra commit group (and its waits) keep every consumed stage landed and never put two
+    copies in flight to one stage, wherever the new row's tile sits in the prologue."""
+    for n_my in range(0, 9):
+        _ring_trace(n_my, stages, None)
+        for held in range(min(stages - 1, n_my)):
+            _ring_trace(n_my, stages, held)
+
+
 def test_pdl_is_the_engine_entry_only():
     with pytest.raises(ValueError, match="fused-QKV entry only"):
         default_plan("int4", 128, True, pdl=True)
