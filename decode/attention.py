@@ -215,6 +215,10 @@ class DecodeAttention:
                     self.write_row(t, k_head, b, kvh, row_page, row_off, pos, lane, True)
                 if warp == 1:
                     self.write_row(t, v_head, b, kvh, row_page, row_off, pos, lane, False)
+                if cutlass.const_expr(p.pdl):
+                    self._sync()   # the new row is in global memory: its tile is requested again while queries stage
+                    self.request_new_row(t, s_ring, slot, kvh, ctx, split * per_split,
+                                         cutlass.min(tiles, split * per_split + per_split), warp, lane)
             if cutlass.const_expr(not p.pdl):   # (a dependent launch set them up before its wait)
                 self.setup_tables(t, s_lut, s_flag, tidx, lane)
             for j in range(warp, MAX_GROUP, NW):
@@ -395,10 +399,25 @@ class DecodeAttention:
     @cute.jit
     def prefetch(self, t: AttnTensors, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, pages, live):
         """A dependent launch's ring prologue, before griddepcontrol.wait: the first tiles of the cached positions
-        (the new row's position ctx - 1 zero-filled: it is written after the wait, and attend() requests its tile
-        again); nothing where `live` is false (a split without tiles, a bad row)."""
+        (the new row's position ctx - 1 zero-filled: it is written after the wait, and request_new_row requests its
+        tile again); nothing where `live` is false (a split without tiles, a bad row)."""
         ring, first, n_my, globs = self.ring_start(t, s_ring, slot, kvh, t_begin, t_end, warp)
         self.ring_prologue(ring, t, first, cutlass.select_(live, n_my, 0), pages, kvh, ctx - 1, lane, globs)
+
+    @cute.jit
+    def request_new_row(self, t: AttnTensors, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane):
+        """A dependent launch, in the CTA that wrote the new row, once it is in global memory: the warp whose early
+        tiles include the row's tile (attn_plan.new_row_prologue_stage) requests that tile again, from L2, into the
+        same stage, in one more commit group that attend() waits for before its loop."""
+        p = self.p
+        ring, first, n_my, globs = self.ring_start(t, s_ring, slot, kvh, t_begin, t_end, warp)
+        last = (ctx - 1) // p.tile_tokens
+        held, stage = new_row_prologue_stage(first, last, p.warps, p.stages, n_my)
+        if held:
+            cute.arch.cp_async_wait_group(0)   # the stage's first copy has landed: never two in flight to it
+            self.issue_tile(ring + stage * p.stage_bytes, t, last, self.tile_page(t, slot, last), kvh, ctx, lane,
+                            globs)
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def attend(self, t: AttnTensors, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2,
@@ -406,8 +425,9 @@ class DecodeAttention:
         """This warp's tiles first + warp, first + warp + NW, ... of [t_begin, t_end) through a
         `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch). Paged: `pages`
         holds the block-table entries of the warp's first `stages` tiles. prefetched: a dependent launch, whose
-        ring prologue `prefetch` requested before the wait, the new row's tile without the new row (its ring state is
-        recomputed here rather than kept live across the wait: fewer registers)."""
+        ring prologue `prefetch` requested before the wait, the new row's tile without the new row, and
+        `request_new_row` that tile again (its ring state is recomputed here rather than kept live across the wait:
+        fewer registers)."""
         p = self.p
         D, TT, NS, NW, SB = p.head_dim, p.tile_tokens, p.stages, p.warps, p.stage_bytes
         qa = self.query_fragments(s_q, lane)
@@ -422,13 +442,9 @@ class DecodeAttention:
         if cutlass.const_expr(not prefetched):
             self.ring_prologue(ring, t, first, n_my, pages, kvh, ctx, lane, globs)
         else:
-            last = (ctx - 1) // TT   # the tile holding the new row, written since the prologue was requested
-            held, stage = new_row_prologue_stage(first, last, NW, NS, n_my)
-            if held:
-                cute.arch.cp_async_wait_group(0)   # the stage's first copy has landed: never two in flight to it
-                self.issue_tile(ring + stage * SB, t, last, self.tile_page(t, slot, last), kvh, ctx, lane, globs)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)   # (an extra group: the loop's group count no longer covers it)
+            held, _ = new_row_prologue_stage(first, (ctx - 1) // TT, NW, NS, n_my)
+            if held:   # request_new_row's extra group: the loop's group count does not cover it
+                cute.arch.cp_async_wait_group(0)
         # paged: the page of the next tile to issue, looked up one issue ahead (below) so that the table load's
         # latency hides behind a tile's math instead of stalling the refill
         nxt = pages[NS - 1] if p.paged else None

@@ -56,8 +56,10 @@ def test_new_row_stage_over_every_warps_ring(warps, stages, tile):
 
 
 def _ring_trace(n_my: int, stages: int, held_stage):
-    """A warp's cp.async ring as attend() runs it, under wait_group's worst case (a group completes only when a wait
-    forces it): (prologue, the dependent launch's re-request of `held_stage` if not None, then the loop). Asserts
+    """A warp's cp.async ring as the kernel runs it, under wait_group's worst case (a group completes only when a
+    wait forces it): the prologue (`prefetch`, before griddepcontrol.wait, for a dependent launch), then where
+    `held_stage` is not None request_new_row's re-request of that stage and attend()'s wait for it before its loop
+    (the query staging between them issues no copies), then the loop. Asserts
     that every tile is consumed from its own latest copy, landed, and that no copy is issued to a stage while
     another copy to it is in flight."""
     groups = []          # per commit group: list of (stage, tile, copy id)
