@@ -196,10 +196,10 @@ class DecodeAttention:
         s_ring = s_q + p.q_bytes
         s_flag = s_ring + p.ring_bytes
 
+        t_begin = split * per_split   # this split's tiles [t_begin, t_end)
+        t_end = cutlass.min(tiles, t_begin + per_split)
         if cutlass.const_expr(p.pdl):
-            split_begin = split * per_split   # (attend's t_begin, t_end)
-            self.prefetch(t, s_ring, slot, kvh, ctx, split_begin, cutlass.min(tiles, split_begin + per_split), warp,
-                          lane, pages, split < n_active)
+            self.prefetch(t, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, pages, split < n_active)
             if split < n_active:
                 self.setup_tables(t, s_lut, s_flag, tidx, lane)
             cute.arch.griddepcontrol_wait()   # the QKV projection's output is complete from here on
@@ -217,16 +217,13 @@ class DecodeAttention:
                     self.write_row(t, v_head, b, kvh, row_page, row_off, pos, lane, False)
                 if cutlass.const_expr(p.pdl):
                     self._sync()   # the new row is in global memory: its tile is requested again while queries stage
-                    self.request_new_row(t, s_ring, slot, kvh, ctx, split * per_split,
-                                         cutlass.min(tiles, split * per_split + per_split), warp, lane)
+                    self.request_new_row(t, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane)
             if cutlass.const_expr(not p.pdl):   # (a dependent launch set them up before its wait)
                 self.setup_tables(t, s_lut, s_flag, tidx, lane)
             for j in range(warp, MAX_GROUP, NW):
                 self.stage_query(mQ, t.rope, pos, s_q, b, kvh, group, j, lane, scale_log2)
             self._sync()  # new row in global memory, table and query in shared memory
 
-            t_begin = split * per_split
-            t_end = cutlass.min(tiles, t_begin + per_split)
             self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages, p.pdl)
             self._sync()  # scratch (the ring) holds every warp's partial
 

@@ -99,22 +99,33 @@ def replaying_model(shape: str, weights: str, cache_fmt: str, batch: int, contex
     randomized contiguous cache, `batch` rows loaded at `context` tokens and their CUDA graphs. `persistent`:
     DecodeModel's argument, or a function of the model giving its persistent step (set before the graphs);
     `rules`: KernelOps attributes to set first (engine_rules: E5, E6 on). Returns (config, model, graphs)."""
-    from futx.engine import DecodeModel, random_packed
-    from futx.engine.graphs import GraphSteps
+    from futx.engine import random_packed
 
     cfg = config_for(shape, None)
     cap = -(-context // 8) * 8
     cache, kw = decode_cache(cfg, cache_fmt, batch, cap, "cuda")
     cache.randomize(0)
-    m = DecodeModel(random_packed(cfg, weights, seed=0), cache_fmt, max_batch=batch, shared_cache=cache,
-                    capacity=cap, persistent=False if callable(persistent) else persistent, **kw)
+    m, g = captured_step(random_packed(cfg, weights, seed=0), cache, batch, context, rules, capacity=cap,
+                         persistent=persistent, **kw)
+    return cfg, m, g
+
+
+def captured_step(packed, cache, batch: int, context: int, ops: Optional[dict] = None, persistent=False, **model_kw):
+    """A DecodeModel of `packed` over the shared `cache` (DecodeModel's other keywords `model_kw`; `persistent`: its
+    argument, or a function of the model giving its persistent step), KernelOps attributes `ops` set, its CUDA graph
+    captured and `batch` rows loaded at `context` tokens. Returns (model, its GraphSteps)."""
+    from futx.engine import DecodeModel
+    from futx.engine.graphs import GraphSteps
+
+    m = DecodeModel(packed, cache.fmt, max_batch=batch, shared_cache=cache,
+                    persistent=False if callable(persistent) else persistent, **model_kw)
     if callable(persistent):
         m.persistent = persistent(m)
-    for attr, value in (rules or {}).items():
+    for attr, value in (ops or {}).items():
         setattr(m.ops, attr, value)
     g = GraphSteps(m, buckets=[batch])
     m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-    return cfg, m, g
+    return m, g
 
 
 def ring_step(variant: str = "", **kw):
@@ -443,33 +454,20 @@ def run(a: argparse.Namespace) -> int:
         models, cands = {}, {}
         for wf in wfs:
             for cf in cfs:
-                m = DecodeModel(packed[wf], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])
-                g = GraphSteps(m, buckets=[batch])
-                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-                models[(wf, cf)] = m
-                cands[f"{wf}/{cf}"] = (lambda g=g: g.replay(batch))
-                for name, rules in engine_rules(a, batch):   # the same step with rules E5 / E6 on (same weights and
-                    m = DecodeModel(packed[wf], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])   # cache)
-                    for attr, value in rules.items():
-                        setattr(m.ops, attr, value)
-                    g = GraphSteps(m, buckets=[batch])
-                    m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-                    cands[f"{wf}/{cf} {name}"] = (lambda g=g: g.replay(batch))
+                models[(wf, cf)], g = captured_step(packed[wf], caches[cf], batch, context, **kw[cf])
+                cands[f"{wf}/{cf}"] = lambda g=g: g.replay(batch)
+                for name, rules in engine_rules(a, batch):   # the same step with rules E5 / E6 on
+                    _, g = captured_step(packed[wf], caches[cf], batch, context, rules, **kw[cf])
+                    cands[f"{wf}/{cf} {name}"] = lambda g=g: g.replay(batch)
         for sp in a.attention_splits if ("int4", "int4") in models else []:
             for pdl in (False, True) if a.pdl_attention else (False,):
-                m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], **kw["int4"])
-                m.ops.attention_splits = sp
-                m.ops.pdl_attention_rows = batch if pdl else 0
-                g = GraphSteps(m, buckets=[batch])
-                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
-                cands[f"int4/int4{' pdl-attention' if pdl else ''} splits {sp}"] = (lambda g=g: g.replay(batch))
+                _, g = captured_step(packed["int4"], caches["int4"], batch, context,
+                                     {"attention_splits": sp, "pdl_attention_rows": batch if pdl else 0}, **kw["int4"])
+                cands[f"int4/int4{' pdl-attention' if pdl else ''} splits {sp}"] = lambda g=g: g.replay(batch)
         if a.glue:
             for glue, name in (("norm-kernel", "int4/int4 row factor as its own kernel"),
                                ("torch", "int4/int4 unfused glue")):
-                m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], glue=glue,
-                                **kw["int4"])
-                g = GraphSteps(m, buckets=[batch])
-                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                _, g = captured_step(packed["int4"], caches["int4"], batch, context, glue=glue, **kw["int4"])
                 cands[name] = lambda g=g: g.replay(batch)
         for sp in a.persistent if "int4" in wfs else []:
             from futx.engine.persistent import FORMATS as PFORMATS, PersistentStep, unsupported
@@ -492,17 +490,13 @@ def run(a: argparse.Namespace) -> int:
             for pdl in (False, True) if a.pdl_attention else (False,):   # (with E5: e.g. the ring pipeline, whose
                 route(v)                                                  # weights are all requested before the wait)
                 try:
-                    m = DecodeModel(packed["int4"], "int4", max_batch=batch, shared_cache=caches["int4"], **kw["int4"])
-                    m.ops.pdl_attention_rows = batch if pdl else 0
-                    g = GraphSteps(m, buckets=[batch])
-                    m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
+                    m, g = captured_step(packed["int4"], caches["int4"], batch, context,
+                                         {"pdl_attention_rows": batch if pdl else 0}, **kw["int4"])
                 finally:
                     plan.route_tile_variant("")
-                if pdl:
-                    cands[f"int4/int4 pdl-attention tile {v}"] = lambda g=g: g.replay(batch)
-                    continue
-                variant_models[v] = m
-                cands[f"int4/int4 tile {v}"] = lambda g=g: g.replay(batch)
+                cands[f"int4/int4 {'pdl-attention ' if pdl else ''}tile {v}"] = lambda g=g: g.replay(batch)
+                if not pdl:
+                    variant_models[v] = m
         t = timer.run(cands)
         point = {"batch": batch, "context": context, "rows": []}
         for name, r in t.items():
