@@ -395,8 +395,7 @@ def main(argv=None) -> int:
 def run(a: argparse.Namespace) -> int:
     import torch
 
-    from futx.engine import DecodeModel, random_packed
-    from futx.engine.graphs import GraphSteps
+    from futx.engine import random_packed
 
     if a.speculative:
         bench_verify.run(a)
@@ -470,19 +469,19 @@ def run(a: argparse.Namespace) -> int:
                 _, g = captured_step(packed["int4"], caches["int4"], batch, context, glue=glue, **kw["int4"])
                 cands[name] = lambda g=g: g.replay(batch)
         for sp in a.persistent if "int4" in wfs else []:
-            from futx.engine.persistent import FORMATS as PFORMATS, PersistentStep, unsupported
+            from futx.engine.persistent import FORMATS as PFORMATS, PersistentMisfit, PersistentStep
 
             body, sp = sp if isinstance(sp, tuple) else ("tiles", sp)
             name = "persistent ring" if body == "ring" else "persistent"
             for cf in [f for f in cfs if f in PFORMATS]:
-                m = DecodeModel(packed["int4"], cf, max_batch=batch, shared_cache=caches[cf], **kw[cf])
-                why = unsupported(m, batch, body)
-                if why is not None:
-                    print(f"  {name} at batch {batch}: skipped, {why}")
+                def step(m, sp=sp, body=body):
+                    return PersistentStep(m, splits=None if sp == "auto" else int(sp), max_rows=batch, body=body)
+
+                try:
+                    m, g = captured_step(packed["int4"], caches[cf], batch, context, persistent=step, **kw[cf])
+                except PersistentMisfit as e:
+                    print(f"  {name} at batch {batch}: skipped, {e}")
                     continue
-                m.persistent = PersistentStep(m, splits=None if sp == "auto" else int(sp), body=body)
-                g = GraphSteps(m, buckets=[batch])
-                m.load_inputs(list(range(1, batch + 1)), [context - 1] * batch, list(range(batch)))
                 splits = m.persistent.tables(batch)["splits"]
                 cands[f"int4/{cf} {name} s{splits}"] = lambda g=g: g.replay(batch)
         variant_models = {}

@@ -113,6 +113,10 @@ def check_ring_waits(table: torch.Tensor) -> None:
             raise ValueError(f"the ring layer needs every {name} task of a layer to wait for one counter and target")
 
 
+class PersistentMisfit(ValueError):
+    """The persistent layer cannot run this model's steps (its format, shape or row count; `unsupported` says why)."""
+
+
 class PersistentStep:
     """Steps of 1..`max_rows` rows of one DecodeModel (its cache and weights) on the persistent layer kernel (both
     bodies take the same table and arguments)."""
@@ -143,7 +147,7 @@ class PersistentStep:
             raise ValueError(f"variant {variant!r} computes wrong outputs (a timing diagnostic): pass diagnostic=True")
         why = unsupported(model, max_rows, body)   # every row count up to max_rows fits if it does
         if why is not None:
-            raise ValueError(f"the persistent decode layer does not fit this model: {why}")
+            raise PersistentMisfit(f"the persistent decode layer does not fit this model: {why}")
         self.model = model
         sms = sm_count(dev)
         self.ctas = ctas or sms   # one CTA per SM (the layer kernel's registers), all co-resident

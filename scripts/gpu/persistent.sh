@@ -53,7 +53,8 @@
 #             final norm as one kernel (engine.rms_rows.gain, rule E6): its tests in tests/test_engine_gpu.py
 #   pdlbench  futx bench decode --pdl-attention --final-norm-kernel: the 8B step (INT4 weights, INT4 / E4M3 caches)
 #             at (1, 1024), (1, 8192), (4, 1024), (8, 1024), (32, 4096) with E5, E6, both and neither, one process
-#   pdl70     the same for the 70B at (1, 1024) and (4, 1024)
+#   pdl70     the same for the 70B at (1, 1024), (1, 8192), (4, 1024), (8, 1024), with the ring layer where it fits
+#   peer70    the gpt-fast-style INT4 peer at the 70B's four points (one process each; its JSON lines in the log)
 #   pdlring   the 8B INT4/INT4 step at (1, 1024) with E5 and the tile GEMV's ring pipeline (whole weight
 #             share requested before the wait; tuning space staged: python scripts/tuning_space.py build --out .gpu/aot
 #             --only 'decode.gemv.int4.m1.*ring*' --no-runtime, then stage.sh)
@@ -129,8 +130,11 @@ for part in "$@"; do
     pdlbench) TAILN=40 step pdlbench 540 python3 -m futx.cli bench decode --weights int4 --cache int4,e4m3 \
                --points 1x1024,1x8192,4x1024,8x1024,32x4096 --pdl-attention --final-norm-kernel --breakdown '' \
                --json $OUT/pdl-attention-8b.json ;;
-    pdl70)   TAILN=12 step pdl70 300 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 --cache int4 \
-               --points 1x1024,4x1024 --pdl-attention --final-norm-kernel --breakdown '' --json $OUT/pdl-attention-70b.json ;;
+    pdl70)   TAILN=16 step pdl70 540 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 --cache int4 \
+               --points 1x1024,1x8192,4x1024,8x1024 --pdl-attention --final-norm-kernel --persistent ring \
+               --breakdown '' --json $OUT/pdl-attention-70b.json ;;
+    peer70)  TAILN=8 step peer70 540 bash -c "for p in 1x1024 1x8192 4x1024 8x1024; do echo \$p; \
+               python3 scripts/decode_peers.py gptfast-int4 --shape llama-3.1-70b --point \$p || exit 1; done" ;;
     pdlring) TAILN=30 step pdlring 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points 1x1024 --pdl-attention --tile-variants ring4,ring8 --breakdown '' \
                --json $OUT/pdl-attention-ring-8b.json ;;
