@@ -176,6 +176,16 @@ class LayerCall:
                      s_d, t, eps, softmax_scale * Float32(LOG2E), trace, stream)
 
 
+def check_task_plan(plan: AttnPlan, warps: int) -> None:
+    """Raise unless `plan` is one a layer's attention tasks can run: fused QKV, a contiguous cache's mirror read
+    without the byte table, on `warps` warps, and no dependent launch's (its griddepcontrol belongs to a kernel's
+    start, not to a task inside a persistent launch)."""
+    if (plan.warps != warps or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut
+            or plan.pdl):
+        raise ValueError(f"a persistent layer's attention plan must be fused, contiguous, read a mirror without the "
+                         f"byte table, use {warps} warps and not be a dependent launch's, got {plan}")
+
+
 class PersistentLayer(LayerCall, _Projections):
     """A decode layer (INT4 weights, a contiguous INT4 or E4M3 cache by `plan`) as one launch: `tokens` = 1 for
     one row, TOKENS for 1..8 rows (the multi-token tile GEMV's bodies; the table's tasks name the rows).
@@ -188,9 +198,7 @@ class PersistentLayer(LayerCall, _Projections):
     workspace [M, Hkv, splits, MAX_GROUP, D | 2] (its splits the table's); M = 1 for `tokens` = 1."""
 
     def __init__(self, plan: AttnPlan, warps: int = WARPS, tokens: int = 1):
-        if plan.warps != warps or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
-            raise ValueError("the persistent layer's attention plan must be fused, contiguous, read a mirror "
-                             "without the byte table and use the layer's warps")
+        check_task_plan(plan, warps)
         super().__init__(warps, tokens)
         self.att = DecodeAttention(plan)
 

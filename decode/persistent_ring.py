@@ -46,7 +46,7 @@ from decode.attention import AttnTensors, DecodeAttention
 from decode.attn_plan import AttnPlan
 from decode.gemv_tile import WARP, GemvTile
 from decode.gemv_layout import TOKENS
-from decode.persistent_layer import ATTN, PROJ, LayerCall
+from decode.persistent_layer import ATTN, PROJ, LayerCall, check_task_plan
 from decode.persistent_host import (RING_CONSUMER_WARPS, RING_PIECES, RING_RED_BUFS, RING_ROW_BYTES,
                                     RING_STAGE_BYTES, RING_STAGE_K, RING_STAGE_SCALE_BYTES, RING_STAGE_UNITS,
                                     TRACE_FIELDS, layer_plan, ring_chunk_stages, ring_kernel_stages, ring_lane_at,
@@ -341,9 +341,7 @@ class RingLayer(LayerCall):
 
     def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False,
                  epilogue_warp: bool = False, group: int = 1, no_math: bool = False):
-        if plan.warps != RING_CONSUMER_WARPS or not plan.fused_qkv or plan.paged or not plan.quantized or plan.uses_lut:
-            raise ValueError("the ring layer's attention plan must be fused, contiguous, read a mirror without the "
-                             "byte table and use the consumer warps")
+        check_task_plan(plan, RING_CONSUMER_WARPS)
         self.att = ConsumerAttention(plan)
         self.trace = trace
         # the ring beside the body: the attention scratch, where a projection stages its input in chunks

@@ -70,19 +70,20 @@ def test_pdl_mirror_only_twin_equals_the_plain_one(da, fmt, rotate):  # noqa: F8
     assert torch.isnan(case.paged.k_cache).all() and torch.isnan(case.paged.v_cache).all()
 
 
-def _model(weights, cf, rows, batch):
+def _model(weights, cf, rows, batch, splits=0):
     from futx.engine import DecodeModel, pack_model
 
     m = DecodeModel(pack_model(weights, "int4", progress=False), cf, max_batch=batch, capacity=1200,
                     backend="kernels", device="cuda")
     m.cache.randomize(3)   # every model the same history, never zeros
     m.ops.pdl_attention_rows = rows
+    m.ops.attention_splits = splits
     return m
 
 
-@pytest.mark.parametrize("cf", ["int4", "e4m3", "bf16"])
-@pytest.mark.parametrize("batch", [1, 3, 8])
-def test_step_with_pdl_attention_equals_the_plain_step(cf, batch):
+def _check_steps(cf, batch, splits=0):
+    """Six steps of a 3-layer model from the same cache, plain attention vs the dependent launch (eager, graphs):
+    equal bit for bit. Behind the real QKV projection, the only place a read before griddepcontrol.wait shows."""
     from futx.checkpoint.synthetic import random_weights, tiny_config
     from futx.engine.graphs import GraphSteps
 
@@ -93,7 +94,7 @@ def test_step_with_pdl_attention_equals_the_plain_step(cf, batch):
     starts = [0, 31, 1023, 64, 95, 500, 7, 1100][:batch]
     hidden = []
     for rows, graphs in ((0, False), (8, False), (8, True)):
-        m = _model(w, cf, rows, batch)
+        m = _model(w, cf, rows, batch, splits)
         g = GraphSteps(m, buckets=[batch]) if graphs else None
         out = []
         for s in range(toks.shape[1]):
@@ -107,3 +108,17 @@ def test_step_with_pdl_attention_equals_the_plain_step(cf, batch):
     assert torch.isfinite(hidden[0]).all()
     assert torch.equal(hidden[1], hidden[0]), "eager step with the dependent attention launch differs"
     assert torch.equal(hidden[2], hidden[0]), "graph replay with the dependent attention launch differs"
+
+
+@pytest.mark.parametrize("cf", ["int4", "e4m3", "bf16"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_step_with_pdl_attention_equals_the_plain_step(cf, batch):
+    _check_steps(cf, batch)
+
+
+@pytest.mark.parametrize("cf", ["int4", "e4m3"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_step_with_pdl_attention_at_fixed_splits(cf, splits):
+    """One split (every tile of a row in one CTA's prologue and loop) and five (the new row's tile in either
+    prologue stage at some of the contexts), behind the real QKV projection."""
+    _check_steps(cf, 3, splits)

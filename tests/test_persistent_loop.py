@@ -174,3 +174,19 @@ def _branch_free_mma_runs(sass: str, mmas: int) -> list:
             n = 0
         n += op.startswith("HMMA.16816.F32.BF16")
     return [r for r in runs + [n] if r == mmas]
+
+
+@pytest.mark.parametrize("change", [dict(pdl=True), dict(fused_qkv=False), dict(warps=4)])
+def test_layer_kernels_refuse_attention_plans_their_tasks_cannot_run(change):
+    """A dependent launch's plan (griddepcontrol at a kernel's start), an unfused one or one on other warps inside
+    a persistent layer's task is refused when the kernel object is made, before any trace."""
+    import dataclasses
+
+    from decode.persistent_host import layer_plan
+    from decode.persistent_layer import PersistentLayer
+    from decode.persistent_ring import RingLayer
+
+    plan = dataclasses.replace(layer_plan("int4"), **change)
+    for make in (PersistentLayer, RingLayer):
+        with pytest.raises(ValueError, match="persistent layer's attention plan"):
+            make(plan)
