@@ -130,7 +130,11 @@ class DecodeAttention:
         base = smem.allocate(self.p.smem_bytes, byte_alignment=1024).toint()
         if cutlass.const_expr(self.p.pdl):
             cute.arch.griddepcontrol_launch_dependents()   # the O projection may start streaming its weights
-        self.partial(t, scale_log2, split, kvh, b, nsplit, base, tidx, True)
+        self.partial(t, scale_log2, split, kvh, b, nsplit, base, tidx, True, self._launch_wait())
+
+    def _launch_wait(self):
+        """A dependent launch's wait for the step's inputs (partial's `early_wait`), None for a plain launch."""
+        return cute.arch.griddepcontrol_wait if self.p.pdl else None
 
     def extent(self, t: AttnTensors, b, nsplit):
         """Where row b's new K/V row goes and how its context splits: (pos, slot, bad, page, in-page row, ctx,
@@ -156,18 +160,21 @@ class DecodeAttention:
 
     @cute.jit
     def partial(self, t: AttnTensors, scale_log2: Float32, split, kvh, b, nsplit, base, tidx,
-                arrive: cutlass.Constexpr):
+                arrive: cutlass.Constexpr, early_wait=None):
         """One (split, KV head, row): the new K/V row first where this split holds position pos, then this
         split's tokens; with one split holding tiles the finished rows, else the partial into the workspace.
         arrive: the last split to arrive merges the partials (self-resetting counter; the standalone launch);
         otherwise a separate `combine` does (the persistent kernel's combine task). `base`: shared memory of
         plan.smem_bytes, 1024-byte aligned.
 
-        A dependent launch (plan.pdl) reads before griddepcontrol.wait only what was written before the decode step
-        began: positions, slots, the block table, the cache rows before each row's position (its first tiles, the
-        new row's position zero-filled: `prefetch`) and the INT4 table; everything else (the QKV projection's
-        output, the new row, the output, the workspace and the counters) after it."""
+        early_wait: how the CTA waits for the QKV projection's output when its first tiles are requested before that
+        (None: the inputs are ready at entry). A dependent launch (plan.pdl: griddepcontrol.wait) or the ring layer's
+        attention task (its counter) reads before it only what was written before the decode step (or layer) began:
+        positions, slots, the block table, the cache rows before each row's position (its first tiles, the new row's
+        position zero-filled: `prefetch`) and the INT4 table; everything else (the QKV projection's output, the new
+        row, the output, the workspace and the counters) after it."""
         p = self.p
+        early = early_wait is not None
         mSlot, mKc, mOut = t.slots, t.k_cache, t.out
         mWsO, mWsML, mCnt = t.ws_o, t.ws_ml, t.counters
         mQ = self._heads(t, "q")
@@ -198,11 +205,11 @@ class DecodeAttention:
 
         t_begin = split * per_split   # this split's tiles [t_begin, t_end)
         t_end = cutlass.min(tiles, t_begin + per_split)
-        if cutlass.const_expr(p.pdl):
+        if cutlass.const_expr(early):
             self.prefetch(t, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, pages, split < n_active)
             if split < n_active:
                 self.setup_tables(t, s_lut, s_flag, tidx, lane)
-            cute.arch.griddepcontrol_wait()   # the QKV projection's output is complete from here on
+            early_wait()   # the QKV projection's output is complete from here on
 
         if bad:
             if split == 0:
@@ -215,16 +222,16 @@ class DecodeAttention:
                     self.write_row(t, k_head, b, kvh, row_page, row_off, pos, lane, True)
                 if warp == 1:
                     self.write_row(t, v_head, b, kvh, row_page, row_off, pos, lane, False)
-                if cutlass.const_expr(p.pdl):
+                if cutlass.const_expr(early):
                     self._sync()   # the new row is in global memory: its tile is requested again while queries stage
                     self.request_new_row(t, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane)
-            if cutlass.const_expr(not p.pdl):   # (a dependent launch set them up before its wait)
+            if cutlass.const_expr(not early):   # (set up before the early wait otherwise)
                 self.setup_tables(t, s_lut, s_flag, tidx, lane)
             for j in range(warp, MAX_GROUP, NW):
                 self.stage_query(mQ, t.rope, pos, s_q, b, kvh, group, j, lane, scale_log2)
             self._sync()  # new row in global memory, table and query in shared memory
 
-            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages, p.pdl)
+            self.attend(t, s_lut, s_q, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, scale_log2, pages, early)
             self._sync()  # scratch (the ring) holds every warp's partial
 
             for h in range(warp, group, NW):
@@ -395,17 +402,17 @@ class DecodeAttention:
 
     @cute.jit
     def prefetch(self, t: AttnTensors, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane, pages, live):
-        """A dependent launch's ring prologue, before griddepcontrol.wait: the first tiles of the cached positions
-        (the new row's position ctx - 1 zero-filled: it is written after the wait, and request_new_row requests its
-        tile again); nothing where `live` is false (a split without tiles, a bad row)."""
+        """The ring prologue before partial's early wait (griddepcontrol.wait, or the ring layer's counter): the first
+        tiles of the cached positions (the new row's position ctx - 1 zero-filled: it is written after the wait, and
+        request_new_row requests its tile again); nothing where `live` is false (a split without tiles, a bad row)."""
         ring, first, n_my, globs = self.ring_start(t, s_ring, slot, kvh, t_begin, t_end, warp)
         self.ring_prologue(ring, t, first, cutlass.select_(live, n_my, 0), pages, kvh, ctx - 1, lane, globs)
 
     @cute.jit
     def request_new_row(self, t: AttnTensors, s_ring, slot, kvh, ctx, t_begin, t_end, warp, lane):
-        """A dependent launch, in the CTA that wrote the new row, once it is in global memory: the warp whose early
-        tiles include the row's tile (attn_plan.new_row_prologue_stage) requests that tile again, from L2, into the
-        same stage, in one more commit group that attend() waits for before its loop."""
+        """After an early prologue (`prefetch`), in the CTA that wrote the new row, once it is in global memory: the
+        warp whose early tiles include the row's tile (attn_plan.new_row_prologue_stage) requests that tile again,
+        from L2, into the same stage, in one more commit group that attend() waits for before its loop."""
         p = self.p
         ring, first, n_my, globs = self.ring_start(t, s_ring, slot, kvh, t_begin, t_end, warp)
         last = (ctx - 1) // p.tile_tokens
@@ -421,8 +428,8 @@ class DecodeAttention:
                pages=None, prefetched: bool = False):
         """This warp's tiles first + warp, first + warp + NW, ... of [t_begin, t_end) through a
         `stages`-deep cp.async ring; leaves its partial (m, l, O) in the ring (merge scratch). Paged: `pages`
-        holds the block-table entries of the warp's first `stages` tiles. prefetched: a dependent launch, whose
-        ring prologue `prefetch` requested before the wait, the new row's tile without the new row, and
+        holds the block-table entries of the warp's first `stages` tiles. prefetched: the ring prologue was
+        requested before partial's early wait (`prefetch`), the new row's tile without the new row, and
         `request_new_row` that tile again (its ring state is recomputed here rather than kept live across the wait:
         fewer registers)."""
         p = self.p

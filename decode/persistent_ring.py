@@ -84,6 +84,20 @@ def _next_slot(slot, phase, stages: int):
     return cutlass.select_(wrap, Int32(0), slot + 1), phase ^ cutlass.select_(wrap, Int32(1), Int32(0))
 
 
+class _PartialWait:
+    """An attention partial's counter wait, run by DecodeAttention.partial once the task's first cache tiles are
+    requested (the `early_tiles` variant: partial's `early_wait`), with the trace's ready stamp after it."""
+
+    def __init__(self, counters, idx, target, tidx, trace, cta, j):
+        self.args, self.stamp = (counters, idx, target, tidx), (trace, cta, j)
+
+    def __call__(self) -> None:
+        counters, idx, target, tidx = self.args
+        loop.wait(counters, idx, target, tidx, CONSUMERS)
+        trace, cta, j = self.stamp
+        _stamp(trace, cta, j, TRACE["ready"], tidx)
+
+
 class ConsumerAttention(DecodeAttention):
     """decode/attention.py's bodies on the consumer warps: their CTA barriers leave the producer warp out."""
 
@@ -335,13 +349,17 @@ class RingLayer(LayerCall):
     `lookahead` (tuning space): the consumers read each stage one stage ahead of its math; `epilogue_warp` (tuning
     space): a tenth warp finishes every projection task from the partials the consumers hand it (through
     RING_RED_BUFS buffers), so the consumers' projection tasks end without a CTA barrier; `group` (tuning space): the
-    consumers wait for, read and multiply that many stages at a time (RingProjection._stage_group); `no_math`
-    (diagnostic, wrong outputs): the consumers take and release every stage without its arithmetic, so the layer runs
-    at what the stream, the dependencies and attention allow."""
+    consumers wait for, read and multiply that many stages at a time (RingProjection._stage_group); `early_tiles`
+    (tuning space): an attention partial requests its first cache tiles before its counter wait (the new row's
+    position zero-filled and its tile requested again once written: the decode step's dependent launch, rule E5, in a
+    task), so their HBM latency passes while the QKV tasks it waits for finish; `no_math` (diagnostic, wrong
+    outputs): the consumers take and release every stage without its arithmetic, so the layer runs at what the
+    stream, the dependencies and attention allow."""
 
     def __init__(self, plan: AttnPlan, stages: int = 0, trace: bool = False, tokens: int = 1, lookahead: bool = False,
-                 epilogue_warp: bool = False, group: int = 1, no_math: bool = False):
+                 epilogue_warp: bool = False, group: int = 1, no_math: bool = False, early_tiles: bool = False):
         check_task_plan(plan, RING_CONSUMER_WARPS)
+        self.early_tiles = early_tiles
         self.att = ConsumerAttention(plan)
         self.trace = trace
         # the ring beside the body: the attention scratch, where a projection stages its input in chunks
@@ -484,11 +502,17 @@ class RingLayer(LayerCall):
             # a projection of the kind whose row is staged: the CTA's previous task, of the same kind, passed the
             # same wait (one counter and target per kind and layer: futx.engine.persistent.check_ring_waits)
             again = staged == kind
-            if not again:
-                loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+            early_wait = None   # (the early_tiles variant: a partial waits once its first tiles are requested)
+            if cutlass.const_expr(self.early_tiles):
+                early_wait = _PartialWait(counters, wait0, target0, tidx, trace, cta, j)
+                if (staged != kind) & (kind != ATTN["attn_partial"]):
+                    loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+            else:
+                if not again:
+                    loop.wait(counters, wait0, target0, tidx, CONSUMERS)
             _stamp(trace, cta, j, TRACE["ready"], tidx)
             if kind == ATTN["attn_partial"]:   # (row, KV head, split)
-                self.att.partial(t, scale_log2, a2, a1, a0, nsplit, body, tidx, False)
+                self.att.partial(t, scale_log2, a2, a1, a0, nsplit, body, tidx, False, early_wait)
             elif kind == ATTN["attn_combine"]:   # (row, KV head)
                 self.att.combine(t, a1, a0, nsplit, tidx)
             elif kind == PROJ["qkv"]:
@@ -542,13 +566,20 @@ class RingLayer(LayerCall):
             is_proj = _is_projection(kind)
             if not is_proj:
                 loop.cta_sync(CONSUMERS)   # every warp done reading the staged rows before attention's scratch
-            if staged != kind:
-                loop.wait(counters, table[cta, j, F["wait0"]], table[cta, j, F["target0"]], tidx, CONSUMERS)
+            early_wait = None   # (the early_tiles variant: a partial waits once its first tiles are requested)
+            if cutlass.const_expr(self.early_tiles):
+                wait0, target0 = table[cta, j, F["wait0"]], table[cta, j, F["target0"]]
+                early_wait = _PartialWait(counters, wait0, target0, tidx, trace, cta, j)
+                if (staged != kind) & (kind != ATTN["attn_partial"]):
+                    loop.wait(counters, wait0, target0, tidx, CONSUMERS)
+            else:
+                if staged != kind:
+                    loop.wait(counters, table[cta, j, F["wait0"]], table[cta, j, F["target0"]], tidx, CONSUMERS)
             _stamp(trace, cta, j, TRACE["ready"], tidx)
             again = staged == kind
             if kind == ATTN["attn_partial"]:   # (row, KV head, split)
                 self.att.partial(t, scale_log2, table[cta, j, F["a2"]], table[cta, j, F["a1"]], a0, nsplit, body,
-                                 tidx, False)
+                                 tidx, False, early_wait)
             elif kind == ATTN["attn_combine"]:   # (row, KV head)
                 self.att.combine(t, table[cta, j, F["a1"]], a0, nsplit, tidx)
             elif kind == PROJ["qkv"]:
@@ -600,12 +631,14 @@ class RingLayer(LayerCall):
 
 
 def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, trace: bool = False, tokens: int = 1,
-                   lookahead: bool = False, epilogue_warp: bool = False, group: int = 1, no_math: bool = False):
+                   lookahead: bool = False, epilogue_warp: bool = False, group: int = 1, no_math: bool = False,
+                   early_tiles: bool = False):
     """Registry factory (futx/runtime/catalog/persistent.py, `decode.persistent.ring.*`): (jit callable, fake
     arguments) of the ring layer for one cache format and head dim, one row (`tokens` = 1) or 1..8 (`tokens` = 8: the
     multi-token MMA columns, rows as the shared memory fits); the arguments are the persistent layer's, with `trace`
     the task trace int64 [CTAs, table rows, len(TRACE_FIELDS)] instead of None; `stages`, `lookahead`, `group` and
-    `epilogue_warp`: the tuning space's variants (scripts/tuning_space.py); `no_math`: its diagnostic one."""
+    `epilogue_warp`, `early_tiles`: the tuning space's variants (scripts/tuning_space.py); `no_math`: its diagnostic
+    one."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from decode import persistent_layer
@@ -616,4 +649,4 @@ def compile_target(cache: str = "int4", head_dim: int = 128, stages: int = 0, tr
         buf = make_fake_compact_tensor(Int64, (c, r, len(TRACE_FIELDS)), stride_order=(2, 1, 0), assumed_align=8)
         args = (*args[:-2], buf, args[-1])
     return RingLayer(layer_plan(cache, head_dim), stages, trace, tokens, lookahead, epilogue_warp, group,
-                     no_math), args
+                     no_math, early_tiles), args

@@ -115,12 +115,15 @@ def test_persistent_layer_compiles_with_every_task_body(tmp_path, cache, tokens)
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
-@pytest.mark.parametrize("cache,trace,tokens,lookahead,ew,group", [
-    ("int4", False, 1, False, False, 1), ("e4m3", False, 1, False, False, 1), ("int4", True, 1, False, False, 1),
-    ("int4", False, 8, False, False, 1), ("e4m3", True, 8, False, False, 1), ("int4", False, 1, True, False, 1),
-    ("int4", False, 8, True, False, 1), ("int4", False, 1, False, True, 1), ("e4m3", True, 8, False, True, 1),
-    ("int4", False, 1, False, False, 2), ("int4", False, 8, False, False, 4), ("int4", True, 1, False, True, 2)])
-def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens, lookahead, ew, group):
+@pytest.mark.parametrize("cache,trace,tokens,lookahead,ew,group,early", [
+    ("int4", False, 1, False, False, 1, False), ("e4m3", False, 1, False, False, 1, False),
+    ("int4", True, 1, False, False, 1, False), ("int4", False, 8, False, False, 1, False),
+    ("e4m3", True, 8, False, False, 1, False), ("int4", False, 1, True, False, 1, False),
+    ("int4", False, 8, True, False, 1, False), ("int4", False, 1, False, True, 1, False),
+    ("e4m3", True, 8, False, True, 1, False), ("int4", False, 1, False, False, 2, False),
+    ("int4", False, 8, False, False, 4, False), ("int4", True, 1, False, True, 2, False),
+    ("int4", False, 1, False, False, 1, True), ("int4", True, 8, False, True, 2, True)])
+def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens, lookahead, ew, group, early):
     """decode/persistent_ring.py (registry decode.persistent.ring.*): 288 threads (8 consumer warps + the producer),
     the four projection bodies reading the ring (8 HMMA per unit each) beside decode attention's partial; the producer
     issues two bulk copies per stage on the stage's full mbarrier (arrive + expected bytes); the consumers' barriers
@@ -129,14 +132,15 @@ def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens
     multi-token one (1..8 rows) has the same MMAs, B columns being rows. The tuning space's `lookahead` runs its stage
     loop two stages per trip (8 MMAs per unit: 16 per trip and 8 for an odd last stage, per projection body); its
     `epilogue_warp` adds a tenth warp (320 threads) that finishes the projection tasks; its `group` takes that many
-    stages per trip (8 x group MMAs in one basic block, and a one-stage loop for a chunk's last stages)."""
+    stages per trip (8 x group MMAs in one basic block, and a one-stage loop for a chunk's last stages); its
+    `early_tiles` requests an attention partial's first cache tiles before the partial's counter wait."""
     pytest.importorskip("cutlass")
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         import cutlass.cute as cute
         from decode import persistent_ring as pr
         fn, args = pr.compile_target(cache={cache!r}, trace={trace}, tokens={tokens}, lookahead={lookahead},
-                                     epilogue_warp={ew}, group={group})
+                                     epilogue_warp={ew}, group={group}, early_tiles={early})
         cute.compile(fn, *args)
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass,ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -153,7 +157,8 @@ def test_ring_layer_compiles_with_a_producer_warp(tmp_path, cache, trace, tokens
     assert len(re.findall(r"\bbarrier\.sync\s+3,", ptx)) >= 4   # ptx.Barrier.PERSISTENT_CONSUMERS
     assert sass.count("PREEXIT") == 1 and sass.count("ACQBULK") == 1
     assert "REDG.E.ADD.STRONG.GPU" in sass and "CCTL.IVALL" in sass
-    assert ptx.count("%globaltimer") == ((5 if ew else 4) if trace else 0)   # ew: the epilogue warp stamps "end" too
+    # ew: the epilogue warp stamps "end" too; early: a partial stamps "ready" again after its own counter wait
+    assert ptx.count("%globaltimer") == ((5 if ew else 4) + early if trace else 0)
     assert not re.search(r"\b(LDL|STL)\b", sass)
     if group > 1:   # each body's group of units in one branch-free stretch, where ptxas interleaves them
         assert len(_branch_free_mma_runs(sass, 8 * group)) == 4

@@ -47,7 +47,7 @@ STEPS = textwrap.dedent(f"""
 """)
 
 
-@pytest.mark.parametrize("body", ["tiles", "ring", "ring:ew", "ring:g2"])
+@pytest.mark.parametrize("body", ["tiles", "ring", "ring:ew", "ring:g2", "ring:pf"])
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
 def test_persistent_steps_are_clean_under_compute_sanitizer(tool, body):
     if not torch.cuda.is_available():

@@ -180,7 +180,7 @@ def test_ring_counters_end_at_their_totals(ring_packed):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("variant", ["la", "s4", "s8", "ew", "g2", "g4", "ewg2"])
+@pytest.mark.parametrize("variant", ["la", "s4", "s8", "ew", "g2", "g4", "ewg2", "pf", "ewg2pf"])
 def test_ring_variants_equal_the_routed_ring_bit_for_bit(ring_packed, variant, rows):
     """The ring's tuning space (futx.runtime.catalog.persistent.RING_TUNING: consumers one stage ahead, shallower
     rings, an epilogue warp, stages taken in groups) changes when the weights arrive, who finishes a task and how
@@ -192,4 +192,20 @@ def test_ring_variants_equal_the_routed_ring_bit_for_bit(ring_packed, variant, r
     _, tuned = _pair(ring_packed, "int4", rows, body="ring", variant=variant)
     assert tuned.persistent.variant == variant
     want, got = _run(routed, 1000, rows), _run(tuned, 1000, rows)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("start", [0, 62, 63, 1024, 8190])
+@pytest.mark.parametrize("variant", ["pf", "ewg2pf"])
+def test_early_tile_ring_equals_the_routed_ring_at_every_context(ring_packed, variant, start, rows):
+    """The early_tiles variants request an attention partial's first cache tiles before its counter wait, the new
+    row's position zero-filled and its tile requested again once written: at contexts where that tile is the first
+    or a later one of a split (and 1, where it is the only one), the steps equal the routed ring's bit for bit."""
+    from tuning import tuning_space
+
+    tuning_space().register()
+    _, routed = _pair(ring_packed, "int4", rows, body="ring")
+    _, tuned = _pair(ring_packed, "int4", rows, body="ring", variant=variant)
+    want, got = _run(routed, start, rows), _run(tuned, start, rows)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
