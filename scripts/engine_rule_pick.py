@@ -1,0 +1,86 @@
+"""Which unrouted engine rules a `futx bench decode --pdl-attention --final-norm-kernel` run says to route:
+
+    python scripts/engine_rule_pick.py pdl-attention-8b.json [pdl-attention-70b.json ...]
+
+For every point and weight/cache format: the plain step, each rule's step (E5 "pdl-attention", E6
+"final-norm-kernel", both) and the change in percent. A rule wins at a point when it is faster by more than the two
+candidates' spreads together (bench_engine.Timer: (max - min) / median over the interleaved rounds), so noise never
+routes it. Proposed values (futx.engine.backends, docs/routing.md E5 / E6):
+
+  PDL_ATTENTION_MAX_ROWS  the largest batch B such that E5 wins at every measured point of batch <= B (0: none)
+  FINAL_NORM_KERNEL       True when E6 wins at every point
+
+Pure Python: reads the JSON the bench saves (--json), no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RULES = {"E5": "pdl-attention", "E6": "final-norm-kernel", "E5+E6": "pdl-attention+final-norm-kernel"}
+
+
+def comparisons(results: dict) -> list[dict]:
+    """One row per (point, format) that has a plain step: its ms and, per rule timed there, (ms, change, wins)."""
+    out = []
+    for pt in results["points"]:
+        rows = {r["candidate"]: r for r in pt["rows"] if "ms" in r}
+        for name, base in rows.items():
+            if " " in name or "/" not in name:   # the plain steps are named "weights/cache"
+                continue
+            row = {"shape": results.get("shape", ""), "batch": pt["batch"], "context": pt["context"],
+                   "format": name, "ms": base["ms"], "rules": {}}
+            for rule, suffix in RULES.items():
+                r = rows.get(f"{name} {suffix}")
+                if r is not None:
+                    change = r["ms"] / base["ms"] - 1
+                    row["rules"][rule] = {"ms": r["ms"], "change": change,
+                                          "wins": change < -(r["spread"] + base["spread"])}
+            out.append(row)
+    return out
+
+
+def propose(rows: list[dict]) -> dict:
+    """The routing values the comparisons support (see the module docstring)."""
+    e5 = [(r["batch"], r["rules"]["E5"]["wins"]) for r in rows if "E5" in r["rules"]]
+    max_rows = 0
+    for b in sorted({b for b, _ in e5}):
+        if not all(w for bb, w in e5 if bb == b):
+            break
+        max_rows = b
+    e6 = [r["rules"]["E6"]["wins"] for r in rows if "E6" in r["rules"]]
+    return {"PDL_ATTENTION_MAX_ROWS": max_rows, "FINAL_NORM_KERNEL": bool(e6) and all(e6)}
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| shape | B | context | format | plain ms | " + " | ".join(f"{r} ms (change)" for r in RULES) + " |",
+             "|---|---:|---:|---|---:|" + "---:|" * len(RULES)]
+    for r in rows:
+        cells = []
+        for rule in RULES:
+            c = r["rules"].get(rule)
+            cells.append("–" if c is None else
+                         f"{c['ms']:.3f} ({100 * c['change']:+.1f}%{'' if c['wins'] else ', within noise or slower'})")
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['format']} | {r['ms']:.3f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="JSON files of futx bench decode --json")
+    a = p.parse_args(argv)
+    rows = [row for path in a.runs for row in comparisons(json.loads(path.read_text()))]
+    if not rows:
+        p.error("no plain step in these runs (was the bench run with --pdl-attention / --final-norm-kernel?)")
+    print(render(rows))
+    print()
+    for k, v in propose(rows).items():
+        print(f"{k} = {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

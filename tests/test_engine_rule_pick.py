@@ -1,0 +1,39 @@
+"""scripts/engine_rule_pick.py: what a bench run with the unrouted rules proposes to route (E5's row limit, E6)."""
+
+import json
+
+from scripts import engine_rule_pick as pick
+
+
+def _run(points):
+    """A `futx bench decode --json` result: points of (batch, {candidate: (ms, spread)})."""
+    return {"shape": "llama-3.1-8b", "points": [
+        {"batch": b, "context": 1024, "rows": [{"candidate": n, "ms": ms, "spread": sp} for n, (ms, sp) in c.items()]}
+        for b, c in points]}
+
+
+def _point(batch, plain, e5, e6, fmt="int4/int4", spread=0.002):
+    return batch, {fmt: (plain, spread), f"{fmt} pdl-attention": (e5, spread),
+                   f"{fmt} final-norm-kernel": (e6, spread), f"{fmt} gptfast": (9.0, spread)}
+
+
+def test_e5_routes_up_to_the_first_batch_it_does_not_win_and_e6_only_where_it_always_wins():
+    rows = pick.comparisons(_run([_point(1, 1.755, 1.70, 1.74), _point(4, 2.44, 2.40, 2.42),
+                                  _point(8, 2.55, 2.549, 2.53), _point(32, 5.3, 5.0, 5.25)]))
+    assert [r["batch"] for r in rows] == [1, 4, 8, 32]   # "int4/int4 gptfast" is not a plain step
+    assert [r["rules"]["E5"]["wins"] for r in rows] == [True, True, False, True]   # (8: within the spreads)
+    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 4, "FINAL_NORM_KERNEL": True}
+
+
+def test_a_loss_in_any_format_at_a_batch_stops_e5_there_and_a_slower_e6_stays_off():
+    rows = pick.comparisons(_run([_point(1, 1.755, 1.70, 1.76), _point(1, 1.76, 1.80, 1.75, fmt="int4/e4m3")]))
+    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 0, "FINAL_NORM_KERNEL": False}
+
+
+def test_the_cli_prints_the_table_and_the_proposal(tmp_path, capsys):
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps(_run([_point(1, 1.755, 1.70, 1.74)])))
+    assert pick.main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "| llama-3.1-8b | 1 | 1024 | int4/int4 | 1.755 | 1.700 (-3.1%) |" in out
+    assert "PDL_ATTENTION_MAX_ROWS = 1" in out and "FINAL_NORM_KERNEL = True" in out
