@@ -41,6 +41,7 @@
 #   ringgrp   scripts/bench_ring_variants.py: the routed ring vs the epilogue warp, the stage groups (g2, g4, ewg2)
 #             and the no-arithmetic diagnostic (nm) ($RINGVARS) vs the shipped step at (1, 1024) and (8, 1024)
 #   traceg2   scripts/persistent_trace.py --variant g2 / ewg2 ($TRACEVARS): inside the ring layer, (1, 1024)
+#   ringeqpf  the early-tile variants (pf, ewg2pf) bit for bit against the routed ring at contexts 1 to 8191
 #   ringpf    scripts/bench_ring_variants.py: the early-tile variants (pf, ewg2pf: an attention partial's first cache
 #             tiles requested before its counter wait) vs ew / ewg2 and the shipped step (TRACEVARS="pf ewg2pf"
 #             traceg2: the partials' busy time and the QKV-to-O chain inside the layer)
@@ -103,8 +104,10 @@ for part in "$@"; do
     bufsg)   TAILN=30 step bufsg 180 python3 scripts/persistent_buffers.py ring ;;
     ringvar) TAILN=24 step ringvar 300 python3 scripts/bench_ring_variants.py --points 1x1024,8x1024 \
                --json $OUT/ring-variants-8b.json ;;
-    ringeq)  TAILN=8 step ringeq 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
-               tests/test_persistent_step_gpu.py -k "variants_equal or early_tile" ;;
+    ringeq)  TAILN=8 step ringeq 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_persistent_step_gpu.py -k variants_equal ;;
+    ringeqpf) TAILN=8 step ringeqpf 360 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_persistent_step_gpu.py -k early_tile ;;
     ringpf)  TAILN=24 step ringpf 300 python3 scripts/bench_ring_variants.py --points 1x1024,1x8192,8x1024 \
                --variants ew,ewg2,pf,ewg2pf --json $OUT/ring-early-tiles-8b.json ;;
     ringgrp) TAILN=24 step ringgrp 300 python3 scripts/bench_ring_variants.py --points 1x1024,8x1024 \
