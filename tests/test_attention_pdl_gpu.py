@@ -106,6 +106,11 @@ def _check_steps(cf, batch, splits=0):
             out.append(m.buffers.hidden[:batch].clone())
         hidden.append(torch.stack(out))
     assert torch.isfinite(hidden[0]).all()
+    # the rule really chose the twin (else the equalities below would hold trivially)
+    from futx.runtime.catalog.decode_attention import qkv_key
+    from futx.runtime.loader import kernel_origin
+
+    assert kernel_origin(qkv_key(cf, 128, cf == "int4", pdl=True)) is not None
     assert torch.equal(hidden[1], hidden[0]), "eager step with the dependent attention launch differs"
     assert torch.equal(hidden[2], hidden[0]), "graph replay with the dependent attention launch differs"
 
