@@ -157,11 +157,16 @@ def test_rms_rows_with_gain_is_the_reference_rms_norm(seeded):
 
 
 @pytest.mark.parametrize("cf", FORMATS)
-def test_step_with_the_final_norm_kernel(weights, cf):
-    """Rule E6 on: the hidden states bit for bit (it runs after them), the logits within the norm's rare flips."""
+def test_step_with_the_final_norm_kernel(weights, cf, monkeypatch):
+    """Rule E6 on: the hidden states bit for bit (it runs after them), the logits within the norm's rare flips; the
+    torch chain never runs with it on (else the comparison would hold trivially)."""
+    from futx.engine import backends
+
     toks = torch.randint(0, 512, (3, 6), generator=torch.Generator().manual_seed(6))
     out = []
     for kernel in (False, True):
+        if kernel:
+            monkeypatch.setattr(backends, "rms_norm", lambda *a: pytest.fail("E6 on, yet the torch norm ran"))
         m = DecodeModel(pack_model(weights, "int4", progress=False), cf, max_batch=3, capacity=96, device="cuda",
                         keep_logits=True)
         m.ops.final_norm_kernel = kernel
