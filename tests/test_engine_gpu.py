@@ -12,19 +12,9 @@ from futx.engine.backends import rms_rows
 from futx.engine.generate import generate
 from futx.engine.graphs import GraphSteps
 
+from engine_gpu_model import FORMATS, weights  # noqa: F401
+
 pytestmark = pytest.mark.gpu
-FORMATS = ("bf16", "e4m3", "int4")
-
-
-def _cfg(head_dim):
-    # odd-ish sizes on the kernels' granularity: K = 192 / 320, GQA group 3
-    return tiny_config(hidden_size=192, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2,
-                       head_dim=head_dim, num_hidden_layers=3, vocab_size=512)
-
-
-@pytest.fixture(scope="module", params=[64, 128])
-def weights(request):
-    return random_weights(_cfg(request.param), seed=7, std=0.05).to(device="cuda")
 
 
 def _model(weights, wf, cf, backend="kernels", batch=5, capacity=96, glue="fused"):
@@ -260,7 +250,7 @@ def test_smollm2_windows_follow_the_simulated_model():
     assert abs(got.ppl - ref.ppl) < 0.02 * ref.ppl, (got.ppl, ref.ppl)
 
 
-def _g128_cfg():
+def _g128small_config():
     # every K a multiple of 128 (INT4 group 128: the warp-specialized projections of rule P17), 2 layers
     return tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, num_hidden_layers=2, vocab_size=512)
@@ -275,7 +265,7 @@ def test_batched_step_on_the_warp_specialized_projections(batch):
     from tuning import tuning_space
 
     tuning_space().register()   # the replaced kernels are tuning space now
-    weights = random_weights(_g128_cfg(), seed=3, std=0.05).to(device="cuda")
+    weights = random_weights(_g128small_config(), seed=3, std=0.05).to(device="cuda")
     toks = torch.randint(0, 512, (batch, 4), generator=torch.Generator().manual_seed(2))
     starts = [3 * (b % 7) for b in range(batch)]
     ref = _steps(_model(weights, "int4", "int4", "emulated", batch=batch), toks, starts)
@@ -296,7 +286,7 @@ def test_batched_step_on_the_warp_specialized_e4m3_projections(batch):
     equals the emulated step."""
     from decode import plan
 
-    weights = random_weights(_g128_cfg(), seed=4, std=0.05).to(device="cuda")
+    weights = random_weights(_g128small_config(), seed=4, std=0.05).to(device="cuda")
     assert plan.skinny_variant("e4m3", 128, batch) in ("ws", "wsk")
     toks = torch.randint(0, 512, (batch, 4), generator=torch.Generator().manual_seed(5))
     starts = [3 * (b % 7) for b in range(batch)]

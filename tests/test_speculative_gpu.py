@@ -10,7 +10,7 @@ verify step's projections run at another M than the plain step's, see TIE).
 import pytest
 import torch
 
-from futx.checkpoint.synthetic import random_weights, tiny_config
+from futx.checkpoint.synthetic import random_weights
 from futx.engine import DecodeModel, pack_model
 from futx.engine.backends import KernelOps, split_rope
 from futx.engine.generate import generate
@@ -18,19 +18,9 @@ from futx.engine.graphs import BlockGraphs
 from futx.engine.speculative import generate_speculative
 from futx.speculative.ngram import NgramDrafter
 
+from engine_gpu_model import FORMATS, small_config, weights  # noqa: F401
+
 pytestmark = pytest.mark.gpu
-FORMATS = ("bf16", "e4m3", "int4")
-
-
-def _cfg(head_dim):
-    # as tests/test_engine_gpu.py: K = 192 / 320, GQA group 3
-    return tiny_config(hidden_size=192, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2,
-                       head_dim=head_dim, num_hidden_layers=3, vocab_size=512)
-
-
-@pytest.fixture(scope="module", params=[64, 128])
-def weights(request):
-    return random_weights(_cfg(request.param), seed=7, std=0.05).to(device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +297,7 @@ def test_cli_generate_speculative_on_the_kernels(tmp_path, capsys, prefill):
 
     from tiny_checkpoint import save_tiny_hf
 
-    w = random_weights(_cfg(128), seed=7, std=0.05)
+    w = random_weights(small_config(128), seed=7, std=0.05)
     d = save_tiny_hf(tmp_path / "m", w)
     prompts = tmp_path / "p.txt"
     prompts.write_text("the heat the heat the heat\nhello there hello there\nx\n")
