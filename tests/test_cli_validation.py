@@ -1,14 +1,12 @@
 """Every subcommand refuses every bad option before any work: `futx CMD ...` as a subprocess exits with status 2,
 one line on stderr that names the option, no traceback, in under 5 s (no model loads)."""
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from cli_run import futx
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 5.0
@@ -142,13 +140,6 @@ def paths(tmp_path_factory):
             "binary": str(d / "binary.bin"), "file": str(d / "text.txt")}
 
 
-def futx(args, cwd, timeout=120):
-    """`python -m futx ARGS` on this checkout's code: (status, stdout, stderr, seconds)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "futx", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout)
-    return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
 
 
 @pytest.mark.parametrize("command, args, option", [

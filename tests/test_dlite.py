@@ -15,6 +15,8 @@ from futx.checkpoint.synthetic import random_weights, tiny_config
 from futx.speculative.dlite import (DLiteConfig, DLiteDrafter, DLiteHead, expected_acceptance, fingerprint, load,
                                     load_head)
 
+from cli_run import futx
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 REPO = Path(__file__).resolve().parents[1]
 CFG = tiny_config(vocab_size=300)
@@ -178,14 +180,6 @@ def test_greedy_continuations_follow_the_target(target):
 
 
 # ---- futx train-draft ---------------------------------------------------------------------------------------
-
-def futx(args, cwd, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "futx", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout)
-    return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
-
 
 @pytest.fixture(scope="module")
 def model_and_text(tmp_path_factory):
