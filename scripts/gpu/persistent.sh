@@ -47,7 +47,7 @@
 #             traceg2: the partials' busy time and the QKV-to-O chain inside the layer)
 #   ringsplit the 8B step at (1, 1024) and (1, 8192) on the ring layer with 4 (auto), 8 and 16 attention splits: does
 #             a shorter partial shorten attention's chain inside the layer (its fixed cost ~4.3 µs)?
-#   sanring   compute-sanitizer racecheck / synccheck of the ring (routed, ew, g2) and the tile layer
+#   sanring   compute-sanitizer racecheck / synccheck of the ring (routed, ew, g2, pf) and the tile layer
 #   ncusrc    Nsight Compute on one ring layer launch of the 8B step at (1, 1024) (the routed kernel and g2): warp
 #             state statistics and per-SASS-instruction stall samples, $OUT/ncu-ring-src*.csv
 #   ncu       Nsight Compute counters (DRAM throughput, occupancy, issue activity, stalls) of the projections, one
