@@ -57,6 +57,7 @@
 #             final norm as one kernel (engine.rms_rows.gain, rule E6): its tests in tests/test_engine_gpu.py
 #   pdlbench  futx bench decode --pdl-attention --final-norm-kernel: the 8B step (INT4 weights, INT4 / E4M3 caches)
 #             at (1, 1024), (1, 8192), (4, 1024), (8, 1024), (32, 4096) with E5, E6, both and neither, one process
+#             ($PDLCACHES, $PDLPOINTS: fewer caches or points where device time is short)
 #   pdl70     the same for the 70B at (1, 1024), (1, 8192), (4, 1024), (8, 1024), with the ring layer where it fits
 #   peer70    the gpt-fast-style INT4 peer at the 70B's four points (one process each; its JSON lines in the log)
 #   pdlring   the 8B INT4/INT4 step at (1, 1024) with E5 and the tile GEMV's ring pipeline (whole weight
@@ -135,8 +136,8 @@ for part in "$@"; do
              echo "ncu rc=$? $(wc -l < $OUT/ncu_persistent.csv) lines" ;;
     pdltests) TAILN=12 step pdl_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
                tests/test_attention_pdl_gpu.py tests/test_engine_gpu.py -k "pdl or gain or final_norm" ;;
-    pdlbench) TAILN=40 step pdlbench 540 python3 -m futx.cli bench decode --weights int4 --cache int4,e4m3 \
-               --points 1x1024,1x8192,4x1024,8x1024,32x4096 --pdl-attention --final-norm-kernel --breakdown '' \
+    pdlbench) TAILN=40 step pdlbench 540 python3 -m futx.cli bench decode --weights int4 --cache ${PDLCACHES:-int4,e4m3} \
+               --points ${PDLPOINTS:-1x1024,1x8192,4x1024,8x1024,32x4096} --pdl-attention --final-norm-kernel --breakdown '' \
                --json $OUT/pdl-attention-8b.json ;;
     pdl70)   TAILN=16 step pdl70 540 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 --cache int4 \
                --points 1x1024,1x8192,4x1024,8x1024 --pdl-attention --final-norm-kernel --persistent ring \
