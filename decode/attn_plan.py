@@ -144,10 +144,11 @@ def entry_tensors(fmt: str, fused_qkv: bool, paged: bool = False) -> tuple[str, 
 
 
 def new_row_prologue_stage(first, last_tile, warps: int, stages: int, n_my):
-    """(held, stage) for a dependent launch (AttnPlan.pdl): a warp whose tiles are first, first + warps, ... (n_my of
-    them) requests its first stages - 1 before griddepcontrol.wait, with the new row's position still zero-filled (it
-    is written after the wait). held: one of those is the sequence's last tile `last_tile`, the one holding the new
-    row, at ring stage `stage`, so the warp requests it again once the row is written. Works on ints and DSL
+    """(held, stage) for an early prologue (DecodeAttention.partial's early_wait: a dependent launch's
+    griddepcontrol.wait, AttnPlan.pdl, or the ring layer's counter wait): a warp whose tiles are first, first + warps,
+    ... (n_my of them) requests its first stages - 1 before that wait, with the new row's position still zero-filled
+    (it is written after the wait). held: one of those is the sequence's last tile `last_tile`, the one holding the
+    new row, at ring stage `stage`, so the warp requests it again once the row is written. Works on ints and DSL
     integers (the kernel's formula; the CPU test replays every warp's ring with it)."""
     d = last_tile - first
     stage = d // warps

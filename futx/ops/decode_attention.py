@@ -335,8 +335,8 @@ def decode_attention_qkv_(qkv: torch.Tensor, positions: torch.Tensor, slots: tor
     step's first kernel began: the decode step, never a block (verify) step, whose rows' K/V are written just
     before (futx.engine.backends, rule E5)."""
     if pdl and out.shape[-1] not in PDL_HEAD_DIMS:
-        raise ValueError(f"decode_attention_qkv_: the dependent launch (pdl=True) is built for head dims {PDL_HEAD_DIMS}, "
-                         f"got {out.shape[-1]}")
+        raise ValueError(f"decode_attention_qkv_: the dependent launch (pdl=True) is built for head dims "
+                         f"{PDL_HEAD_DIMS}, got {out.shape[-1]}")
     _launch(None, None, None, positions, slots, k_cache, v_cache, k_mirror, k_scale, v_mirror, v_scale, cache_format,
             rotate, softmax_scale, num_splits, max_context, check_positions_on_host, "", out, qkv, rope, block_table,
             page_size, pdl)

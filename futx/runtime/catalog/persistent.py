@@ -44,12 +44,14 @@ RING_TUNING = {"la": (("lookahead", True),), "s4": (("stages", 4),), "s8": (("st
                "ew": (("epilogue_warp", True),), "g2": (("group", 2),), "g4": (("group", 4),),
                "ewg2": (("epilogue_warp", True), ("group", 2)),
                # an attention partial's first cache tiles requested before its counter wait (issue 29 item 2)
-               "pf": (("early_tiles", True),), "ewg2pf": (("epilogue_warp", True), ("group", 2), ("early_tiles", True))}
+               "pf": (("early_tiles", True),),
+               "ewg2pf": (("epilogue_warp", True), ("group", 2), ("early_tiles", True))}
 # diagnostic, wrong outputs: the consumers take and release every stage without its arithmetic (the layer at what the
 # stream, the dependencies and attention allow; scripts/bench_ring_variants.py times it beside the others)
 RING_TUNING["nm"] = (("no_math", True),)
 RING_DIAGNOSTIC = ("nm",)
-RING_TRACED_TUNING = ("g2", "ewg2", "nm", "pf", "ewg2pf")   # also built traced (one row), for scripts/persistent_trace.py --variant
+# also built traced (one row), for scripts/persistent_trace.py --variant
+RING_TRACED_TUNING = ("g2", "ewg2", "nm", "pf", "ewg2pf")
 
 
 def ring_spec(cache: str, tokens: int = 1, trace: bool = False, variant: str = "") -> KernelSpec:
