@@ -256,16 +256,21 @@ def split_counts(value: str) -> list:
     return out
 
 
+# the candidate-name suffixes of the engine rules not yet routed (scripts/engine_rule_pick.py reads them back)
+RULE_NAMES = {"E5": "pdl-attention", "E6": "final-norm-kernel"}
+RULE_NAMES["E5+E6"] = f"{RULE_NAMES['E5']}+{RULE_NAMES['E6']}"
+
+
 def engine_rules(a: argparse.Namespace, batch: int) -> list:
     """(candidate name, KernelOps attributes) of the engine rules not yet routed that --pdl-attention (E5) and
     --final-norm-kernel (E6) ask to time at this batch, and both together when both are asked for."""
     rules = []
     if a.pdl_attention:
-        rules.append(("pdl-attention", {"pdl_attention_rows": batch}))
+        rules.append((RULE_NAMES["E5"], {"pdl_attention_rows": batch}))
     if a.final_norm_kernel:
-        rules.append(("final-norm-kernel", {"final_norm_kernel": True}))
+        rules.append((RULE_NAMES["E6"], {"final_norm_kernel": True}))
     if len(rules) == 2:
-        rules.append(("pdl-attention+final-norm-kernel", {**rules[0][1], **rules[1][1]}))
+        rules.append((RULE_NAMES["E5+E6"], {**rules[0][1], **rules[1][1]}))
     return rules
 
 

@@ -10,16 +10,18 @@ routes it. Proposed values (futx.engine.backends, docs/routing.md E5 / E6):
   PDL_ATTENTION_MAX_ROWS  the largest batch B such that E5 wins at every measured point of batch <= B (0: none)
   FINAL_NORM_KERNEL       True when E6 wins at every point
 
-Pure Python: reads the JSON the bench saves (--json), no torch.
+Reads the JSON the bench saves (--json); no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-RULES = {"E5": "pdl-attention", "E6": "final-norm-kernel", "E5+E6": "pdl-attention+final-norm-kernel"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.bench_engine import RULE_NAMES as RULES  # noqa: E402   (the names the bench gives the rules' steps)
 
 
 def comparisons(results: dict) -> list[dict]:
@@ -72,7 +74,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="JSON files of futx bench decode --json")
     a = p.parse_args(argv)
-    rows = [row for path in a.runs for row in comparisons(json.loads(path.read_text()))]
+    rows = []
+    for path in a.runs:
+        try:
+            rows += comparisons(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"{path}: not a `futx bench decode --json` result ({type(e).__name__}: {e})")
     if not rows:
         p.error("no plain step in these runs (was the bench run with --pdl-attention / --final-norm-kernel?)")
     print(render(rows))

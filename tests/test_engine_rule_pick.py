@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from scripts import engine_rule_pick as pick
 
 
@@ -37,3 +39,11 @@ def test_the_cli_prints_the_table_and_the_proposal(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| llama-3.1-8b | 1 | 1024 | int4/int4 | 1.755 | 1.700 (-3.1%) |" in out
     assert "PDL_ATTENTION_MAX_ROWS = 1" in out and "FINAL_NORM_KERNEL = True" in out
+
+
+def test_a_file_that_is_not_a_bench_result_is_refused_in_one_line(tmp_path, capsys):
+    f = tmp_path / "empty.json"
+    f.write_text("")
+    with pytest.raises(SystemExit) as e:
+        pick.main([str(f)])
+    assert e.value.code == 2 and "not a `futx bench decode --json` result" in capsys.readouterr().err
