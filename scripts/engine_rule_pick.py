@@ -4,11 +4,13 @@
 
 For every point and weight/cache format: the plain step, each rule's step (E5 "pdl-attention", E6
 "final-norm-kernel", both) and the change in percent. A rule wins at a point when it is faster by more than the two
-candidates' spreads together (bench_engine.Timer: (max - min) / median over the interleaved rounds), so noise never
-routes it. Proposed values (futx.engine.backends, docs/routing.md E5 / E6):
+candidates' spreads together (bench_engine.Timer: (max - min) / median over the interleaved rounds) and loses when
+it is slower by more than that; in between it is even (noise). Noise never routes a rule, and a rule is routed only
+where it loses nowhere. Proposed values (futx.engine.backends, docs/routing.md E5 / E6):
 
-  PDL_ATTENTION_MAX_ROWS  the largest batch B such that E5 wins at every measured point of batch <= B (0: none)
-  FINAL_NORM_KERNEL       True when E6 wins at every point
+  PDL_ATTENTION_MAX_ROWS  the largest measured batch B such that E5 loses at no point of batch <= B and wins at one
+                          (0: none)
+  FINAL_NORM_KERNEL       True when E6 loses nowhere and wins somewhere
 
 Reads the JSON the bench saves (--json); no torch.
 """
@@ -38,22 +40,27 @@ def comparisons(results: dict) -> list[dict]:
                 r = rows.get(f"{name} {suffix}")
                 if r is not None:
                     change = r["ms"] / base["ms"] - 1
+                    noise = r["spread"] + base["spread"]
                     row["rules"][rule] = {"ms": r["ms"], "change": change,
-                                          "wins": change < -(r["spread"] + base["spread"])}
+                                          "wins": change < -noise, "loses": change > noise}
             out.append(row)
     return out
 
 
 def propose(rows: list[dict]) -> dict:
     """The routing values the comparisons support (see the module docstring)."""
-    e5 = [(r["batch"], r["rules"]["E5"]["wins"]) for r in rows if "E5" in r["rules"]]
-    max_rows = 0
+    e5 = [(r["batch"], r["rules"]["E5"]) for r in rows if "E5" in r["rules"]]
+    max_rows, won = 0, False
     for b in sorted({b for b, _ in e5}):
-        if not all(w for bb, w in e5 if bb == b):
+        at_b = [c for bb, c in e5 if bb == b]
+        if any(c["loses"] for c in at_b):
             break
-        max_rows = b
-    e6 = [r["rules"]["E6"]["wins"] for r in rows if "E6" in r["rules"]]
-    return {"PDL_ATTENTION_MAX_ROWS": max_rows, "FINAL_NORM_KERNEL": bool(e6) and all(e6)}
+        won = won or any(c["wins"] for c in at_b)
+        if won:
+            max_rows = b
+    e6 = [r["rules"]["E6"] for r in rows if "E6" in r["rules"]]
+    final_norm = any(c["wins"] for c in e6) and not any(c["loses"] for c in e6)
+    return {"PDL_ATTENTION_MAX_ROWS": max_rows, "FINAL_NORM_KERNEL": final_norm}
 
 
 def render(rows: list[dict]) -> str:
@@ -63,8 +70,8 @@ def render(rows: list[dict]) -> str:
         cells = []
         for rule in RULES:
             c = r["rules"].get(rule)
-            cells.append("–" if c is None else
-                         f"{c['ms']:.3f} ({100 * c['change']:+.1f}%{'' if c['wins'] else ', within noise or slower'})")
+            verdict = "" if c is None or c["wins"] else ", slower" if c["loses"] else ", even"
+            cells.append("–" if c is None else f"{c['ms']:.3f} ({100 * c['change']:+.1f}%{verdict})")
         lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['format']} | {r['ms']:.3f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
