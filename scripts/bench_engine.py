@@ -256,14 +256,21 @@ def split_counts(value: str) -> list:
     return out
 
 
-# the candidate-name suffixes of the engine rules not yet routed (scripts/engine_rule_pick.py reads them back)
+# the candidate-name suffixes of the engine rules E5 / E6 (scripts/engine_rule_pick.py reads them back)
 RULE_NAMES = {"E5": "pdl-attention", "E6": "final-norm-kernel"}
 RULE_NAMES["E5+E6"] = f"{RULE_NAMES['E5']}+{RULE_NAMES['E6']}"
 
 
+def rules_off(a: argparse.Namespace) -> dict:
+    """KernelOps attributes that turn off the rules --pdl-attention (E5) and --final-norm-kernel (E6) time, routed or
+    not: the plain step they are compared with runs without them."""
+    return {**({"pdl_attention_rows": 0} if a.pdl_attention else {}),
+            **({"final_norm_kernel": False} if a.final_norm_kernel else {})}
+
+
 def engine_rules(a: argparse.Namespace, batch: int) -> list:
-    """(candidate name, KernelOps attributes) of the engine rules not yet routed that --pdl-attention (E5) and
-    --final-norm-kernel (E6) ask to time at this batch, and both together when both are asked for."""
+    """(candidate name, KernelOps attributes) of the engine rules that --pdl-attention (E5) and --final-norm-kernel
+    (E6) ask to time at this batch, and both together when both are asked for (the plain step: rules_off)."""
     rules = []
     if a.pdl_attention:
         rules.append((RULE_NAMES["E5"], {"pdl_attention_rows": batch}))
@@ -353,10 +360,11 @@ def build_parser(prog: str | None = None) -> Parser:
     p.add_argument("--pdl-attention", action="store_true", help="also each weights/cache pair's step with its "
                    "attention launched as a programmatic dependent of the QKV projection (routing rule E5 on: "
                    "decode.attn.*.qkv*.pdl, futx.engine.backends.PDL_ATTENTION_MAX_ROWS); the --tile-variants and "
-                   "--attention-splits candidates then both ways")
+                   "--attention-splits candidates then both ways; the plain step then runs with E5 off, routed or not")
     p.add_argument("--final-norm-kernel", action="store_true", help="also each weights/cache pair's step with the "
                    "final RMSNorm as one kernel (routing rule E6 on: engine.rms_rows.gain, "
-                   "futx.engine.backends.FINAL_NORM_KERNEL); with --pdl-attention both rules together too")
+                   "futx.engine.backends.FINAL_NORM_KERNEL; the plain step then runs with E6 off); with "
+                   "--pdl-attention both rules together too")
     p.add_argument("--attention-splits", type=split_list, default=[], help="also the int4/int4 step with its "
                    "attention forced to each of these split-KV counts (comma-separated, 1..64; with --pdl-attention "
                    "both launches), e.g. 2,4,16")
@@ -458,7 +466,7 @@ def run(a: argparse.Namespace) -> int:
         models, cands = {}, {}
         for wf in wfs:
             for cf in cfs:
-                models[(wf, cf)], g = captured_step(packed[wf], caches[cf], batch, context, **kw[cf])
+                models[(wf, cf)], g = captured_step(packed[wf], caches[cf], batch, context, rules_off(a), **kw[cf])
                 cands[f"{wf}/{cf}"] = lambda g=g: g.replay(batch)
                 for name, rules in engine_rules(a, batch):   # the same step with rules E5 / E6 on
                     _, g = captured_step(packed[wf], caches[cf], batch, context, rules, **kw[cf])

@@ -87,6 +87,9 @@ def test_bench_options_are_checked_without_torch_or_a_gpu():
     assert [n for n, _ in bench_engine.engine_rules(both, 8)] == ["pdl-attention", "final-norm-kernel",
                                                                   "pdl-attention+final-norm-kernel"]
     assert bench_engine.engine_rules(both, 8)[2][1] == {"pdl_attention_rows": 8, "final_norm_kernel": True}
+    # the plain step they are compared with runs with both off, whatever futx.engine.backends routes
+    assert bench_engine.rules_off(both) == {"pdl_attention_rows": 0, "final_norm_kernel": False}
+    assert bench_engine.rules_off(bench_engine.build_parser().parse_args([])) == {}
     for bad in ("0", "65", "x"):
         with pytest.raises(SystemExit):
             bench_engine.build_parser().parse_args(["--attention-splits", bad])

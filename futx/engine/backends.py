@@ -166,13 +166,13 @@ BLOCK_ATTENTION = ("prewrite", "kernel", "columns")   # KernelOps.attention_bloc
 # Routing rule E5 (docs/routing.md): the decode step's attention as a programmatic dependent launch of its QKV
 # projection (decode.attn_plan.AttnPlan.pdl: its first cache tiles requested while the projection finishes, the O
 # projection released at its start) for steps of at most this many rows, at the head dims its kernels are built for
-# (futx.runtime.catalog.decode_attention.PDL_HEAD_DIMS). 0: never, until the H200 measures it (`futx bench decode
-# --pdl-attention` times both in one process).
-PDL_ATTENTION_MAX_ROWS = 0
+# (futx.runtime.catalog.decode_attention.PDL_HEAD_DIMS). Measured (`futx bench decode --pdl-attention`, both in one
+# process; docs/routing.md E5): faster at 1, 4 and 8 rows, even at (1, 8192), slower at (32, 4096).
+PDL_ATTENTION_MAX_ROWS = 8
 
 # Routing rule E6 (docs/routing.md): the final RMSNorm as one kernel (`engine.rms_rows.gain`) instead of the
-# reference's ~8 elementwise torch kernels a step. False until the H200 measures it (`futx bench decode
-# --final-norm-kernel`).
+# reference's ~8 elementwise torch kernels a step. Off: measured even with the torch chain at every point (`futx
+# bench decode --final-norm-kernel`; docs/routing.md E6).
 FINAL_NORM_KERNEL = False
 
 
