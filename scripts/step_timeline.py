@@ -90,6 +90,8 @@ def main() -> int:
     p.add_argument("--pdl-attention", action="store_true", help="the step's attention as a programmatic dependent "
                    "launch of its QKV projection (routing rule E5 on)")
     p.add_argument("--final-norm-kernel", action="store_true", help="the final RMSNorm as one kernel (rule E6 on)")
+    p.add_argument("--rules-off", action="store_true", help="rules E5 and E6 off, whatever futx.engine.backends "
+                   "routes (the step they are compared with)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch
@@ -102,6 +104,10 @@ def main() -> int:
     persistent = "ring" if a.ring else a.persistent
     named = engine_rules(a, a.batch)[:2]   # (the third, when both are asked for, is their union)
     rules = {k: v for _, r in named for k, v in r.items()}
+    if a.rules_off:
+        if named:
+            p.error("--rules-off turns off the rules --pdl-attention / --final-norm-kernel turn on")
+        rules = {"pdl_attention_rows": 0, "final_norm_kernel": False}
     cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent, rules=rules)
     for _ in range(3):
         g.replay(a.batch)

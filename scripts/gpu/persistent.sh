@@ -150,8 +150,9 @@ for part in "$@"; do
     pdlsplit) TAILN=40 step pdlsplit 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points 1x1024,1x8192,8x1024 --pdl-attention --attention-splits 2,4,16,32 --breakdown '' \
                --json $OUT/pdl-attention-splits-8b.json ;;
-    pdltime) TAILN=30 step pdltime 240 bash -c "for b in 1 8; do for f in '' '--pdl-attention --final-norm-kernel'; do \
-               python3 scripts/step_timeline.py --batch \$b \$f --json $OUT/timeline-8b-\${b}x1024\${f:+-e5e6}.json \
+    pdltime) TAILN=30 step pdltime 240 bash -c "for b in 1 8; do for r in off e5e6; do \
+               f=--rules-off; [ \$r = off ] || f='--pdl-attention --final-norm-kernel'; \
+               python3 scripts/step_timeline.py --batch \$b \$f --json $OUT/timeline-8b-\${b}x1024-\$r.json \
                || exit 1; done; done" ;;
     *) echo "unknown part $part" ;;
   esac
