@@ -271,13 +271,14 @@ def rules_off(a: argparse.Namespace) -> dict:
 def engine_rules(a: argparse.Namespace, batch: int) -> list:
     """(candidate name, KernelOps attributes) of the engine rules that --pdl-attention (E5) and --final-norm-kernel
     (E6) ask to time at this batch, and both together when both are asked for (the plain step: rules_off)."""
+    off = rules_off(a)   # each rule alone: the other one off, even where it is routed
     rules = []
     if a.pdl_attention:
-        rules.append((RULE_NAMES["E5"], {"pdl_attention_rows": batch}))
+        rules.append((RULE_NAMES["E5"], {**off, "pdl_attention_rows": batch}))
     if a.final_norm_kernel:
-        rules.append((RULE_NAMES["E6"], {"final_norm_kernel": True}))
+        rules.append((RULE_NAMES["E6"], {**off, "final_norm_kernel": True}))
     if len(rules) == 2:
-        rules.append((RULE_NAMES["E5+E6"], {**rules[0][1], **rules[1][1]}))
+        rules.append((RULE_NAMES["E5+E6"], {"pdl_attention_rows": batch, "final_norm_kernel": True}))
     return rules
 
 

@@ -12,6 +12,8 @@ where it loses nowhere. Proposed values (futx.engine.backends, docs/routing.md E
                           (0: none)
   FINAL_NORM_KERNEL       True when E6 loses nowhere and wins somewhere
 
+With runs of several models, each model's proposal too (E5's routed limit is per model: backends.pdl_attention_limit).
+
 Reads the JSON the bench saves (--json); no torch.
 """
 
@@ -91,6 +93,10 @@ def main(argv=None) -> int:
         p.error("no plain step in these runs (was the bench run with --pdl-attention / --final-norm-kernel?)")
     print(render(rows))
     print()
+    shapes = sorted({r["shape"] for r in rows})
+    for shape in shapes if len(shapes) > 1 else []:   # a rule may win on one model and lose on another
+        print(f"{shape}: " + ", ".join(f"{k} = {v}" for k, v in
+                                       propose([r for r in rows if r["shape"] == shape]).items()))
     for k, v in propose(rows).items():
         print(f"{k} = {v}")
     return 0

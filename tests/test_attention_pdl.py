@@ -136,9 +136,20 @@ def test_block_steps_never_launch_it():
 
     from futx.engine import backends
 
-    assert backends.PDL_ATTENTION_MAX_ROWS == 8
+    assert backends.KernelOps().pdl_attention_rows is None   # None: the routed limit (pdl_attention_limit)
+    src = inspect.getsource(backends.KernelOps.attention)
+    assert "pdl_attention_limit(c) if self.pdl_attention_rows is None" in src
     src = inspect.getsource(backends.KernelOps.attention_block)
     assert src.count("step=False") == 2 and "self.attention(" in src
+
+
+def test_the_routed_row_limit_follows_the_measurements():
+    """E5 where it was measured faster: the 8B at 1..8 rows; never the 70B (slower at (4, 1024) and (1, 8192))."""
+    from futx.engine import backends
+    from scripts.bench_engine import config_for
+
+    assert backends.pdl_attention_limit(config_for("llama-3.1-8b", None)) == 8
+    assert backends.pdl_attention_limit(config_for("llama-3.1-70b", None)) == 0
 
 
 @pytest.mark.parametrize("kw", [dict(fmt="int4", head_dim=128, rotate=True), dict(fmt="e4m3", head_dim=128),

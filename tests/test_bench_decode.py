@@ -86,7 +86,12 @@ def test_bench_options_are_checked_without_torch_or_a_gpu():
     both = bench_engine.build_parser().parse_args(["--pdl-attention", "--final-norm-kernel"])
     assert [n for n, _ in bench_engine.engine_rules(both, 8)] == ["pdl-attention", "final-norm-kernel",
                                                                   "pdl-attention+final-norm-kernel"]
-    assert bench_engine.engine_rules(both, 8)[2][1] == {"pdl_attention_rows": 8, "final_norm_kernel": True}
+    # each rule alone has the other off (a routed rule must not ride along), both together both on
+    assert [r for _, r in bench_engine.engine_rules(both, 8)] == [
+        {"pdl_attention_rows": 8, "final_norm_kernel": False}, {"pdl_attention_rows": 0, "final_norm_kernel": True},
+        {"pdl_attention_rows": 8, "final_norm_kernel": True}]
+    only_e6 = bench_engine.build_parser().parse_args(["--final-norm-kernel"])
+    assert bench_engine.engine_rules(only_e6, 8) == [("final-norm-kernel", {"final_norm_kernel": True})]
     # the plain step they are compared with runs with both off, whatever futx.engine.backends routes
     assert bench_engine.rules_off(both) == {"pdl_attention_rows": 0, "final_norm_kernel": False}
     assert bench_engine.rules_off(bench_engine.build_parser().parse_args([])) == {}

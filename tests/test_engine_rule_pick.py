@@ -54,3 +54,17 @@ def test_a_file_that_is_not_a_bench_result_is_refused_in_one_line(tmp_path, caps
     with pytest.raises(SystemExit) as e:
         pick.main([str(f)])
     assert e.value.code == 2 and "not a `futx bench decode --json` result" in capsys.readouterr().err
+
+
+def test_with_several_models_each_gets_its_proposal_and_the_common_one_follows(tmp_path, capsys):
+    small, big = _run([_point(1, 1.755, 1.70, 1.74)]), _run([_point(1, 11.5, 11.7, 11.4)])
+    big["shape"] = "llama-3.1-70b"
+    files = []
+    for i, r in enumerate((small, big)):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(r))
+    assert pick.main([str(f) for f in files]) == 0
+    out = capsys.readouterr().out
+    assert "llama-3.1-8b: PDL_ATTENTION_MAX_ROWS = 1, FINAL_NORM_KERNEL = True" in out
+    assert "llama-3.1-70b: PDL_ATTENTION_MAX_ROWS = 0, FINAL_NORM_KERNEL = True" in out
+    assert "PDL_ATTENTION_MAX_ROWS = 0\nFINAL_NORM_KERNEL = True" in out

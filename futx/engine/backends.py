@@ -166,9 +166,16 @@ BLOCK_ATTENTION = ("prewrite", "kernel", "columns")   # KernelOps.attention_bloc
 # Routing rule E5 (docs/routing.md): the decode step's attention as a programmatic dependent launch of its QKV
 # projection (decode.attn_plan.AttnPlan.pdl: its first cache tiles requested while the projection finishes, the O
 # projection released at its start) for steps of at most this many rows, at the head dims its kernels are built for
-# (futx.runtime.catalog.decode_attention.PDL_HEAD_DIMS). Measured (`futx bench decode --pdl-attention`, both in one
-# process; docs/routing.md E5): faster at 1, 4 and 8 rows, even at (1, 8192), slower at (32, 4096).
+# (futx.runtime.catalog.decode_attention.PDL_HEAD_DIMS), on models up to PDL_ATTENTION_MAX_HIDDEN wide. Measured
+# (`futx bench decode --pdl-attention`, both in one process; docs/routing.md E5): the 8B faster at 1, 4 and 8 rows,
+# even at (1, 8192), slower at (32, 4096); the 70B slower at (4, 1024) and (1, 8192).
 PDL_ATTENTION_MAX_ROWS = 8
+PDL_ATTENTION_MAX_HIDDEN = 4096
+
+
+def pdl_attention_limit(config) -> int:
+    """Rule E5's row limit for a model of this config (0: never)."""
+    return PDL_ATTENTION_MAX_ROWS if config.hidden_size <= PDL_ATTENTION_MAX_HIDDEN else 0
 
 # Routing rule E6 (docs/routing.md): the final RMSNorm as one kernel (`engine.rms_rows.gain`) instead of the
 # reference's ~8 elementwise torch kernels a step. Off: measured even with the torch chain at every point (`futx
@@ -203,7 +210,8 @@ class KernelOps:
         self._dl = dl
         self._padded_heads: dict = {}
         self.block_attention = "kernel"   # or "prewrite", "columns": see attention_block (BLOCK_ATTENTION)
-        self.pdl_attention_rows = PDL_ATTENTION_MAX_ROWS   # rule E5; set before capturing the step's graphs
+        self.pdl_attention_rows = None   # rule E5: None routes it (pdl_attention_limit), n: up to n rows; set
+        # before capturing the step's graphs
         self.attention_splits = 0   # 0: the op's split rule (decode.attn_plan.choose_splits); n: n splits (benchmarks)
         self.final_norm_kernel = FINAL_NORM_KERNEL   # rule E6
 
@@ -259,7 +267,8 @@ class KernelOps:
         block_table, page_size = cache_paging(cache)   # a paged cache: the kernel reads through its table
         if self.glue != "torch":
             x = qkv.view(qkv.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim)
-            pdl = step and qkv.shape[0] <= self.pdl_attention_rows and c.head_dim in PDL_HEAD_DIMS
+            limit = pdl_attention_limit(c) if self.pdl_attention_rows is None else self.pdl_attention_rows
+            pdl = step and qkv.shape[0] <= limit and c.head_dim in PDL_HEAD_DIMS
             torch.ops.futx.decode_attention_qkv_(x, positions, slots, *lc.tensors(), table, out, cache.fmt,
                                                  cache.rotate, 0.0, self.attention_splits, 0, False, block_table,
                                                  page_size, pdl)
