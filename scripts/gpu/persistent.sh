@@ -63,8 +63,8 @@
 #   pdlring   the 8B INT4/INT4 step at (1, 1024) with E5 and the tile GEMV's ring pipeline (whole weight
 #             share requested before the wait; tuning space staged: python scripts/tuning_space.py build --out .gpu/aot
 #             --only 'decode.gemv.int4.m1.*ring*' --no-runtime, then stage.sh)
-#   pdlsplit  the 8B INT4/INT4 step at (1, 1024), (1, 8192), (8, 1024) with attention forced to 2, 4, 16, 32 splits,
-#             plain and dependent launch (item 2: which split size makes attention shortest inside the step)
+#   pdlsplit  the 8B INT4/INT4 step at one row (contexts 1024 to 16384) and (8, 1024) with attention forced to 2, 4, 8,
+#             16, 32 splits, plain and dependent launch (item 2: which split size makes attention shortest in the step)
 #   pdltime   scripts/step_timeline.py --pdl-attention: the 8B step at (1, 1024) and (8, 1024), its kernels traced
 set -u
 source scripts/gpu/steps.sh
@@ -148,7 +148,7 @@ for part in "$@"; do
                --points 1x1024 --pdl-attention --tile-variants ring4,ring8 --breakdown '' \
                --json $OUT/pdl-attention-ring-8b.json ;;
     pdlsplit) TAILN=40 step pdlsplit 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
-               --points 1x1024,1x8192,8x1024 --pdl-attention --attention-splits 2,4,16,32 --breakdown '' \
+               --points 1x1024,1x4096,1x8192,1x16384,8x1024 --pdl-attention --attention-splits 2,4,8,16,32 --breakdown '' \
                --json $OUT/pdl-attention-splits-8b.json ;;
     pdltime) TAILN=30 step pdltime 240 bash -c "for b in 1 8; do for r in off e5e6; do \
                f=--rules-off; [ \$r = off ] || f='--pdl-attention --final-norm-kernel'; \
