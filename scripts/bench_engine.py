@@ -360,7 +360,7 @@ def build_parser(prog: str | None = None) -> Parser:
                    "the int4/int4 step (and its breakdown) with the router's tile GEMV switched to each")
     p.add_argument("--pdl-attention", action="store_true", help="also each weights/cache pair's step with its "
                    "attention launched as a programmatic dependent of the QKV projection (routing rule E5 on: "
-                   "decode.attn.*.qkv*.pdl, futx.engine.backends.PDL_ATTENTION_MAX_ROWS); the --tile-variants and "
+                   "decode.attn.*.qkv*.pdl, futx.engine.backends.pdl_attention_limit); the --tile-variants and "
                    "--attention-splits candidates then both ways; the plain step then runs with E5 off, routed or not")
     p.add_argument("--final-norm-kernel", action="store_true", help="also each weights/cache pair's step with the "
                    "final RMSNorm as one kernel (routing rule E6 on: engine.rms_rows.gain, "
