@@ -261,11 +261,14 @@ RULE_NAMES = {"E5": "pdl-attention", "E6": "final-norm-kernel"}
 RULE_NAMES["E5+E6"] = f"{RULE_NAMES['E5']}+{RULE_NAMES['E6']}"
 
 
+# the KernelOps attributes that turn each of them off, routed or not
+RULES_OFF = {"E5": {"pdl_attention_rows": 0}, "E6": {"final_norm_kernel": False}}
+
+
 def rules_off(a: argparse.Namespace) -> dict:
     """KernelOps attributes that turn off the rules --pdl-attention (E5) and --final-norm-kernel (E6) time, routed or
     not: the plain step they are compared with runs without them."""
-    return {**({"pdl_attention_rows": 0} if a.pdl_attention else {}),
-            **({"final_norm_kernel": False} if a.final_norm_kernel else {})}
+    return {**(RULES_OFF["E5"] if a.pdl_attention else {}), **(RULES_OFF["E6"] if a.final_norm_kernel else {})}
 
 
 def engine_rules(a: argparse.Namespace, batch: int) -> list:

@@ -94,20 +94,20 @@ def main() -> int:
                    "routes (the step they are compared with)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.rules_off and (a.pdl_attention or a.final_norm_kernel):
+        p.error("--rules-off turns off the rules --pdl-attention / --final-norm-kernel turn on")
     import torch
 
     if not torch.cuda.is_available():
         print("step_timeline: needs a CUDA GPU")
         return 2
-    from scripts.bench_engine import engine_rules, replaying_model
+    from scripts.bench_engine import RULES_OFF, engine_rules, replaying_model
 
     persistent = "ring" if a.ring else a.persistent
     named = engine_rules(a, a.batch)[:2]   # (the third, when both are asked for, is their union)
     rules = {k: v for _, r in named for k, v in r.items()}
     if a.rules_off:
-        if named:
-            p.error("--rules-off turns off the rules --pdl-attention / --final-norm-kernel turn on")
-        rules = {"pdl_attention_rows": 0, "final_norm_kernel": False}
+        rules = {k: v for off in RULES_OFF.values() for k, v in off.items()}
     cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent, rules=rules)
     for _ in range(3):
         g.replay(a.batch)

@@ -20,3 +20,12 @@ def test_timeline_of_two_steps():
     assert sum(a["kernel_us_by_name"].values()) == 20.0
     assert a["kernel_us_by_kind"] == {"rms+qkv / rms+gate-up (tile GEMV, fused norm)": 10.0, "attention": 7.0,
                                       "o / down (tile GEMV, residual)": 3.0}
+
+
+def test_rules_off_beside_a_rule_is_refused_before_torch(monkeypatch, capsys):
+    import pytest
+
+    monkeypatch.setattr(sys, "argv", ["step_timeline.py", "--rules-off", "--final-norm-kernel"])
+    with pytest.raises(SystemExit) as e:
+        st.main()
+    assert e.value.code == 2 and "--rules-off turns off the rules" in capsys.readouterr().err
