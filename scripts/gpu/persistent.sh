@@ -65,6 +65,8 @@
 #             --only 'decode.gemv.int4.m1.*ring*' --no-runtime, then stage.sh)
 #   pdlsplit  the 8B INT4/INT4 step at one row (contexts 1024 to 16384) and (8, 1024) with attention forced to 2, 4, 8,
 #             16, 32 splits, plain and dependent launch (item 2: which split size makes attention shortest in the step)
+#   pdlsplit70 the 70B INT4/INT4 step at (1, 8192) and (1, 16384) with attention forced to 8, 16, 32 splits and the
+#             ring layer at the rule's count and 16: is the ring's one 70B win (1, 8192) its 16 splits?
 #   pdltime   scripts/step_timeline.py --pdl-attention: the 8B step at (1, 1024) and (8, 1024), its kernels traced
 set -u
 source scripts/gpu/steps.sh
@@ -150,6 +152,9 @@ for part in "$@"; do
     pdlsplit) TAILN=40 step pdlsplit 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points 1x1024,1x4096,1x8192,1x16384,8x1024 --pdl-attention --attention-splits 2,4,8,16,32 --breakdown '' \
                --json $OUT/pdl-attention-splits-8b.json ;;
+    pdlsplit70) TAILN=30 step pdlsplit70 420 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
+               --cache int4 --points 1x8192,1x16384 --attention-splits 8,16,32 --persistent ring,ring:16 --breakdown '' \
+               --json $OUT/splits-70b.json ;;
     pdltime) TAILN=30 step pdltime 240 bash -c "for b in 1 8; do for r in off e5e6; do \
                f=--rules-off; [ \$r = off ] || f='--pdl-attention --final-norm-kernel'; \
                python3 scripts/step_timeline.py --batch \$b \$f --json $OUT/timeline-8b-\${b}x1024-\$r.json \
