@@ -17,7 +17,7 @@ Tensor-core formulation (mma.sync m16n8k16, f32 accumulators), per warp and per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from futx import paging
@@ -494,3 +494,19 @@ def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, s
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+# Routing rule A8: inside the engine's decode step one 4-warp attention CTA per SM already streams what the step
+# lets it (the projections' PDL CTAs share the SMs), so for the INT4 cache at up to STEP_SPLIT_MAX_ROWS rows the
+# split count is chosen as if 4 resident warps saturated: 128 CTAs where the standalone rule asks for 256.
+STEP_SATURATING_WARPS = 4
+STEP_SPLIT_MAX_ROWS = 8
+STEP_SPLIT_FORMATS = ("int4",)
+
+
+def step_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, sms: int = 132) -> int:
+    """Split-KV count of the engine step's attention launch (the fused-QKV entry): `choose_splits` under rule
+    A8 where it applies (docs/routing.md), else the standalone rule."""
+    if plan.fmt in STEP_SPLIT_FORMATS and batch <= STEP_SPLIT_MAX_ROWS:
+        plan = replace(plan, saturating_warps=STEP_SATURATING_WARPS)
+    return choose_splits(plan, batch, kv_heads, max_context, sms)

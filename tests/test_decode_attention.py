@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode.attn_plan import (E4M3_PAIR_SELECTORS, AttnPlan, check_int4_key_formulas, choose_splits,
-                              default_plan, int4_value_pairs)
+                              default_plan, int4_value_pairs, step_splits)
 from futx.quant import layouts
 from futx.runtime import select
 from futx.runtime.catalog.decode_attention import ENGINE_CACHES, SPECS, TUNING, VARIANTS, attn_key, qkv_key
@@ -284,6 +284,27 @@ def test_split_rule():
     assert choose_splits(p, 8, 8, 32768) >= 4          # 64 (sequence, head) pairs need splitting
     assert choose_splits(p, 1, 8, 1024) * p.warps <= -(-1024 // p.tile_tokens)  # >= 1 tile per warp
     assert choose_splits(p, 1, 8, 1) == 1
+
+
+def test_step_split_rule_one_cta_per_sm():
+    """Rule A8: the engine step's INT4 attention at up to 8 rows takes the split count that fills the SMs once
+    (8 KV heads: 128 CTAs on 132 SMs) where the standalone rule fills them twice; other formats and larger
+    batches keep the standalone rule."""
+    from futx.ops.decode_attention import auto_splits
+
+    p = default_plan("int4", 128, True)
+    for batch, context, standalone, step in [(1, 1024, 8, 8), (1, 8192, 32, 16), (1, 16384, 32, 16),
+                                             (2, 8192, 16, 8), (4, 8192, 8, 4), (8, 1024, 4, 2), (8, 8192, 4, 2)]:
+        assert choose_splits(p, batch, 8, context) == standalone
+        assert step_splits(p, batch, 8, context) == step
+        assert batch * 8 * step <= 132 < batch * 8 * standalone or step == standalone
+        assert auto_splits(p, True, batch, 8, context, 132) == step
+        assert auto_splits(p, False, batch, 8, context, 132) == standalone
+    for batch in (16, 32):
+        assert step_splits(p, batch, 8, 8192) == choose_splits(p, batch, 8, 8192)
+    for fmt in ("e4m3", "bf16"):
+        q = default_plan(fmt, 128, fmt != "bf16")
+        assert step_splits(q, 1, 8, 8192) == choose_splits(q, 1, 8, 8192)
 
 
 def test_host_position_checks():

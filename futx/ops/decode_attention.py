@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from decode.attn_plan import MAX_GROUP, choose_splits, default_plan, entry_tensors
+from decode.attn_plan import MAX_GROUP, choose_splits, default_plan, entry_tensors, step_splits
 from futx import paging
 from futx.hardware import sm_count
 from futx.ops import checks
@@ -266,7 +266,7 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
         else:
             check_positions(positions, slots, cap, s)
     if num_splits == 0:
-        num_splits = choose_splits(plan, b, hkv, max_context or cap, sm_count(q.device))
+        num_splits = auto_splits(plan, qkv is not None, b, hkv, max_context or cap, sm_count(q.device))
     scale = softmax_scale if softmax_scale > 0 else 1.0 / math.sqrt(d)
     ws_o = torch.empty(b, hkv, num_splits, MAX_GROUP, d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(b, hkv, num_splits, MAX_GROUP, 2, dtype=torch.float32, device=q.device)
@@ -283,6 +283,12 @@ def _launch(q, k_new, v_new, positions, slots, k_cache, v_cache, k_mirror, k_sca
         given["lut"] = _lut(q.device)
     # the entry's declared tensors, in its argument order (decode.attn_plan.entry_tensors: the one table)
     get_kernel(key)(*(given[name] for name in entry_tensors(cache_format, fused, paged)), scale)
+
+
+def auto_splits(plan, fused: bool, batch: int, kv_heads: int, context: int, sms: int) -> int:
+    """The split count of a launch that names none: the fused entry is the engine step's launch, split by the
+    step's rule (decode.attn_plan.step_splits, routing rule A8); the plain op by the standalone rule."""
+    return (step_splits if fused else choose_splits)(plan, batch, kv_heads, context, sms)
 
 
 def _capacity(k_cache: torch.Tensor, block_table, page_size: int) -> int:

@@ -65,6 +65,10 @@
 #             --only 'decode.gemv.int4.m1.*ring*' --no-runtime, then stage.sh)
 #   pdlsplit  the 8B INT4/INT4 step at one row (contexts 1024 to 16384) and (8, 1024) with attention forced to 2, 4, 8,
 #             16, 32 splits, plain and dependent launch (item 2: which split size makes attention shortest in the step)
+#   splitrows the 8B INT4/INT4 step (E5 as routed) at 2, 4 and 8 rows and long contexts, attention forced to 2..32
+#             splits: does one CTA per SM beat two there too, as at one row (pdlsplit)?
+#   splitcheck rule A8 (decode.attn_plan.step_splits) as routed vs the standalone rule's counts forced (4..32), E5 off
+#             and on, the 8B INT4/INT4 step at 1..8 rows
 #   pdlsplit70 the 70B INT4/INT4 step at (1, 8192) and (1, 16384) with attention forced to 8, 16, 32 splits and the
 #             ring layer at the rule's count and 16: is the ring's one 70B win (1, 8192) its 16 splits?
 #   pdltime   scripts/step_timeline.py --pdl-attention: the 8B step at (1, 1024) and (8, 1024), its kernels traced
@@ -152,6 +156,12 @@ for part in "$@"; do
     pdlsplit) TAILN=40 step pdlsplit 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points 1x1024,1x4096,1x8192,1x16384,8x1024 --pdl-attention --attention-splits 2,4,8,16,32 --breakdown '' \
                --json $OUT/pdl-attention-splits-8b.json ;;
+    splitrows) TAILN=40 step splitrows 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+               --points 1x2048,2x8192,4x8192,8x8192,4x16384 --attention-splits 2,4,8,16,32 --breakdown '' \
+               --json $OUT/splits-rows-8b.json ;;
+    splitcheck) TAILN=70 step splitcheck 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+               --points 1x8192,2x8192,4x1024,4x8192,8x1024,8x8192 --pdl-attention --attention-splits 4,8,16,32 \
+               --breakdown '' --json $OUT/splits-check-8b.json ;;
     pdlsplit70) TAILN=30 step pdlsplit70 420 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 \
                --cache int4 --points 1x8192,1x16384 --attention-splits 8,16,32 --persistent ring,ring:16 --breakdown '' \
                --json $OUT/splits-70b.json ;;
