@@ -496,9 +496,9 @@ def choose_splits(plan: AttnPlan, batch: int, kv_heads: int, max_context: int, s
     return best
 
 
-# Routing rule A8: inside the engine's decode step one 4-warp attention CTA per SM already streams what the step
-# lets it (the projections' PDL CTAs share the SMs), so for the INT4 cache at up to STEP_SPLIT_MAX_ROWS rows the
-# split count is chosen as if 4 resident warps saturated: 128 CTAs where the standalone rule asks for 256.
+# Routing rule A8 (docs/routing.md): inside the engine's decode step one 4-warp attention CTA per SM was faster
+# than two at 1..8 rows (INT4 cache, 2-4% of the step at long contexts), though the standalone launch likes two; so
+# there the split count is chosen as if 4 resident warps saturated: 128 CTAs where the standalone rule takes 256.
 STEP_SATURATING_WARPS = 4
 STEP_SPLIT_MAX_ROWS = 8
 STEP_SPLIT_FORMATS = ("int4",)

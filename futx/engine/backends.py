@@ -212,7 +212,7 @@ class KernelOps:
         self.block_attention = "kernel"   # or "prewrite", "columns": see attention_block (BLOCK_ATTENTION)
         self.pdl_attention_rows = None   # rule E5: None routes it (pdl_attention_limit), n: up to n rows; set
         # before capturing the step's graphs
-        self.attention_splits = 0   # 0: the op's split rule (decode.attn_plan.choose_splits); n: n splits (benchmarks)
+        self.attention_splits = 0   # 0: the op's split rule (decode.attn_plan.step_splits, A8); n: n splits
         self.final_norm_kernel = FINAL_NORM_KERNEL   # rule E6
 
     def rms_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -321,7 +321,8 @@ class KernelOps:
         the attention kernel itself stores for these rows (tests/test_speculative_gpu.py checks they are equal).
         kernel: all of it by one launch of the block-rows kernel (futx.ops.qkv_rows; mirror formats, a BF16 cache
         takes the torch path), always so on the INT4-only cache (mirror rows only). A paged cache's rows go to
-        their (page, in-page row) of its block table (futx.paging.locate), located once. Capturable: no host synchronization (load_blocks checked the indices)."""
+        their (page, in-page row) of its block table (futx.paging.locate), located once. Capturable: no host
+        synchronization (load_blocks checked the indices)."""
         check_kernel_cache(cache)
         c = cache.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim

@@ -65,8 +65,8 @@
 #             --only 'decode.gemv.int4.m1.*ring*' --no-runtime, then stage.sh)
 #   pdlsplit  the 8B INT4/INT4 step at one row (contexts 1024 to 16384) and (8, 1024) with attention forced to 2, 4, 8,
 #             16, 32 splits, plain and dependent launch (item 2: which split size makes attention shortest in the step)
-#   splitrows the 8B INT4/INT4 step (E5 as routed) at 2, 4 and 8 rows and long contexts, attention forced to 2..32
-#             splits: does one CTA per SM beat two there too, as at one row (pdlsplit)?
+#   splitrows the 8B INT4/INT4 step at 2, 4 and 8 rows and long contexts as routed and, E5 off, with attention
+#             forced to 2..32 splits: does one CTA per SM beat two there too, as at one row (pdlsplit)?
 #   splitcheck rule A8 (decode.attn_plan.step_splits) as routed vs the standalone rule's counts forced (4..32), E5 off
 #             and on, the 8B INT4/INT4 step at 1..8 rows
 #   pdlsplit70 the 70B INT4/INT4 step at (1, 8192) and (1, 16384) with attention forced to 8, 16, 32 splits and the
