@@ -285,7 +285,7 @@ def test_emulated_norm_linear_scales_outputs_where_the_kernels_fuse_the_row_fact
     outputs by the row factor, so the emulated step does too; at M = 9 the row-factor kernel stores a normalized
     bf16 row first."""
     from decode import plan
-    from futx.engine.backends import EmulatedOps, fused_norm, rms_rows
+    from futx.engine.backends import EmulatedOps, fused_norm, rms_rows, row_products
     from futx.quant.fold import rms_row_factor
 
     cfg = tiny_config(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
@@ -299,7 +299,21 @@ def test_emulated_norm_linear_scales_outputs_where_the_kernels_fuse_the_row_fact
         assert fused_norm(x, w, "store") == plan.fuses_norm("int4", 128, "store", m, *w.shape) == (m < 9)
         y = ops.norm_linear(x, w, "store", 1e-5)
         if m < 9:
-            want = ((x.float() @ dequantize_weight(w).T) * rms_row_factor(x, 1e-5)[:, None]).bfloat16()
+            want = (row_products(x.float(), dequantize_weight(w).T) * rms_row_factor(x, 1e-5)[:, None]).bfloat16()
         else:
             want = ops.linear(rms_rows(x, 1e-5), w, "store")
         assert torch.equal(y, want)
+
+
+def test_emulated_projection_rows_do_not_depend_on_the_batch():
+    """EmulatedOps' float32 products take each row alone (backends.row_products), so a verify step's rows round
+    as the plain step's do, whatever the CPU's GEMM does with more rows."""
+    from futx.engine.backends import EmulatedOps
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, num_hidden_layers=1, vocab_size=300)
+    w = pack_model(random_weights(cfg, seed=6), "int4", progress=False).layers[0].gateup
+    ops = EmulatedOps()
+    x = (torch.randn(7, 256, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
+    whole = ops.norm_linear(x, w, "swiglu", 1e-5)
+    assert torch.equal(whole, torch.cat([ops.norm_linear(x[i:i + 1], w, "swiglu", 1e-5) for i in range(7)]))

@@ -55,6 +55,13 @@ def rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x.float() * rms_row_factor(x, eps)[..., None]).to(torch.bfloat16)
 
 
+def row_products(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ wt [K, N], each row its own M = 1 product (one batched GEMM, wt shared by stride 0, not copied):
+    a row's result does not depend on how many rows share the call. A 2-D GEMM need not round M = 1 as it rounds
+    M > 1 (CPU GEMMs do not), which would make a verify step's rows differ from the plain step's."""
+    return torch.bmm(x[:, None, :], wt.expand(x.shape[0], *wt.shape)).squeeze(1)
+
+
 GLUES = ("fused", "norm-kernel", "torch")
 
 
@@ -98,7 +105,7 @@ class EmulatedOps:
         the row factor into the projection (decode.plan.fuses_norm) it scales the float32 outputs, so no
         normalized bf16 row is stored; elsewhere the row-factor kernel stores one."""
         if self.glue == "fused" and fused_norm(x, w, epilogue):
-            y = (x.float() @ self._w(w).T) * rms_row_factor(x, eps)[:, None]
+            y = row_products(x.float(), self._w(w).T) * rms_row_factor(x, eps)[:, None]
             return self._finish(y, epilogue)
         return self.linear(self.rms_rows(x, eps), w, epilogue)
 
@@ -111,7 +118,7 @@ class EmulatedOps:
         return h @ lm_head.T
 
     def linear(self, x: torch.Tensor, w: Weight, epilogue: str = "store", residual=None) -> torch.Tensor:
-        return self._finish(x.float() @ self._w(w).T, epilogue, residual)
+        return self._finish(row_products(x.float(), self._w(w).T), epilogue, residual)
 
     @staticmethod
     def _finish(y: torch.Tensor, epilogue: str, residual=None) -> torch.Tensor:

@@ -37,7 +37,7 @@ from decode.attn_plan import default_plan
 from decode.persistent_schedule import END, F, FIELDS, KINDS, PROJECTIONS, Deadlock, Schedule, task_table
 from futx.quant.fold import rms_row_factor
 
-from .backends import apply_rope_f32, fused_norm
+from .backends import apply_rope_f32, fused_norm, row_products
 from .packed import dequantize_weight
 
 
@@ -260,9 +260,9 @@ class _Interpreter:
             src, rfn, epi = ("h", "rf", "store") if kind == "qkv" else ("hmid", "rf2", "swiglu")
             x, rf = st.get(src, layer, all_, all_, name), st.get(rfn, layer, all_, all_, name)
             if self.model.ops.glue == "fused" and fused_norm(x, w, epi):   # the row factor scales the outputs
-                y = (x.float() @ wt) * rf
+                y = row_products(x.float(), wt) * rf
             else:                                                        # a normalized BF16 row first
-                y = (x.float() * rf).to(torch.bfloat16).float() @ wt
+                y = row_products((x.float() * rf).to(torch.bfloat16).float(), wt)
             if kind == "qkv":
                 st.put("qkv", layer, all_, slice(a0, a1), y.to(torch.bfloat16), name)
             else:   # rows 2j gate, 2j + 1 up (packed._interleave): SwiGLU columns [a0 / 2, a1 / 2)
@@ -274,7 +274,7 @@ class _Interpreter:
         src, res, dst = ("attn", "h", "hmid") if kind == "o" else ("act", "hmid", "h")
         x = st.get(src, layer, all_, all_, name)
         r = st.get(res, layer, all_, slice(a0, a1), name)   # the residual epilogue: this tile's columns
-        y = x.float() @ wt + r.float()
+        y = row_products(x.float(), wt) + r.float()
         st.put(dst, layer + (kind == "down"), all_, slice(a0, a1), y.to(torch.bfloat16), name)
 
     def _split(self, name, r, active):
