@@ -76,6 +76,17 @@ def analyse(step: list) -> dict:
             "kernel_us_by_kind": per_kind, "kernel_us_by_name": per_name}
 
 
+def timeline_rules(a: argparse.Namespace) -> dict:
+    """KernelOps attributes of the traced step: the rules asked for (both: the bench's union candidate, the last),
+    all off with --rules-off, else none (as routed)."""
+    from scripts.bench_engine import RULES_OFF, engine_rules
+
+    if a.rules_off:
+        return {k: v for off in RULES_OFF.values() for k, v in off.items()}
+    named = engine_rules(a, a.batch)
+    return named[-1][1] if named else {}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -101,13 +112,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("step_timeline: needs a CUDA GPU")
         return 2
-    from scripts.bench_engine import RULES_OFF, engine_rules, replaying_model
+    from scripts.bench_engine import engine_rules, replaying_model
 
     persistent = "ring" if a.ring else a.persistent
-    named = engine_rules(a, a.batch)[:2]   # (the third, when both are asked for, is their union)
-    rules = {k: v for _, r in named for k, v in r.items()}
-    if a.rules_off:
-        rules = {k: v for off in RULES_OFF.values() for k, v in off.items()}
+    rules = timeline_rules(a)
+    named = engine_rules(a, a.batch)[:2]   # the rules asked for, for the label
     cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent, rules=rules)
     for _ in range(3):
         g.replay(a.batch)

@@ -29,3 +29,18 @@ def test_rules_off_beside_a_rule_is_refused_before_torch(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         st.main()
     assert e.value.code == 2 and "--rules-off turns off the rules" in capsys.readouterr().err
+
+
+def test_traced_rules_are_the_ones_asked_for():
+    """Both rules asked for trace their union (each rule's own bench candidate has the other one off)."""
+    import argparse
+
+    def rules(**kw):
+        flags = dict(pdl_attention=False, final_norm_kernel=False, rules_off=False, batch=4)
+        return st.timeline_rules(argparse.Namespace(**{**flags, **kw}))
+
+    assert rules(pdl_attention=True, final_norm_kernel=True) == {"pdl_attention_rows": 4, "final_norm_kernel": True}
+    assert rules(pdl_attention=True) == {"pdl_attention_rows": 4}
+    assert rules(final_norm_kernel=True) == {"final_norm_kernel": True}
+    assert rules(rules_off=True) == {"pdl_attention_rows": 0, "final_norm_kernel": False}
+    assert rules() == {}
