@@ -256,32 +256,39 @@ def split_counts(value: str) -> list:
     return out
 
 
-# the candidate-name suffixes of the engine rules E5 / E6 (scripts/engine_rule_pick.py reads them back)
-RULE_NAMES = {"E5": "pdl-attention", "E6": "final-norm-kernel"}
+# the candidate-name suffixes of the engine rules E5 / E6 / E7 (scripts/engine_rule_pick.py reads them back)
+RULE_NAMES = {"E5": "pdl-attention", "E6": "final-norm-kernel", "E7": "argmax-kernel"}
 RULE_NAMES["E5+E6"] = f"{RULE_NAMES['E5']}+{RULE_NAMES['E6']}"
 
 
 # the KernelOps attributes that turn each of them off, routed or not
-RULES_OFF = {"E5": {"pdl_attention_rows": 0}, "E6": {"final_norm_kernel": False}}
+RULES_OFF = {"E5": {"pdl_attention_rows": 0}, "E6": {"final_norm_kernel": False}, "E7": {"argmax_kernel": False}}
+
+
+def _asked(a: argparse.Namespace) -> list:
+    """The rules this run times: --pdl-attention (E5), --final-norm-kernel (E6), --argmax-kernel (E7)."""
+    flags = {"E5": a.pdl_attention, "E6": a.final_norm_kernel, "E7": getattr(a, "argmax_kernel", False)}
+    return [r for r, on in flags.items() if on]
 
 
 def rules_off(a: argparse.Namespace) -> dict:
-    """KernelOps attributes that turn off the rules --pdl-attention (E5) and --final-norm-kernel (E6) time, routed or
-    not: the plain step they are compared with runs without them."""
-    return {**(RULES_OFF["E5"] if a.pdl_attention else {}), **(RULES_OFF["E6"] if a.final_norm_kernel else {})}
+    """KernelOps attributes that turn off the rules this run times (_asked), routed or not: the plain step they are
+    compared with runs without them."""
+    return {k: v for r in _asked(a) for k, v in RULES_OFF[r].items()}
 
 
 def engine_rules(a: argparse.Namespace, batch: int) -> list:
-    """(candidate name, KernelOps attributes) of the engine rules that --pdl-attention (E5) and --final-norm-kernel
-    (E6) ask to time at this batch, and both together when both are asked for (the plain step: rules_off)."""
-    off = rules_off(a)   # each rule alone: the other one off, even where it is routed
-    rules = []
-    if a.pdl_attention:
-        rules.append((RULE_NAMES["E5"], {**off, "pdl_attention_rows": batch}))
-    if a.final_norm_kernel:
-        rules.append((RULE_NAMES["E6"], {**off, "final_norm_kernel": True}))
-    if len(rules) == 2:
-        rules.append((RULE_NAMES["E5+E6"], {"pdl_attention_rows": batch, "final_norm_kernel": True}))
+    """(candidate name, KernelOps attributes) of the engine rules this run times (_asked) at this batch: each alone
+    (the others off, even where routed) and, when several are asked for, all of them together (the plain step:
+    rules_off)."""
+    off = rules_off(a)
+    on = {"E5": {"pdl_attention_rows": batch}, "E6": {"final_norm_kernel": True}, "E7": {"argmax_kernel": True}}
+    asked = _asked(a)
+    rules = [(RULE_NAMES[r], {**off, **on[r]}) for r in asked]
+    if len(asked) > 1:
+        union = "E5+E6" if asked == ["E5", "E6"] else None
+        rules.append((RULE_NAMES[union] if union else "+".join(RULE_NAMES[r] for r in asked),
+                      {k: v for r in asked for k, v in on[r].items()}))
     return rules
 
 
@@ -369,6 +376,10 @@ def build_parser(prog: str | None = None) -> Parser:
                    "final RMSNorm as one kernel (routing rule E6 on: engine.rms_rows.gain, "
                    "futx.engine.backends.FINAL_NORM_KERNEL; the plain step then runs with E6 off); with "
                    "--pdl-attention both rules together too")
+    p.add_argument("--argmax-kernel", action="store_true", help="also each weights/cache pair's step with its "
+                   "greedy argmax on futx's kernel (routing rule E7 on: engine.argmax_rows, "
+                   "futx.engine.backends.ARGMAX_KERNEL; the plain step then runs with E7 off); with the other rule "
+                   "flags all of them together too")
     p.add_argument("--attention-splits", type=split_list, default=[], help="also the int4/int4 step with its "
                    "attention forced to each of these split-KV counts (comma-separated, 1..64; with --pdl-attention "
                    "both launches), e.g. 2,4,16")

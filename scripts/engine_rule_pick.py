@@ -11,6 +11,7 @@ where it loses nowhere. Proposed values (futx.engine.backends, docs/routing.md E
   PDL_ATTENTION_MAX_ROWS  the largest measured batch B such that E5 loses at no point of batch <= B and wins at one
                           (0: none)
   FINAL_NORM_KERNEL       True when E6 loses nowhere and wins somewhere
+  ARGMAX_KERNEL           True when E7 (--argmax-kernel) loses nowhere and wins somewhere
 
 With runs of several models, each model's proposal too (E5's routed limit is per model: backends.pdl_attention_limit).
 
@@ -62,7 +63,9 @@ def propose(rows: list[dict]) -> dict:
             max_rows = b
     e6 = [r["rules"]["E6"] for r in rows if "E6" in r["rules"]]
     final_norm = any(c["wins"] for c in e6) and not any(c["loses"] for c in e6)
-    return {"PDL_ATTENTION_MAX_ROWS": max_rows, "FINAL_NORM_KERNEL": final_norm}
+    e7 = [r["rules"]["E7"] for r in rows if "E7" in r["rules"]]
+    argmax = any(c["wins"] for c in e7) and not any(c["loses"] for c in e7)
+    return {"PDL_ATTENTION_MAX_ROWS": max_rows, "FINAL_NORM_KERNEL": final_norm, "ARGMAX_KERNEL": argmax}
 
 
 def render(rows: list[dict]) -> str:

@@ -25,6 +25,7 @@ KINDS = (("rms+qkv / rms+gate-up (tile GEMV, fused norm)", r"GemvTileNorm"),
          ("persistent layer", r"PersistentLayer"),
          ("persistent ring layer", r"RingLayer"),
          ("other futx GEMV / skinny (at M = 1: the LM head)", r"[Gg]emv|Skinny"),
+         ("argmax (futx kernel, rule E7)", r"ArgmaxRows"),
          ("torch (embedding, copies, argmax)", r"."))
 SPLIT_GAP_US = 20.0   # replays are synchronized apart: a longer gap starts the next step
 
@@ -77,7 +78,7 @@ def analyse(step: list) -> dict:
 
 
 def timeline_rules(a: argparse.Namespace) -> dict:
-    """KernelOps attributes of the traced step: the rules asked for (both: the bench's union candidate, the last),
+    """KernelOps attributes of the traced step: the rules asked for (several: the bench's union candidate, the last),
     all off with --rules-off, else none (as routed)."""
     from scripts.bench_engine import RULES_OFF, engine_rules
 
@@ -101,12 +102,13 @@ def main() -> int:
     p.add_argument("--pdl-attention", action="store_true", help="the step's attention as a programmatic dependent "
                    "launch of its QKV projection (routing rule E5 on)")
     p.add_argument("--final-norm-kernel", action="store_true", help="the final RMSNorm as one kernel (rule E6 on)")
-    p.add_argument("--rules-off", action="store_true", help="rules E5 and E6 off, whatever futx.engine.backends "
+    p.add_argument("--argmax-kernel", action="store_true", help="the greedy argmax on futx's kernel (rule E7 on)")
+    p.add_argument("--rules-off", action="store_true", help="rules E5, E6 and E7 off, whatever futx.engine.backends "
                    "routes (the step they are compared with)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    if a.rules_off and (a.pdl_attention or a.final_norm_kernel):
-        p.error("--rules-off turns off the rules --pdl-attention / --final-norm-kernel turn on")
+    if a.rules_off and (a.pdl_attention or a.final_norm_kernel or a.argmax_kernel):
+        p.error("--rules-off turns off the rules --pdl-attention / --final-norm-kernel / --argmax-kernel turn on")
     import torch
 
     if not torch.cuda.is_available():

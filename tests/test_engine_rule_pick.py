@@ -1,4 +1,4 @@
-"""scripts/engine_rule_pick.py: what a bench run with the unrouted rules proposes to route (E5's row limit, E6)."""
+"""scripts/engine_rule_pick.py: what a bench run with the unrouted rules proposes to route (E5's row limit, E6, E7)."""
 
 import json
 
@@ -14,9 +14,12 @@ def _run(points):
         for b, c in points]}
 
 
-def _point(batch, plain, e5, e6, fmt="int4/int4", spread=0.002):
-    return batch, {fmt: (plain, spread), f"{fmt} pdl-attention": (e5, spread),
-                   f"{fmt} final-norm-kernel": (e6, spread), f"{fmt} gptfast": (9.0, spread)}
+def _point(batch, plain, e5, e6, fmt="int4/int4", spread=0.002, e7=None):
+    c = {fmt: (plain, spread), f"{fmt} pdl-attention": (e5, spread), f"{fmt} final-norm-kernel": (e6, spread),
+         f"{fmt} gptfast": (9.0, spread)}
+    if e7 is not None:
+        c[f"{fmt} argmax-kernel"] = (e7, spread)
+    return batch, c
 
 
 def test_e5_routes_up_to_the_batch_before_its_first_loss_and_e6_where_it_wins_and_never_loses():
@@ -26,17 +29,27 @@ def test_e5_routes_up_to_the_batch_before_its_first_loss_and_e6_where_it_wins_an
     assert [r["rules"]["E5"]["wins"] for r in rows] == [True, True, False, False]   # (8: within the spreads)
     assert [r["rules"]["E5"]["loses"] for r in rows] == [False, False, False, True]
     # even at 8 rows does not stop E5 (it won at fewer rows), the loss at 32 does; E6 is even at 8 and wins elsewhere
-    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 8, "FINAL_NORM_KERNEL": True}
+    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 8, "FINAL_NORM_KERNEL": True,
+                                  "ARGMAX_KERNEL": False}
 
 
 def test_a_rule_that_is_only_even_is_not_routed():
     rows = pick.comparisons(_run([_point(1, 1.755, 1.756, 1.754), _point(8, 2.55, 2.549, 2.551)]))
-    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 0, "FINAL_NORM_KERNEL": False}
+    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 0, "FINAL_NORM_KERNEL": False,
+                                  "ARGMAX_KERNEL": False}
 
 
 def test_a_loss_in_any_format_at_a_batch_stops_e5_there_and_a_slower_e6_stays_off():
     rows = pick.comparisons(_run([_point(1, 1.755, 1.70, 1.77), _point(1, 1.76, 1.80, 1.75, fmt="int4/e4m3")]))
-    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 0, "FINAL_NORM_KERNEL": False}
+    assert pick.propose(rows) == {"PDL_ATTENTION_MAX_ROWS": 0, "FINAL_NORM_KERNEL": False,
+                                  "ARGMAX_KERNEL": False}
+
+
+def test_e7_where_it_wins_and_never_loses():
+    wins = pick.comparisons(_run([_point(1, 1.755, 1.75, 1.75, e7=1.73), _point(8, 2.55, 2.55, 2.55, e7=2.551)]))
+    assert pick.propose(wins)["ARGMAX_KERNEL"] is True
+    loses = pick.comparisons(_run([_point(1, 1.755, 1.75, 1.75, e7=1.73), _point(8, 2.55, 2.55, 2.55, e7=2.6)]))
+    assert pick.propose(loses)["ARGMAX_KERNEL"] is False
 
 
 def test_the_cli_prints_the_table_and_the_proposal(tmp_path, capsys):

@@ -36,11 +36,12 @@ def test_traced_rules_are_the_ones_asked_for():
     import argparse
 
     def rules(**kw):
-        flags = dict(pdl_attention=False, final_norm_kernel=False, rules_off=False, batch=4)
+        flags = dict(pdl_attention=False, final_norm_kernel=False, argmax_kernel=False, rules_off=False, batch=4)
         return st.timeline_rules(argparse.Namespace(**{**flags, **kw}))
 
     assert rules(pdl_attention=True, final_norm_kernel=True) == {"pdl_attention_rows": 4, "final_norm_kernel": True}
     assert rules(pdl_attention=True) == {"pdl_attention_rows": 4}
     assert rules(final_norm_kernel=True) == {"final_norm_kernel": True}
-    assert rules(rules_off=True) == {"pdl_attention_rows": 0, "final_norm_kernel": False}
+    assert rules(argmax_kernel=True, final_norm_kernel=True) == {"final_norm_kernel": True, "argmax_kernel": True}
+    assert rules(rules_off=True) == {"pdl_attention_rows": 0, "final_norm_kernel": False, "argmax_kernel": False}
     assert rules() == {}

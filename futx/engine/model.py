@@ -154,7 +154,7 @@ class DecodeModel:
         logits = self.logits(x)
         if b.logits is not None:
             b.logits[:rows].copy_(logits)
-        torch.argmax(logits, dim=-1, out=b.next_tokens[:rows])   # (written in place: no copy kernel)
+        self.ops.argmax(logits, b.next_tokens[:rows])   # (written in place: no copy kernel)
 
     def layer(self, i: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               width: int = 1) -> torch.Tensor:

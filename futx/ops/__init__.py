@@ -7,7 +7,7 @@ Each op validates its inputs before any launch and has a fake (meta) implementat
 import importlib
 
 _FAMILIES = ("smoke", "prefill", "decode_linear", "decode_attention", "rms_rows", "prefill_attention",
-             "mirror_rows", "row_quant", "qkv_rows", "main_rows")
+             "mirror_rows", "row_quant", "qkv_rows", "main_rows", "argmax_rows")
 
 for _name in _FAMILIES:
     try:

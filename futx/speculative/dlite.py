@@ -304,10 +304,12 @@ class DLiteHead(nn.Module):
         """Greedy drafts [n, k] (int64) for hidden [n, H] and last tokens [n]."""
         hidden = hidden.to(self.device)
         last = last.to(self.device)
+        from futx.engine.backends import greedy_tokens
+
         f, tok, out = hidden, last, []
         for _ in range(k):
             f = self.cell(f, tok)
-            tok = self.logits(f).argmax(-1)
+            tok = greedy_tokens(self.logits(f))
             out.append(tok)
         return torch.stack(out, 1)
 
@@ -432,7 +434,7 @@ class DLiteDrafter:
                     self.head.draft(h_in, last_in, k)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=side):   # the warm-up's stream: kernels' per-stream workspaces
                 out = self.head.draft(h_in, last_in, k)
             self._graphs[key] = (graph, h_in, last_in, out)
         return self._graphs[key]

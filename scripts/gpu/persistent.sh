@@ -72,6 +72,10 @@
 #   pdlsplit70 the 70B INT4/INT4 step at (1, 8192) and (1, 16384) with attention forced to 8, 16, 32 splits and the
 #             ring layer at the rule's count and 16: is the ring's one 70B win (1, 8192) its 16 splits?
 #   pdltime   scripts/step_timeline.py --pdl-attention: the 8B step at (1, 1024) and (8, 1024), its kernels traced
+#   argmax    the greedy-argmax kernel (engine.argmax_rows, rule E7) against torch.argmax and in the engine step
+#   argbench  futx bench decode --argmax-kernel: the 8B INT4/INT4 step with E7 on and off ($ARGPOINTS)
+#   arg70     the same for the 70B at (1, 1024) and (8, 1024)
+#   argtime   scripts/step_timeline.py: the 8B step at (1, 1024) traced with E7 off and on
 set -u
 source scripts/gpu/steps.sh
 for part in "$@"; do
@@ -169,6 +173,16 @@ for part in "$@"; do
                f=--rules-off; [ \$r = off ] || f='--pdl-attention --final-norm-kernel'; \
                python3 scripts/step_timeline.py --batch \$b \$f --json $OUT/timeline-8b-\${b}x1024-\$r.json \
                || exit 1; done; done" ;;
+    argmax)  TAILN=20 step argmax_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_argmax_rows_gpu.py tests/test_argmax_rows.py ;;
+    argbench) TAILN=30 step argbench 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
+               --points ${ARGPOINTS:-1x1024,1x8192,4x1024,8x1024,32x4096} --argmax-kernel --breakdown '' \
+               --json $OUT/argmax-8b.json ;;
+    arg70)   TAILN=16 step arg70 420 python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 --cache int4 \
+               --points 1x1024,8x1024 --argmax-kernel --breakdown '' --json $OUT/argmax-70b.json ;;
+    argtime) TAILN=30 step argtime 240 bash -c "for r in '' --argmax-kernel; do \
+               python3 scripts/step_timeline.py --batch 1 \$r --json $OUT/timeline-8b-1x1024\${r:+-e7}.json \
+               || exit 1; done" ;;
     *) echo "unknown part $part" ;;
   esac
 done

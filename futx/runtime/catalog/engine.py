@@ -1,7 +1,6 @@
 """Small kernels that sit between the engine's projections (its glue): the decode step's RMSNorm row factor (and its
-final norm with the gain), the
-prefill's mirror writer, per-row E4M3 quantization, the verify step's block-rows writer and the INT4-only cache's
-main-copy rows from the mirror."""
+final norm with the gain), its greedy argmax, the prefill's mirror writer, per-row E4M3 quantization, the verify
+step's block-rows writer and the INT4-only cache's main-copy rows from the mirror."""
 
 from futx.runtime.registry import KernelSpec
 
@@ -32,6 +31,9 @@ SPECS = [
     KernelSpec(key="engine.rms_rows.gain", module="decode.rms_rows", params=(("gain", True),),
                sources=("decode/rms_rows.py", "decode/block_reduce.py"),
                doc="RMSNorm of bf16 rows with its bf16 gain (the final norm before the LM head: rule E6)"),
+    KernelSpec(key="engine.argmax_rows", module="decode.argmax_rows",
+               sources=("decode/argmax_rows.py", "decode/argmax_plan.py", "decode/ptx.py", "decode/split_arrival.py"),
+               doc="greedy argmax of bf16 logit rows, many CTAs per row (rule E7)"),
     KernelSpec(key="engine.row_quant_e4m3", module="futx.prefill.row_quant",
                sources=("futx/prefill/row_quant.py", "decode/ptx.py", "decode/block_reduce.py"),
                doc="per-row dynamic E4M3 quantization of bf16 activations (the prefill block's glue)"),
