@@ -73,6 +73,7 @@
 #             ring layer at the rule's count and 16: is the ring's one 70B win (1, 8192) its 16 splits?
 #   pdltime   scripts/step_timeline.py --pdl-attention: the 8B step at (1, 1024) and (8, 1024), its kernels traced
 #   argmax    the greedy-argmax kernel (engine.argmax_rows, rule E7) against torch.argmax and in the engine step
+#   e7tests   the engine's and speculative decoding's GPU tests with E7 routed (the DLite drafter's graphs too)
 #   argbench  futx bench decode --argmax-kernel: the 8B INT4/INT4 step with E7 on and off ($ARGPOINTS)
 #   arg70     the same for the 70B at (1, 1024) and (8, 1024)
 #   argtime   scripts/step_timeline.py: the 8B step at (1, 1024) traced with E7 off and on
@@ -175,6 +176,8 @@ for part in "$@"; do
                || exit 1; done; done" ;;
     argmax)  TAILN=20 step argmax_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
                tests/test_argmax_rows_gpu.py tests/test_argmax_rows.py ;;
+    e7tests) TAILN=20 step e7_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+               tests/test_engine_gpu.py tests/test_speculative_gpu.py ;;
     argbench) TAILN=30 step argbench 420 python3 -m futx.cli bench decode --weights int4 --cache int4 \
                --points ${ARGPOINTS:-1x1024,1x8192,4x1024,8x1024,32x4096} --argmax-kernel --breakdown '' \
                --json $OUT/argmax-8b.json ;;
