@@ -72,6 +72,24 @@ def test_graph_replay():
         assert torch.equal(out, torch.argmax(x, dim=-1))
 
 
+def test_graph_captured_without_a_warm_up_on_its_stream():
+    """A capture on a stream with no workspace yet gets one of the graph's own (its counters zeroed in the graph)."""
+    import futx.ops  # noqa: F401  (registers torch.ops.futx.*)
+
+    x = _planted(3, 49152, seed=9)
+    assert torch.equal(_run(x), torch.argmax(x, dim=-1))   # eager on this stream: the kernel loaded
+    out = torch.full((3,), -7, dtype=torch.int64, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):   # torch's own capture stream
+        torch.ops.futx.argmax_rows_(x, out)
+    for seed in (10, 11):
+        x.copy_(_planted(3, 49152, seed=seed))
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.argmax(x, dim=-1))
+
+
 def test_step_with_the_argmax_kernel(monkeypatch):
     """E7 on: the same logits and next tokens as torch.argmax's step, and the kernel ran."""
     import futx.ops.argmax_rows as am

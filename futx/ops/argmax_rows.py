@@ -54,13 +54,15 @@ def workspace(device: torch.device, rows: int, vocab: int) -> tuple[torch.Tensor
     have = _WORK.get(key)
     if have is not None and have[0].numel() >= need and have[1].numel() >= rows:
         return have
-    fresh = (torch.empty(need, dtype=torch.float32, device=device), torch.zeros(rows, dtype=torch.int32, device=device))
-    if torch.cuda.is_current_stream_capturing():
-        return fresh   # lives in the graph's pool: not kept for eager calls, which could outlive the graph
+    if torch.cuda.is_current_stream_capturing():   # in the graph's pool, stream-ordered like any temporary: not
+        return (torch.empty(need, dtype=torch.float32, device=device),   # kept for eager calls, which could
+                torch.zeros(rows, dtype=torch.int32, device=device))     # outlive the graph
     if have is not None:
         _OUTGROWN.append(have)
-    _WORK[key] = fresh
-    return fresh
+        need, rows = max(need, have[0].numel()), max(rows, have[1].numel())
+    _WORK[key] = (torch.empty(need, dtype=torch.float32, device=device),
+                  torch.zeros(rows, dtype=torch.int32, device=device))
+    return _WORK[key]
 
 
 @futx_op("argmax_rows_", mutates_args=("out",))
