@@ -344,6 +344,9 @@ def build_parser(prog: str | None = None) -> Parser:
     p.add_argument("--layers", type=validators.positive_int, default=None,
                    help="layers (default: the model's; fewer to fit memory)")
     p.add_argument("--points", type=points, default="1x1024,8x1024,32x4096", help="BATCHxCONTEXT,...")
+    p.add_argument("--capacity", type=validators.positive_int, default=None, help="cache positions per row, at least "
+                   "each point's context (default: the context): the split rules (A8, the persistent ring's) choose by "
+                   "capacity, so a point below it times a serving cache part filled")
     p.add_argument("--weights", type=validators.choice_list(FORMATS), default=",".join(FORMATS),
                    help="weight formats, comma-separated")
     p.add_argument("--cache", type=validators.choice_list(FORMATS), default=",".join(FORMATS),
@@ -472,7 +475,7 @@ def run(a: argparse.Namespace) -> int:
                "layers": cfg.num_hidden_layers, "cache_main": a.cache_main, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": " ".join(sys.argv), "points": []}
     for batch, context in a.points:
-        cap = -(-context // 8) * 8
+        cap = -(-max(context, a.capacity or 0) // 8) * 8
         built = {cf: decode_cache(cfg, cf, batch, cap, "cuda", a.cache_main) for cf in cfs}
         caches = {cf: c for cf, (c, _) in built.items()}
         kw = {cf: {"capacity": cap, **k} for cf, (_, k) in built.items()}
@@ -525,7 +528,7 @@ def run(a: argparse.Namespace) -> int:
                 if not pdl:
                     variant_models[v] = m
         t = timer.run(cands)
-        point = {"batch": batch, "context": context, "rows": []}
+        point = {"batch": batch, "context": context, "capacity": cap, "rows": []}
         for name, r in t.items():
             row = {"candidate": name, "ms": r["ms"], "spread": r["spread"], "tokens_per_s": batch / r["ms"] * 1e3}
             key = tuple(name.split(" ")[0].split("/")) if "/" in name else None

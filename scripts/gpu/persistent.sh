@@ -77,6 +77,9 @@
 #   argbench  futx bench decode --argmax-kernel: the 8B INT4/INT4 step with E7 on and off ($ARGPOINTS)
 #   arg70     the same for the 70B at (1, 1024) and (8, 1024)
 #   argtime   scripts/step_timeline.py: the 8B step at (1, 1024) traced with E7 off and on
+#   ringcap   the 70B INT4/INT4 step at one row on the ring layer vs the shipped step in caches of 8192 and 16384
+#             positions filled to several contexts: does the ring's win at (1, 8192) and (1, 16384) hold where
+#             the context is below the capacity (a graph serves every context of its cache)?
 set -u
 source scripts/gpu/steps.sh
 for part in "$@"; do
@@ -185,6 +188,12 @@ for part in "$@"; do
                --points 1x1024,8x1024 --argmax-kernel --breakdown '' --json $OUT/argmax-70b.json ;;
     argtime) TAILN=30 step argtime 240 bash -c "for r in '' --argmax-kernel; do \
                python3 scripts/step_timeline.py --batch 1 \$r --json $OUT/timeline-8b-1x1024\${r:+-e7}.json \
+               || exit 1; done" ;;
+    ringcap) TAILN=30 step ringcap 500 bash -c "for cap in ${RINGCAPS:-8192 16384}; do \
+               pts=1x1024,1x4096,1x8192; [ \$cap = 16384 ] && pts=1x2048,1x8192,1x16384; \
+               [ \$cap = 32768 ] && pts=1x4096,1x32768; \
+               python3 -m futx.cli bench decode --shape llama-3.1-70b --weights int4 --cache int4 --points \$pts \
+               --capacity \$cap --persistent ring --breakdown '' --json $OUT/ring-capacity-70b-\$cap.json \
                || exit 1; done" ;;
     *) echo "unknown part $part" ;;
   esac
