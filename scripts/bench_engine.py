@@ -267,7 +267,7 @@ RULES_OFF = {"E5": {"pdl_attention_rows": 0}, "E6": {"final_norm_kernel": False}
 
 def _asked(a: argparse.Namespace) -> list:
     """The rules this run times: --pdl-attention (E5), --final-norm-kernel (E6), --argmax-kernel (E7)."""
-    flags = {"E5": a.pdl_attention, "E6": a.final_norm_kernel, "E7": getattr(a, "argmax_kernel", False)}
+    flags = {"E5": a.pdl_attention, "E6": a.final_norm_kernel, "E7": a.argmax_kernel}
     return [r for r, on in flags.items() if on]
 
 

@@ -118,7 +118,8 @@ def main() -> int:
 
     persistent = "ring" if a.ring else a.persistent
     rules = timeline_rules(a)
-    named = engine_rules(a, a.batch)[:2]   # the rules asked for, for the label
+    named = engine_rules(a, a.batch)
+    named = named[:-1] if len(named) > 1 else named   # the rules asked for, for the label (not their union)
     cfg, m, g = replaying_model(a.shape, a.weights, a.cache, a.batch, a.context, persistent=persistent, rules=rules)
     for _ in range(3):
         g.replay(a.batch)
