@@ -95,6 +95,13 @@ def test_bench_options_are_checked_without_torch_or_a_gpu():
     # the plain step they are compared with runs with both off, whatever futx.engine.backends routes
     assert bench_engine.rules_off(both) == {"pdl_attention_rows": 0, "final_norm_kernel": False}
     assert bench_engine.rules_off(bench_engine.build_parser().parse_args([])) == {}
+    e7 = bench_engine.build_parser().parse_args(["--argmax-kernel", "--final-norm-kernel"])   # rule E7 beside E6
+    assert bench_engine.engine_rules(e7, 4) == [
+        ("final-norm-kernel", {"final_norm_kernel": True, "argmax_kernel": False}),
+        ("argmax-kernel", {"final_norm_kernel": False, "argmax_kernel": True}),
+        ("final-norm-kernel+argmax-kernel", {"final_norm_kernel": True, "argmax_kernel": True})]
+    assert bench_engine.build_parser().parse_args(["--capacity", "8192"]).capacity == 8192
+    assert bench_engine.build_parser().parse_args([]).capacity is None
     for bad in ("0", "65", "x"):
         with pytest.raises(SystemExit):
             bench_engine.build_parser().parse_args(["--attention-splits", bad])

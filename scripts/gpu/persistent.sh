@@ -73,7 +73,9 @@
 #             ring layer at the rule's count and 16: is the ring's one 70B win (1, 8192) its 16 splits?
 #   pdltime   scripts/step_timeline.py --pdl-attention: the 8B step at (1, 1024) and (8, 1024), its kernels traced
 #   argmax    the greedy-argmax kernel (engine.argmax_rows, rule E7) against torch.argmax and in the engine step
-#   e7tests   the engine's and speculative decoding's GPU tests with E7 routed (the DLite drafter's graphs too)
+#   e7tests   the engine's and speculative decoding's GPU tests with E7 routed (the DLite drafter's graphs too; the
+#             warp-specialized batch tests need the skinny tuning space staged: python scripts/tuning_space.py build
+#             --out .gpu/aot --only 'decode.skinny.*' --no-runtime, then stage.sh)
 #   argbench  futx bench decode --argmax-kernel: the 8B INT4/INT4 step with E7 on and off ($ARGPOINTS)
 #   arg70     the same for the 70B at (1, 1024) and (8, 1024)
 #   argtime   scripts/step_timeline.py: the 8B step at (1, 1024) traced with E7 off and on
