@@ -285,10 +285,8 @@ def engine_rules(a: argparse.Namespace, batch: int) -> list:
     on = {"E5": {"pdl_attention_rows": batch}, "E6": {"final_norm_kernel": True}, "E7": {"argmax_kernel": True}}
     asked = _asked(a)
     rules = [(RULE_NAMES[r], {**off, **on[r]}) for r in asked]
-    if len(asked) > 1:
-        union = "E5+E6" if asked == ["E5", "E6"] else None
-        rules.append((RULE_NAMES[union] if union else "+".join(RULE_NAMES[r] for r in asked),
-                      {k: v for r in asked for k, v in on[r].items()}))
+    if len(asked) > 1:   # named as RULE_NAMES["E5+E6"] is
+        rules.append(("+".join(RULE_NAMES[r] for r in asked), {k: v for r in asked for k, v in on[r].items()}))
     return rules
 
 
