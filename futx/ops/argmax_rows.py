@@ -21,14 +21,16 @@ _OUTGROWN: list = []
 
 
 def supported(x: torch.Tensor) -> bool:
-    """Whether the kernel takes these logits (else torch.argmax): bf16 on CUDA, unit column stride, V and the row
-    stride multiples of 8, 16-byte aligned."""
-    return (x.is_cuda and x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] >= 1
-            and 1 <= x.shape[1] < MAX_VOCAB and x.stride(1) == 1 and x.shape[1] % VEC == 0
-            and x.stride(0) % VEC == 0 and x.data_ptr() % 16 == 0)
+    """Whether the kernel takes these logits (else torch.argmax): what `_check_logits` asks."""
+    try:
+        _check_logits(x)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
-def _check(x: torch.Tensor, out: torch.Tensor) -> None:
+def _check_logits(x: torch.Tensor) -> None:
+    """bf16 on CUDA, [M, V] with unit column stride, V and the row stride multiples of 8, 16-byte aligned."""
     checks.cuda("x", x)
     checks.dtype("x", x, torch.bfloat16)
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
@@ -40,6 +42,10 @@ def _check(x: torch.Tensor, out: torch.Tensor) -> None:
     checks.multiple("x.shape[1]", x.shape[1], VEC, "columns")
     checks.multiple("x.stride(0)", x.stride(0), VEC, "row stride")
     checks.aligned("x", x)
+
+
+def _check(x: torch.Tensor, out: torch.Tensor) -> None:
+    _check_logits(x)
     checks.cuda("out", out, x.device)
     checks.dtype("out", out, torch.int64)
     checks.contiguous("out", out)
